@@ -1,0 +1,23 @@
+"""The model layer: Llama-family decoders with paged attention, their loader and tokenizers.
+
+Owns everything under ``pdqueue.models``. Imports torch, numpy, gguf, tokenizers, jinja2 and
+safetensors only (never redis, zmq or ``pdqueue.engine``). Submodules are imported lazily so
+``import pdqueue.models.tokenizer`` does not pull in the loader.
+"""
+
+__all__ = ["AttentionBatch", "IncrementalDetokenizer", "LlamaModel", "LoadedModel", "ModelConfig",
+           "Tokenizer", "load_model", "model_config_for", "resolve_model_path"]
+
+_WHERE = {
+    "AttentionBatch": "attention", "LlamaModel": "llama", "ModelConfig": "llama",
+    "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
+    "LoadedModel": "loader", "load_model": "loader", "model_config_for": "loader", "resolve_model_path": "loader",
+}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"pdqueue.models.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'pdqueue.models' has no attribute {name!r}")

@@ -1,0 +1,25 @@
+"""KV-cache transport between prefill (sender) and decode (receiver) workers.
+
+- ``KVSender`` (prefill): ``export`` leases blocks and returns a ``Ticket``; a ZeroMQ ROUTER
+  thread serves acquire/release/fetch; ``poll_freeable`` hands blocks back to the engine.
+- ``KVReceiver`` (decode): ``fetch(ticket, dst_block_ids)`` copies over shared memory (same
+  ``node_id()``) or ZeroMQ; backends are pluggable through ``register_transport``.
+- ``SharedKVPool``: the prefill pool in a named shm segment; ``cleanup_segments`` removes
+  those of dead owners.
+Imports torch, zmq, msgpack; never redis.
+"""
+
+from pdqueue.transfer.base import (AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket,
+                                   Transport, register_transport)
+from pdqueue.transfer.errors import FailureCode, TransferError
+from pdqueue.transfer.leases import LeaseState, LeaseTable
+from pdqueue.transfer.node import node_id
+from pdqueue.transfer.receiver import KVReceiver
+from pdqueue.transfer.sender import KVSender
+from pdqueue.transfer.shm import SharedKVPool, cleanup_segments, segment_name
+
+__all__ = [
+    "AUTO_ORDER", "TRANSFER_VERSION", "TRANSPORTS", "FailureCode", "FetchResult", "KVReceiver", "KVSender",
+    "LeaseState", "LeaseTable", "ReceiveContext", "SharedKVPool", "Ticket", "TransferError", "Transport",
+    "cleanup_segments", "node_id", "register_transport", "segment_name",
+]

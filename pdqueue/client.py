@@ -1,0 +1,343 @@
+"""The producer side: submit requests, stream their tokens, cancel them.
+
+``Client`` (redis-py) and ``AsyncClient`` (redis.asyncio) have the same surface::
+
+    client = Client("redis://127.0.0.1:6379/0")
+    handle = client.submit("Once upon a time", max_tokens=32, temperature=0)
+    for delta in handle.text_stream():
+        print(delta, end="")
+    completion = handle.result()
+
+A request is one XADD to ``requests`` (or ``requests:high``); its answer is read with
+XREAD BLOCK from ``out:<id>``, continuing from the last entry seen, reconnecting with
+capped backoff if Redis goes away. Token entries carry their index: one a retried worker
+publishes twice is yielded once.
+
+Imports redis, msgpack and pdqueue's keys/protocol/config/queue.streams; never torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import redis
+import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from pdqueue.config import RedisConfig
+from pdqueue.keys import CANCEL_TTL_S, Keys
+from pdqueue.protocol import (
+    Completion,
+    Priority,
+    ProtocolError,
+    Request,
+    RequestError,
+    ResultEvent,
+    ResultType,
+    parse_result,
+    request_to_fields,
+    validate_request,
+)
+from pdqueue.queue.streams import parse_read_reply
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncClient", "AsyncRequestHandle", "Client", "RequestError", "RequestFailed",
+           "RequestHandle"]
+
+_READ_COUNT = 256
+_BACKOFF_INITIAL_S = 0.05
+
+
+class RequestFailed(Exception):
+    """The worker answered the request with an error entry."""
+
+    def __init__(self, reason: str, code: str, request_id: str = ""):
+        super().__init__(f"{code}: {reason}")
+        self.reason = reason
+        self.code = code
+        self.request_id = request_id
+
+
+def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
+                  max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+                  deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
+                  chat: bool = False, id: str | None = None) -> Request:
+    """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given."""
+    request_id = id if id is not None else uuid.uuid4().hex
+    try:
+        priority = Priority(priority)
+    except ValueError:
+        raise RequestError(f"priority must be 'normal' or 'high', got {priority!r}", request_id) from None
+    req = Request(id=request_id, prompt=prompt,
+                  prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
+                  max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                  deadline_ms=deadline_ms, priority=priority, chat=chat)
+    validate_request(req)
+    return req
+
+
+class _Assembler:
+    """Turns ``out:<id>`` entries into events: drops repeated token indexes, raises on
+    error entries, remembers the completion."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.last_id = "0-0"
+        self.next_index = 0
+        self.completion: Completion | None = None
+
+    def feed(self, entry_id: str, fields: dict) -> ResultEvent | None:
+        self.last_id = entry_id
+        try:
+            event = parse_result(entry_id, fields)
+        except ProtocolError as exc:
+            raise RequestFailed(f"malformed result entry {entry_id}: {exc}", "internal",
+                                self.request_id) from None
+        if event.type is ResultType.TOKEN:
+            start, end = event.index, event.index + max(1, len(event.token_ids))
+            if start < self.next_index:
+                if end > self.next_index:
+                    log.warning("request %s: token entry %d..%d overlaps tokens already yielded",
+                                self.request_id, start, end)
+                return None  # a retried worker's repeat
+            if start > self.next_index:
+                log.warning("request %s: tokens %d..%d missing from the stream",
+                            self.request_id, self.next_index, start)
+            self.next_index = end
+            return event
+        if event.type is ResultType.ERROR:
+            raise RequestFailed(event.reason or "", event.code or "internal", self.request_id)
+        self.completion = event.completion
+        return event
+
+
+def _remaining_s(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _block_ms(deadline: float | None, max_block_ms: int) -> int:
+    remaining = _remaining_s(deadline)
+    if remaining is None:
+        return max_block_ms
+    if remaining <= 0:
+        raise TimeoutError("timed out waiting for the result")
+    return max(1, min(max_block_ms, int(remaining * 1000)))  # never 0: BLOCK 0 is forever
+
+
+def _backoff_s(failures: int, deadline: float | None, max_s: float) -> float:
+    delay = min(max_s, _BACKOFF_INITIAL_S * 2 ** failures)
+    remaining = _remaining_s(deadline)
+    return delay if remaining is None else max(0.0, min(delay, remaining))
+
+
+class RequestHandle:
+    """One submitted request. ``stream``/``text_stream``/``result`` read its answer; they
+    share one read position, so each token is yielded once across them."""
+
+    def __init__(self, client: "Client", request_id: str, entry_id: str | None = None):
+        self.client = client
+        self.request_id = request_id
+        self.entry_id = entry_id
+        self.key = client.keys.out(request_id)
+        self._asm = _Assembler(request_id)
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._asm.completion
+
+    def stream(self, timeout: float | None = None) -> Iterator[ResultEvent]:
+        """Yield token events in index order until done (the generator returns the
+        ``Completion``). Raises ``RequestFailed`` on an error entry, ``TimeoutError`` if
+        not done within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
+        r = self.client.redis
+        while self._asm.completion is None:
+            block = _block_ms(deadline, self.client.max_block_ms)
+            try:
+                reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
+                failures = 0
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if failures == 0:
+                    log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
+                time.sleep(_backoff_s(failures, deadline, self.client.backoff_max_s))
+                failures += 1
+                continue
+            for _, entry_id, fields in parse_read_reply(reply):
+                event = self._asm.feed(entry_id, fields)
+                if event is not None and event.type is ResultType.TOKEN:
+                    yield event
+                if self._asm.completion is not None:
+                    break
+        return self._asm.completion
+
+    def text_stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Yield the text deltas (non-empty) as they arrive."""
+        for event in self.stream(timeout):
+            if event.text:
+                yield event.text
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the completion; ``TimeoutError``, ``RequestFailed``."""
+        for _ in self.stream(timeout):
+            pass
+        return self._asm.completion
+
+    def cancel(self) -> None:
+        self.client.cancel(self.request_id)
+
+
+class Client:
+    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", cluster: str = "default", *,
+                 redis_client: redis.Redis | None = None, config: RedisConfig | None = None,
+                 cancel_ttl_s: int = CANCEL_TTL_S):
+        config = config or RedisConfig(url=redis_url)
+        self.keys = Keys(cluster)
+        self._own_redis = redis_client is None
+        self.redis = redis_client or redis.Redis.from_url(config.url, **config.redis_kwargs())
+        self.max_block_ms = config.max_block_ms
+        self.backoff_max_s = config.backoff_max_s
+        self.cancel_ttl_s = cancel_ttl_s
+
+    def _stream_of(self, req: Request) -> str:
+        return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
+
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> RequestHandle:
+        """Queue one request (see ``build_request`` for the arguments; ``RequestError`` if
+        invalid, before anything is sent)."""
+        req = build_request(prompt, **kwargs)
+        entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
+        return RequestHandle(self, req.id, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+
+    def submit_many(self, requests: Sequence[dict]) -> list[RequestHandle]:
+        """Queue many requests in one pipelined round trip; all are validated first."""
+        reqs = [build_request(**spec) for spec in requests]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for req in reqs:
+                pipe.xadd(self._stream_of(req), request_to_fields(req))
+            entry_ids = pipe.execute()
+        return [RequestHandle(self, req.id, eid.decode() if isinstance(eid, bytes) else eid)
+                for req, eid in zip(reqs, entry_ids)]
+
+    def handle(self, request_id: str) -> RequestHandle:
+        """A handle for a request submitted elsewhere (reads its answer from the start)."""
+        return RequestHandle(self, request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask workers to stop the request; it finishes with finish_reason "cancelled"."""
+        self.redis.set(self.keys.cancel(request_id), "1", ex=self.cancel_ttl_s)
+
+    def close(self) -> None:
+        if self._own_redis:
+            self.redis.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncRequestHandle:
+    """``RequestHandle`` for asyncio. ``stream`` is an async generator; the completion is
+    then in ``handle.completion``."""
+
+    def __init__(self, client: "AsyncClient", request_id: str, entry_id: str | None = None):
+        self.client = client
+        self.request_id = request_id
+        self.entry_id = entry_id
+        self.key = client.keys.out(request_id)
+        self._asm = _Assembler(request_id)
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._asm.completion
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[ResultEvent]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
+        r = self.client.redis
+        while self._asm.completion is None:
+            block = _block_ms(deadline, self.client.max_block_ms)
+            try:
+                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
+                failures = 0
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if failures == 0:
+                    log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
+                await asyncio.sleep(_backoff_s(failures, deadline, self.client.backoff_max_s))
+                failures += 1
+                continue
+            for _, entry_id, fields in parse_read_reply(reply):
+                event = self._asm.feed(entry_id, fields)
+                if event is not None and event.type is ResultType.TOKEN:
+                    yield event
+                if self._asm.completion is not None:
+                    break
+
+    async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
+        async for event in self.stream(timeout):
+            if event.text:
+                yield event.text
+
+    async def result(self, timeout: float | None = None) -> Completion:
+        async for _ in self.stream(timeout):
+            pass
+        return self._asm.completion
+
+    async def cancel(self) -> None:
+        await self.client.cancel(self.request_id)
+
+
+class AsyncClient:
+    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", cluster: str = "default", *,
+                 redis_client: redis.asyncio.Redis | None = None,
+                 config: RedisConfig | None = None, cancel_ttl_s: int = CANCEL_TTL_S):
+        config = config or RedisConfig(url=redis_url)
+        self.keys = Keys(cluster)
+        self._own_redis = redis_client is None
+        self.redis = redis_client or redis.asyncio.Redis.from_url(config.url, **config.redis_kwargs())
+        self.max_block_ms = config.max_block_ms
+        self.backoff_max_s = config.backoff_max_s
+        self.cancel_ttl_s = cancel_ttl_s
+
+    def _stream_of(self, req: Request) -> str:
+        return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
+
+    async def submit(self, prompt: str | None = None, **kwargs: Any) -> AsyncRequestHandle:
+        req = build_request(prompt, **kwargs)
+        entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
+        return AsyncRequestHandle(self, req.id, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+
+    async def submit_many(self, requests: Sequence[dict]) -> list[AsyncRequestHandle]:
+        reqs = [build_request(**spec) for spec in requests]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for req in reqs:
+                pipe.xadd(self._stream_of(req), request_to_fields(req))
+            entry_ids = await pipe.execute()
+        return [AsyncRequestHandle(self, req.id, eid.decode() if isinstance(eid, bytes) else eid)
+                for req, eid in zip(reqs, entry_ids)]
+
+    def handle(self, request_id: str) -> AsyncRequestHandle:
+        return AsyncRequestHandle(self, request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        await self.redis.set(self.keys.cancel(request_id), "1", ex=self.cancel_ttl_s)
+
+    async def aclose(self) -> None:
+        if self._own_redis:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,254 @@
+"""The engine: one model, one KV pool, continuous batching.
+
+Run in one process it is the **colocated** server and the correctness oracle. The
+disaggregated workers use the same engine in two roles:
+
+- prefill (``prefill_only=True``): a sequence whose step produces its first token leaves the
+  engine at once; its blocks are *detached* (not freed) and handed to the caller, who
+  exports them under a lease and returns them with ``free_blocks`` when the lease ends.
+- decode: ``add_prefilled`` admits a sequence whose prompt KV was copied into blocks that
+  ``reserve`` allocated for it; from then on it decodes like any other.
+
+Lifecycle of a sequence: ``add_request`` -> waiting -> running (prefill, then decode;
+preempted back to waiting by recompute if blocks run out) -> finished (blocks freed).
+
+Imports torch, models, and the engine modules; never redis or zmq.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdqueue.engine.block_manager import BlockManager
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.kv_cache import KVCacheLayout, dtype_from_name
+from pdqueue.engine.model_runner import ModelRunner
+from pdqueue.engine.output import OutputText
+from pdqueue.engine.sampling import SamplingParams, sample
+from pdqueue.engine.scheduler import Scheduler
+from pdqueue.engine.sequence import Sequence, SequenceStatus
+
+
+class FinishReason:
+    STOP = "stop"          # EOS or a stop string
+    LENGTH = "length"      # max_tokens or the model's context
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One new token of one request."""
+    request_id: str
+    index: int            # position among the request's output tokens (0 = first)
+    token_id: int
+    text: str             # text that can be shown now (may be empty, held back)
+    finish_reason: str | None = None
+    seq: Sequence | None = None
+    detached_blocks: list[int] | None = None  # prefill role: blocks now owned by the caller
+    full_text: str | None = None  # on the last output: the whole completion's text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_seqs: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
+    history: list[tuple[int, int, float]] = field(default_factory=list)  # (seqs, tokens, s)
+
+
+def kv_layout_for(model_config, config: EngineConfig) -> KVCacheLayout:
+    layout = KVCacheLayout(model_config.num_layers, 1, config.block_size,
+                           model_config.num_kv_heads, model_config.head_dim, config.dtype)
+    num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // (layout.nbytes))
+    return KVCacheLayout(model_config.num_layers, num_blocks, config.block_size,
+                         model_config.num_kv_heads, model_config.head_dim, config.dtype)
+
+
+class LLMEngine:
+    def __init__(self, loaded, config: EngineConfig, kv_cache: torch.Tensor | None = None,
+                 prefill_only: bool = False):
+        """``loaded``: a models.loader.LoadedModel. ``kv_cache``: a pool tensor to use (for
+        example one inside shared memory); by default one is allocated."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.layout = kv_layout_for(loaded.config, config)
+        if kv_cache is None:
+            kv_cache = self.layout.allocate(device=config.device)
+        elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != dtype_from_name(config.dtype):
+            raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != layout {self.layout.shape}")
+        self.kv_cache = kv_cache
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.block_manager = BlockManager(self.layout.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, config.device)
+        self.prefill_only = prefill_only
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        self.stats = StepStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._texts: dict[str, OutputText] = {}
+
+    # ---- admission -------------------------------------------------------------------
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> str | None:
+        """Why a prompt can never run here (a reason for the user), or None."""
+        if num_prompt_tokens < 1:
+            return "the prompt is empty"
+        if num_prompt_tokens >= self.max_model_len:
+            return (f"the prompt has {num_prompt_tokens} tokens; the model's context is "
+                    f"{self.max_model_len} tokens")
+        pool_tokens = self.layout.num_blocks * self.config.block_size
+        if num_prompt_tokens + 1 > pool_tokens:
+            return (f"the prompt has {num_prompt_tokens} tokens; the whole KV pool holds "
+                    f"{pool_tokens} tokens")
+        return None
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    output_ids: list[int] | None = None) -> Sequence:
+        """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute)."""
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        reason = self.check_prompt(len(prompt_ids) + len(output_ids or ()))
+        if reason:
+            raise ValueError(reason)
+        seq = Sequence(request_id, prompt_ids, params, output_ids)
+        self._track(seq, output_ids or [])
+        self.scheduler.add(seq)
+        return seq
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return (len(self.scheduler.running) < self.config.max_num_seqs
+                and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
+
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                output_ids: list[int]) -> Sequence:
+        """Decode role: allocate blocks for a sequence whose KV (all tokens but the last)
+        will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``)."""
+        seq = Sequence(request_id, prompt_ids, params, output_ids)
+        if not self.can_reserve(seq.num_tokens):
+            raise RuntimeError("reserve without can_reserve")
+        self.block_manager.allocate(seq)
+        return seq
+
+    def unreserve(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        seq.num_cached_tokens = seq.num_tokens - 1
+        self._track(seq, seq.output_ids)
+        self.scheduler.add_running(seq)
+
+    def _track(self, seq: Sequence, prior_ids: list[int]) -> None:
+        self._seqs[seq.request_id] = seq
+        self._texts[seq.request_id] = OutputText(self.tokenizer, seq.params.stop, prior_ids)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Prefill role: blocks detached in a StepOutput come back here when their lease ends."""
+        self.block_manager.free_blocks(block_ids)
+
+    # ---- stepping --------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        started = time.perf_counter()
+        logits, sample_seqs = self.runner.run(batch)
+        for seq, num_new in batch:
+            seq.num_cached_tokens += num_new
+        outputs: list[StepOutput] = []
+        if sample_seqs:
+            indices = [seq.num_output_tokens for seq in sample_seqs]
+            token_ids = sample(logits, [seq.params for seq in sample_seqs], indices)
+            for seq, index, token_id in zip(sample_seqs, indices, token_ids):
+                outputs.append(self._append(seq, index, token_id))
+        elapsed = time.perf_counter() - started
+        num_tokens = sum(n for _, n in batch)
+        self.stats.num_seqs += len(batch)
+        self.stats.num_tokens += num_tokens
+        self.stats.seconds += elapsed
+        return outputs
+
+    def _append(self, seq: Sequence, index: int, token_id: int) -> StepOutput:
+        seq.append_token(token_id)
+        text = self._texts[seq.request_id]
+        delta = text.push(token_id)
+        reason = None
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            reason = FinishReason.STOP
+        elif text.stopped:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        out = StepOutput(seq.request_id, index, token_id, delta, reason, seq)
+        if reason is not None:
+            out.text += text.flush()
+            out.full_text = text.text
+            self._finish(seq, reason)
+        elif self.prefill_only:
+            # The first token is out: hand the sequence and its KV to the caller.
+            out.detached_blocks = self.block_manager.detach(seq)
+            self.scheduler.remove(seq)
+            self._forget(seq)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.block_manager.free(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self._texts.pop(seq.request_id, None)
+
+    def abort(self, request_id: str, reason: str = FinishReason.CANCELLED) -> Sequence | None:
+        """Stop a request now and free its blocks; None if it is not here."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, reason)
+        return seq
+
+    def request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    # ---- convenience -----------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 on_output=None) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished:
+            for out in self.step():
+                results[out.request_id].append(out.token_id)
+                if on_output:
+                    on_output(out)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,67 @@
+"""A request inside the engine: its tokens, its KV blocks, its progress.
+
+``num_cached_tokens`` counts the leading tokens whose KV is in the pool; a step computes
+tokens ``[num_cached_tokens, num_cached_tokens + n)`` and samples only when it reaches the
+last token. Prefill, chunked prefill, decode and recompute are all this one rule.
+
+Imports nothing but sampling.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pdqueue.engine.sampling import SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 output_ids: list[int] | None = None):
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_ids) + list(output_ids or ())
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
+                f"cached={self.num_cached_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

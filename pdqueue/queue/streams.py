@@ -1,0 +1,187 @@
+"""Thin helpers over redis-py for Redis Streams with consumer groups.
+
+Conventions: stream names and entry ids come back as ``str``; entry fields come back as
+redis returns them (``bytes`` keys and values with the default client), which the
+protocol parsers accept. Transactions are built by callers with
+``r.pipeline(transaction=True)``; the ``*_into`` helpers add commands to such a pipeline.
+
+The rule these serve (DESIGN, principle 1): a worker acknowledges its input only in the
+same MULTI/EXEC that writes its output, e.g.::
+
+    with r.pipeline(transaction=True) as pipe:
+        xadd_expiring(pipe, keys.out(rid), token_entry(0, [t], text), ttl_s)
+        xadd_into(pipe, keys.handoff_node(node), encode_handoff(h))
+        ack_into(pipe, keys.requests, PREFILL_GROUP, entry_id)
+        pipe.execute()
+
+Imports redis and pdqueue.keys only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import redis
+
+from pdqueue.keys import DEAD_MAXLEN, SEEN_TTL_S, Keys
+
+Entry = tuple[str, str, dict]
+"""(stream, entry_id, fields)"""
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
+    """Create ``group`` on ``stream`` (and the stream itself); True if created, False if it
+    existed. Starts at "0" so entries added before the first worker came up are served."""
+    try:
+        r.xgroup_create(stream, group, id=start_id, mkstream=True)
+        return True
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" in str(exc):
+            return False
+        raise
+
+
+def _normalize_read(reply: Any) -> list[tuple[str, list]]:
+    """XREAD/XREADGROUP replies come as [[stream, entries], ...] (RESP2 shape, redis-py's
+    default) or {stream: entries} / {stream: [entries]} (RESP3 shapes)."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        out = []
+        for stream, value in reply.items():
+            if value and isinstance(value[0], list):  # {stream: [[entries]]}
+                value = value[0]
+            out.append((_str(stream), value))
+        return out
+    return [(_str(stream), entries) for stream, entries in reply]
+
+
+def parse_read_reply(reply: Any) -> list[Entry]:
+    """(stream, entry_id, fields) triples of an XREAD/XREADGROUP reply, in reply order."""
+    return [(stream, _str(eid), fields)
+            for stream, entries in _normalize_read(reply)
+            for eid, fields in entries if eid is not None]
+
+
+def read_group(r: redis.Redis, group: str, consumer: str, streams: Iterable[str],
+               count: int = 1, block_ms: int | None = None) -> list[Entry]:
+    """Read up to ``count`` new entries for ``consumer``, higher-priority streams first.
+
+    ``streams`` is in priority order. One non-blocking XREADGROUP per stream in order, each
+    asking only for what is still missing, so a lower stream is never read while a higher
+    one can fill the batch. Only if all are empty and ``block_ms`` is set does it block on
+    all of them at once (the wake-up returns whichever got data first).
+    """
+    streams = list(streams)
+    result: list[Entry] = []
+    for stream in streams:
+        missing = count - len(result)
+        if missing <= 0:
+            return result
+        result.extend(parse_read_reply(r.xreadgroup(group, consumer, {stream: ">"}, count=missing)))
+    if result or not block_ms:
+        return result
+    reply = r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=count, block=block_ms)
+    order = {s: i for i, s in enumerate(streams)}
+    return sorted(parse_read_reply(reply), key=lambda e: order.get(e[0], len(order)))
+
+
+class Claimed(NamedTuple):
+    next_id: str            # cursor for the next call; "0-0" when the scan wrapped around
+    entries: list[Entry]    # now owned by the claiming consumer
+    deleted_ids: list[str]  # pending entries that no longer exist (removed from the PEL)
+
+
+def parse_autoclaim(stream: str, reply: Any) -> Claimed:
+    """Normalize an XAUTOCLAIM reply: Redis >= 7 sends [next, entries, deleted_ids];
+    6.2 sends [next, entries] with nil in place of deleted entries. (6.2 also leaves those
+    in the PEL and tells not their ids; they are dropped here.)"""
+    if not isinstance(reply, (list, tuple)) or len(reply) not in (2, 3):
+        raise ValueError(f"unexpected XAUTOCLAIM reply: {reply!r}")
+    entries = [(stream, _str(eid), fields or {}) for item in (reply[1] or [])
+               if item is not None and item[0] is not None for eid, fields in [item]]
+    deleted = [_str(eid) for eid in reply[2]] if len(reply) == 3 and reply[2] else []
+    return Claimed(_str(reply[0]), entries, deleted)
+
+
+def autoclaim(r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int,
+              count: int = 100, start_id: str = "0-0") -> Claimed:
+    """Take over entries of ``stream`` pending longer than ``min_idle_ms`` in ``group``
+    (their consumer is presumed dead). Call again with ``next_id`` until it is "0-0" to
+    scan the whole pending list."""
+    reply = r.xautoclaim(stream, group, consumer, min_idle_ms, start_id=start_id, count=count)
+    return parse_autoclaim(stream, reply)
+
+
+def read_own_pending(r: redis.Redis, group: str, consumer: str, streams: Iterable[str],
+                     count: int = 100) -> list[Entry]:
+    """Entries delivered to ``consumer`` and never acknowledged (a worker restarted under
+    the same consumer name resumes them). Fields are None for entries deleted since;
+    acknowledge those."""
+    result: list[Entry] = []
+    for stream in streams:
+        result.extend(parse_read_reply(r.xreadgroup(group, consumer, {stream: "0"}, count=count)))
+    return result
+
+
+def claim_request_id(r: redis.Redis, keys: Keys, request_id: str, entry_id: str,
+                     ttl_s: int = SEEN_TTL_S) -> bool:
+    """Idempotency check before running a request: True if this entry may run (the id is
+    new, or this is a redelivery of the very entry that first carried it), False if
+    another entry already took the id (a duplicate: acknowledge it, answer nothing on
+    ``out:<id>``, which belongs to the first one)."""
+    key = keys.seen(request_id)
+    if r.set(key, entry_id, nx=True, ex=ttl_s):
+        return True
+    current = r.get(key)
+    return current is None or _str(current) == _str(entry_id)
+
+
+def touch(r: redis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
+    """Reset the idle time of entries ``consumer`` still works on, so a long-running but
+    live worker is not mistaken for a dead one by ``autoclaim``."""
+    if entry_ids:
+        r.xclaim(stream, group, consumer, 0, entry_ids, justid=True)
+
+
+# -- pipeline helpers ----------------------------------------------------------------------
+
+def xadd_into(pipe, stream: str, fields: Mapping, maxlen: int | None = None) -> None:
+    """XADD, trimmed approximately to ``maxlen`` entries when given."""
+    if maxlen is None:
+        pipe.xadd(stream, dict(fields))
+    else:
+        pipe.xadd(stream, dict(fields), maxlen=maxlen, approximate=True)
+
+
+def xadd_expiring(pipe, stream: str, fields: Mapping, ttl_s: float) -> None:
+    """XADD then (re)set the stream's TTL: an answer stream lives ``ttl_s`` after its last write."""
+    pipe.xadd(stream, dict(fields))
+    pipe.pexpire(stream, max(1, int(ttl_s * 1000)))
+
+
+def ack_into(pipe, stream: str, group: str, entry_id: str, delete: bool = True) -> None:
+    """XACK (and XDEL, so the stream does not grow without bound: trimming with MAXLEN
+    would drop entries not yet read)."""
+    pipe.xack(stream, group, entry_id)
+    if delete:
+        pipe.xdel(stream, entry_id)
+
+
+def dead_letter(pipe, keys: Keys, fields: Mapping, reason: str, source_stream: str,
+                entry_id: str, code: str = "bad_request", worker: str = "",
+                maxlen: int = DEAD_MAXLEN) -> None:
+    """Copy an entry to the dead-letter stream with why it died. The original fields are
+    kept byte for byte under a ``field:`` prefix."""
+    record: dict[Any, Any] = {"reason": reason, "code": str(getattr(code, "value", code)),
+                              "source": source_stream, "entry_id": _str(entry_id)}
+    if worker:
+        record["worker"] = worker
+    for name, value in fields.items():
+        name = name if isinstance(name, bytes) else str(name).encode()
+        record[b"field:" + name] = value
+    pipe.xadd(keys.dead, record, maxlen=maxlen, approximate=True)

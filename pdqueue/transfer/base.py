@@ -1,0 +1,148 @@
+"""The transfer interface: the ticket that joins the two halves, and the backend registry.
+
+A prefill worker's ``KVSender.export`` pins blocks under a lease and returns a ``Ticket``;
+the ticket travels (via Redis) to a decode worker whose ``KVReceiver.fetch`` copies the
+blocks into its own pool with one of the registered ``Transport`` backends, then releases
+the lease. Who frees what: the sender's engine owns its blocks again only once
+``KVSender.poll_freeable`` returns them; the receiver's caller owns the destination blocks
+throughout and must not use them unless ``fetch`` returned normally.
+
+Imports torch (types only), msgpack and engine.kv_cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import msgpack
+
+from pdqueue.engine.kv_cache import KVCacheLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdqueue.transfer.zmq import ControlClient
+
+# Version of the ticket and of every transfer wire message (ZeroMQ control and data headers,
+# shared-memory segment header). Change log:
+#   1  first version: ticket fields below; ops acquire/release/fetch; header frame + raw
+#      frames of whole planes or block ranges (at most max_frame_bytes each).
+TRANSFER_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Where a request's KV lies and how long it is leased. Immutable; msgpack-friendly."""
+
+    version: int
+    request_id: str
+    worker_id: str
+    incarnation: str
+    node: str                    # shared-memory domain of the sender (transfer.node.node_id)
+    segment: str | None          # shm segment name holding the pool; None: zmq only
+    nonce: str | None            # hex nonce of that segment's header
+    block_ids: tuple[int, ...]   # sender-side block ids, in sequence order
+    num_tokens: int
+    layout: dict                 # KVCacheLayout.to_dict() of the sender's pool
+    endpoint: str                # the sender's ZeroMQ ROUTER address
+    lease_deadline: float        # wall clock (time.time()); informative, the sender decides
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "version", "request_id", "worker_id", "incarnation", "node", "segment", "nonce",
+        "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline")
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return KVCacheLayout.from_dict(self.layout)
+
+    def to_dict(self) -> dict:
+        data = {name: getattr(self, name) for name in self.FIELDS}
+        data["block_ids"] = list(self.block_ids)
+        data["layout"] = dict(self.layout)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Ticket":
+        """Parse a ticket; unknown keys are ignored, missing ones raise ValueError."""
+        missing = [name for name in cls.FIELDS if name not in data]
+        if missing:
+            raise ValueError(f"ticket lacks fields {missing}")
+        values = {name: data[name] for name in cls.FIELDS}
+        values["block_ids"] = tuple(int(b) for b in data["block_ids"])
+        values["layout"] = dict(data["layout"])
+        values["version"] = int(data["version"])
+        values["num_tokens"] = int(data["num_tokens"])
+        values["lease_deadline"] = float(data["lease_deadline"])
+        return cls(**values)
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Ticket":
+        return cls.from_dict(msgpack.unpackb(raw, raw=False))
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    nbytes: int
+    seconds: float
+    path: str           # the transport that moved the bytes: "shm", "zmq", ...
+
+
+@dataclass(slots=True)
+class ReceiveContext:
+    """What every receiver-side backend shares: the local pool and the control channel."""
+
+    pool: "torch.Tensor"         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    layout: KVCacheLayout
+    node: str
+    timeout_s: float
+    control: "ControlClient"     # acquire/release (and zmq fetch) to the sender's endpoint
+    extra: dict = field(default_factory=dict)
+
+
+class Transport(ABC):
+    """A receiver-side way to move a ticket's blocks into the local pool.
+
+    ``fetch`` copies ``ticket.block_ids`` into ``dst_block_ids`` and returns the bytes moved,
+    holding the sender's lease for the whole copy (acquire before, release after; a release
+    that reports the lease lost must raise LEASE_LOST). It raises ``TransferError`` on any
+    failure. Calls are serialised by ``KVReceiver``; a backend needs no locking of its own.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: ReceiveContext):
+        self.ctx = ctx
+
+    def can_fetch(self, ticket: Ticket) -> bool:
+        """Cheap test: does the ticket name what this backend needs (node, segment, ...)?"""
+        return True
+
+    def check(self, ticket: Ticket) -> None:
+        """Prepare for the ticket (map a segment, connect) before any lease is touched; raise
+        TransferError if this backend cannot serve it (mode="auto" then tries the next)."""
+
+    @abstractmethod
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int: ...
+
+    def forget(self, ticket: Ticket) -> None:
+        """Drop cached state (mappings, sockets) about the ticket's sender after a failure."""
+
+    def close(self) -> None:
+        """Release everything the backend holds."""
+
+
+TRANSPORTS: dict[str, type[Transport]] = {}
+AUTO_ORDER: list[str] = []   # preference of mode="auto": first backend whose can_fetch holds
+
+
+def register_transport(cls: type[Transport], *, auto_rank: int | None = None) -> type[Transport]:
+    """Make a backend selectable by name; ``auto_rank`` inserts it into the auto order."""
+    TRANSPORTS[cls.name] = cls
+    if auto_rank is not None and cls.name not in AUTO_ORDER:
+        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), cls.name)
+    return cls

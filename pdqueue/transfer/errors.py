@@ -1,0 +1,36 @@
+"""Why a KV transfer failed, and whether trying the same ticket again can help.
+
+A ``TransferError`` never leaves the receiver's destination blocks in a usable state: the
+caller (the decode worker) frees them and takes the recompute path unless ``retryable``.
+Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class FailureCode(str, Enum):
+    BAD_TICKET = "bad_ticket"                  # malformed ticket or destination block ids
+    VERSION_MISMATCH = "version_mismatch"      # ticket or wire message from another version
+    LAYOUT_MISMATCH = "layout_mismatch"        # blocks cannot be copied between the pools
+    UNKNOWN_REQUEST = "unknown_request"        # the sender holds no lease for this request
+    STALE_INCARNATION = "stale_incarnation"    # ticket names an earlier life of the sender
+    LEASE_EXPIRED = "lease_expired"            # the lease ran out before the copy began
+    LEASE_LOST = "lease_lost"                  # the lease ran out during the copy: bytes unusable
+    NONCE_MISMATCH = "nonce_mismatch"          # the segment is not the one the ticket names
+    SEGMENT_UNAVAILABLE = "segment_unavailable"  # cannot map the segment (another path may work)
+    PEER_TIMEOUT = "peer_timeout"              # the sender did not answer in time (dead or stuck)
+    BAD_REPLY = "bad_reply"                    # the sender's reply failed validation
+    CLOSED = "closed"                          # this receiver or sender was closed
+
+
+class TransferError(Exception):
+    """A fetch failed. ``retryable``: the same ticket may still succeed (e.g. via another path);
+    otherwise the caller recomputes the request."""
+
+    def __init__(self, reason: str, retryable: bool = False, code: FailureCode = FailureCode.BAD_REPLY):
+        super().__init__(f"{code.value}: {reason}")
+        self.reason = reason
+        self.retryable = retryable
+        self.code = FailureCode(code)

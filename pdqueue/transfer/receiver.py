@@ -1,0 +1,146 @@
+"""The receiver half (decode worker): fetch a ticket's KV blocks into the local pool.
+
+``fetch(ticket, dst_block_ids)`` validates the ticket (version, layout, block ids, and the
+sender's incarnation when an ``is_current`` check is given), picks a backend (mode "auto":
+the first registered backend in ``AUTO_ORDER`` that can serve the ticket and whose
+``check`` passes, i.e. shm on the same node when the segment maps, else zmq; or the one
+named by ``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce)
+the cached mapping/socket of that sender is dropped.
+
+Ownership: the caller allocates ``dst_block_ids`` and owns them throughout; it must not let
+the engine read or write them before ``fetch`` returns, and must free them (and recompute)
+if ``fetch`` raises. Thread safety: ``fetch`` and ``close`` may be called from any threads
+(a background fetch thread is the intended user); calls are serialised by one lock.
+Imports torch, zmq (through the backends).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer import paths  # noqa: F401  (registers the shm and zmq backends)
+from pdqueue.transfer.base import AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket, Transport
+from pdqueue.transfer.errors import FailureCode, TransferError
+from pdqueue.transfer.node import DEFAULT_SHM_DIR
+from pdqueue.transfer.zmq import ControlClient
+
+log = logging.getLogger(__name__)
+
+_FORGET_ON = {FailureCode.PEER_TIMEOUT, FailureCode.STALE_INCARNATION, FailureCode.NONCE_MISMATCH,
+              FailureCode.BAD_REPLY, FailureCode.VERSION_MISMATCH}
+
+
+class KVReceiver:
+    def __init__(self, pool_tensor: torch.Tensor, layout: KVCacheLayout, node: str, mode: str = "auto",
+                 timeout_s: float = 5.0, *, shm_dir: str = DEFAULT_SHM_DIR, is_current=None):
+        """``is_current(worker_id, incarnation) -> bool``, if given (e.g. a registry lookup),
+        rejects tickets of replaced senders without any I/O."""
+        if mode != "auto" and mode not in TRANSPORTS:
+            raise ValueError(f"unknown transfer mode {mode!r}; expected auto or one of {sorted(TRANSPORTS)}")
+        if tuple(pool_tensor.shape) != layout.shape or pool_tensor.dtype != layout.torch_dtype:
+            raise ValueError(f"pool {tuple(pool_tensor.shape)} {pool_tensor.dtype} does not match {layout}")
+        self.layout = layout
+        self.node = node
+        self.mode = mode
+        self.is_current = is_current
+        self._ctx = ReceiveContext(pool_tensor, layout, node, timeout_s, ControlClient(timeout_s),
+                                   extra={"shm_dir": shm_dir})
+        self._transports: dict[str, Transport] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fetch(self, ticket: Ticket | dict, dst_block_ids) -> FetchResult:
+        """Copy the ticket's blocks into ``dst_block_ids``; raises TransferError."""
+        if isinstance(ticket, dict):
+            try:
+                ticket = Ticket.from_dict(ticket)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise TransferError(f"malformed ticket: {exc}", False, FailureCode.BAD_TICKET) from None
+        dst_block_ids = [int(b) for b in dst_block_ids]
+        with self._lock:
+            if self._closed:
+                raise TransferError("receiver is closed", False, FailureCode.CLOSED)
+            start = time.perf_counter()
+            self._validate(ticket, dst_block_ids)
+            transport = self._choose(ticket)
+            try:
+                nbytes = transport.fetch(ticket, dst_block_ids)
+            except TransferError as exc:
+                if exc.code in _FORGET_ON:
+                    transport.forget(ticket)
+                raise
+            return FetchResult(nbytes, time.perf_counter() - start, transport.name)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for transport in self._transports.values():
+                transport.close()
+            self._ctx.control.close()
+
+    def __enter__(self) -> "KVReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _validate(self, ticket: Ticket, dst_block_ids: list[int]) -> None:
+        if ticket.version != TRANSFER_VERSION:
+            raise TransferError(f"ticket version {ticket.version}, receiver speaks {TRANSFER_VERSION}",
+                                False, FailureCode.VERSION_MISMATCH)
+        try:
+            src_layout = ticket.kv_layout
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(f"ticket layout unreadable: {exc}", False, FailureCode.BAD_TICKET) from None
+        if not src_layout.compatible_with(self.layout):
+            raise TransferError(f"sender layout {src_layout} is incompatible with {self.layout}",
+                                False, FailureCode.LAYOUT_MISMATCH)
+        src_ids = ticket.block_ids
+        if not src_ids or len(src_ids) != len(dst_block_ids):
+            raise TransferError(f"{len(src_ids)} ticket blocks for {len(dst_block_ids)} destination blocks",
+                                False, FailureCode.BAD_TICKET)
+        if any(not 0 <= b < src_layout.num_blocks for b in src_ids):
+            raise TransferError(f"ticket block ids out of range: {src_ids}", False, FailureCode.BAD_TICKET)
+        if any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(dst_block_ids):
+            raise TransferError(f"destination block ids are not distinct ids of the local pool: {dst_block_ids}",
+                                False, FailureCode.BAD_TICKET)
+        if not 0 < ticket.num_tokens <= len(src_ids) * self.layout.block_size:
+            raise TransferError(f"{ticket.num_tokens} tokens do not fit {len(src_ids)} blocks",
+                                False, FailureCode.BAD_TICKET)
+        if self.is_current is not None and not self.is_current(ticket.worker_id, ticket.incarnation):
+            raise TransferError(f"{ticket.worker_id} incarnation {ticket.incarnation} is no longer current",
+                                False, FailureCode.STALE_INCARNATION)
+
+    def _choose(self, ticket: Ticket) -> Transport:
+        names = AUTO_ORDER if self.mode == "auto" else [self.mode]
+        error: TransferError | None = None
+        for name in names:
+            transport = self._transport(name)
+            if not transport.can_fetch(ticket):
+                continue
+            try:
+                transport.check(ticket)
+                return transport
+            except TransferError as exc:
+                if self.mode != "auto":
+                    raise
+                log.info("transfer path %s cannot serve %s (%s); trying the next", name, ticket.request_id, exc)
+                error = exc
+        if error is not None:
+            raise error
+        raise TransferError(f"no transfer path ({self.mode}) can serve the ticket from node {ticket.node} "
+                            f"(this node {self.node}, segment {ticket.segment})", False,
+                            FailureCode.SEGMENT_UNAVAILABLE)
+
+    def _transport(self, name: str) -> Transport:
+        transport = self._transports.get(name)
+        if transport is None:
+            transport = self._transports[name] = TRANSPORTS[name](self._ctx)
+        return transport

@@ -1,0 +1,145 @@
+"""The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER).
+
+Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce}`` with
+``op`` one of ``acquire``, ``release`` (``noreply`` for fire-and-forget) or ``fetch``. A reply
+is a msgpack header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a
+``fetch`` reply adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes`` and
+is followed by ``num_frames`` raw frames cut by ``blocks.plan_frames``. The version is
+``base.TRANSFER_VERSION`` (change log there).
+
+``ControlClient`` is the receiver's end: one DEALER per sender endpoint, every receive bounded
+by a timeout, after which the socket is dropped (linger 0) so a late reply cannot be taken
+for the next one. It is not thread-safe: ``KVReceiver`` serialises all calls. It owns its
+sockets and its zmq context and frees them on ``close()``.
+Imports zmq, msgpack.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import msgpack
+import zmq
+
+from pdqueue.transfer.base import TRANSFER_VERSION
+from pdqueue.transfer.errors import FailureCode, TransferError
+
+if TYPE_CHECKING:
+    from pdqueue.transfer.base import Ticket
+
+MAX_ACCEPTED_FRAME_BYTES = 64 << 20   # a receiver drops a peer that sends a bigger frame
+MAX_REQUEST_BYTES = 64 << 10          # a sender drops a peer that sends a bigger request
+MAX_SOCKETS = 64                      # DEALERs kept open (one per sender endpoint), LRU
+
+
+def pack(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> dict:
+    message = msgpack.unpackb(raw, raw=False)
+    if not isinstance(message, dict):
+        raise ValueError("message is not a map")
+    return message
+
+
+def request(op: str, seq: int, ticket: "Ticket", **extra) -> bytes:
+    return pack({"v": TRANSFER_VERSION, "op": op, "seq": seq, "request_id": ticket.request_id,
+                 "incarnation": ticket.incarnation, "nonce": ticket.nonce, **extra})
+
+
+def error_reply(seq, code: FailureCode, reason: str, retryable: bool = False) -> bytes:
+    return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": False, "code": code.value,
+                 "reason": reason, "retryable": retryable})
+
+
+def ok_reply(seq, **fields) -> bytes:
+    return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": True, **fields})
+
+
+class ControlClient:
+    """Request/reply to KVSender endpoints (see the module docstring)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._seq = itertools.count(1)
+
+    def acquire(self, ticket: "Ticket") -> None:
+        self.call(ticket, "acquire")
+
+    def release(self, ticket: "Ticket") -> bool:
+        """True iff the lease was still held when released (the copied bytes are good)."""
+        header, _ = self.call(ticket, "release")
+        return bool(header.get("valid"))
+
+    def release_nowait(self, ticket: "Ticket") -> None:
+        """Release without waiting: a lost message only lets the lease run to its deadline."""
+        try:
+            self._socket(ticket.endpoint).send(request("release", 0, ticket, noreply=True), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def call(self, ticket: "Ticket", op: str) -> tuple[dict, list[zmq.Frame]]:
+        """Send one request; return the reply header and its data frames (zero-copy)."""
+        endpoint = ticket.endpoint
+        sock = self._socket(endpoint)
+        seq = next(self._seq)
+        try:
+            sock.send(request(op, seq, ticket), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.forget(endpoint)
+            raise TransferError(f"cannot send {op} to {endpoint}: {exc}", False, FailureCode.PEER_TIMEOUT) from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                self.forget(endpoint)
+                raise TransferError(f"no reply to {op} from {endpoint} within {self.timeout_s}s "
+                                    "(sender dead or stuck)", False, FailureCode.PEER_TIMEOUT)
+            frames = sock.recv_multipart(copy=False)
+            try:
+                header = unpack(frames[0].bytes)
+            except Exception as exc:
+                self.forget(endpoint)
+                raise TransferError(f"undecodable reply from {endpoint}: {exc}", False, FailureCode.BAD_REPLY) from None
+            if header.get("seq") == seq:
+                break   # anything else is a late reply to an earlier request
+        if header.get("v") != TRANSFER_VERSION:
+            raise TransferError(f"{endpoint} speaks transfer version {header.get('v')}, "
+                                f"expected {TRANSFER_VERSION}", False, FailureCode.VERSION_MISMATCH)
+        if not header.get("ok"):
+            try:
+                code = FailureCode(header.get("code"))
+            except ValueError:
+                code = FailureCode.BAD_REPLY
+            raise TransferError(f"{endpoint}: {header.get('reason')}", bool(header.get("retryable")), code)
+        return header, frames[1:]
+
+    def forget(self, endpoint: str) -> None:
+        sock = self._sockets.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for endpoint in list(self._sockets):
+            self.forget(endpoint)
+        self._context.term()
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._sockets.get(endpoint)
+        if sock is not None:
+            self._sockets.move_to_end(endpoint)
+            return sock
+        if len(self._sockets) >= MAX_SOCKETS:
+            self.forget(next(iter(self._sockets)))
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ACCEPTED_FRAME_BYTES)
+        sock.connect(endpoint)
+        self._sockets[endpoint] = sock
+        return sock

@@ -1,0 +1,262 @@
+"""Client/AsyncClient end to end against real Redis and an in-test echo worker.
+
+The echo worker reads the request streams like a prefill worker would and answers with one
+token per prompt character (token id = code point), through the real protocol functions
+and the Publisher; the done entry and the XACK go out in one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import redis
+
+from pdqueue import AsyncClient, Client
+from pdqueue.client import RequestFailed
+from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import (
+    Completion,
+    ErrorCode,
+    FinishReason,
+    RequestError,
+    done_entry,
+    error_entry,
+    parse_request,
+    token_entry,
+)
+from pdqueue.queue import Publisher, RedisServer, XAdd, ack_into, dead_letter, ensure_group, read_group
+
+KEYS = Keys()
+
+
+class EchoWorker:
+    def __init__(self, url: str, *, duplicate_tokens: bool = False, token_delay_s: float = 0.0):
+        self.r = redis.Redis.from_url(url, socket_timeout=5)
+        self.duplicate_tokens = duplicate_tokens
+        self.token_delay_s = token_delay_s
+        self.publisher = Publisher(lambda: redis.Redis.from_url(url), backoff_max_s=0.1)
+        self.handled: list[str] = []
+        self._stop = threading.Event()
+        for stream in KEYS.request_streams:
+            ensure_group(self.r, stream, PREFILL_GROUP)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                entries = read_group(self.r, PREFILL_GROUP, "echo", KEYS.request_streams,
+                                     count=16, block_ms=50)
+                for stream, entry_id, fields in entries:
+                    self._handle(stream, entry_id, fields)
+            except (redis.ConnectionError, redis.TimeoutError):
+                time.sleep(0.05)
+
+    def _handle(self, stream: str, entry_id: str, fields: dict) -> None:
+        def finish(*ops):
+            self.publisher.submit([*ops, lambda pipe: ack_into(pipe, stream, PREFILL_GROUP, entry_id)])
+
+        try:
+            req = parse_request(entry_id, fields)
+            if req.prompt == "FAIL":
+                raise RequestError("prompt too long for this echo", req.id, ErrorCode.TOO_LONG)
+        except RequestError as exc:
+            reason, code = exc.reason, exc.code
+            ops = [lambda pipe: dead_letter(pipe, KEYS, fields, reason, stream, entry_id, code)]
+            if exc.request_id:
+                ops.append(XAdd(KEYS.out(exc.request_id), error_entry(reason, code), ttl_s=60))
+            finish(*ops)
+            return
+        self.handled.append(req.id)
+        text = req.prompt if req.prompt is not None else "".join(chr(t) for t in req.prompt_ids)
+        out, reason, emitted = KEYS.out(req.id), FinishReason.STOP, ""
+        for index, char in enumerate(text):
+            if index >= req.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+            if self.r.exists(KEYS.cancel(req.id)):
+                reason = FinishReason.CANCELLED
+                break
+            entry = XAdd(out, token_entry(index, [ord(char)], char), ttl_s=60)
+            self.publisher.submit([entry, entry] if self.duplicate_tokens else [entry])
+            emitted += char
+            time.sleep(self.token_delay_s)
+        completion = Completion(req.id, emitted, tuple(ord(c) for c in emitted), reason,
+                                num_prompt_tokens=len(text), prefill_worker="echo",
+                                e2e_ms=time.time() * 1000 - req.enqueued_ms)
+        finish(XAdd(out, done_entry(completion), ttl_s=60), XAdd(KEYS.done, done_entry(completion), 100))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.publisher.close()
+        self.r.close()
+
+
+@pytest.fixture
+def echo(redis_url):
+    worker = EchoWorker(redis_url)
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def client(redis_url):
+    with Client(redis_url) as c:
+        yield c
+
+
+def test_submit_stream_and_result(client, echo, r):
+    handle = client.submit("hello", max_tokens=3, temperature=0)
+    assert list(handle.text_stream(timeout=10)) == ["h", "e", "l"]
+    completion = handle.result(timeout=1)
+    assert completion.text == "hel" and completion.token_ids == (104, 101, 108)
+    assert completion.finish_reason is FinishReason.LENGTH and completion.request_id == handle.request_id
+    assert r.xpending(KEYS.requests, PREFILL_GROUP)["pending"] == 0
+    assert r.xlen(KEYS.done) == 1 and 0 < r.ttl(KEYS.out(handle.request_id)) <= 60
+
+
+def test_stream_events_and_generator_return_value(client, echo):
+    handle = client.submit(prompt_ids=[72, 105], id="my-id.1")
+    gen = handle.stream(timeout=10)
+    events = []
+    with pytest.raises(StopIteration) as stop:
+        while True:
+            events.append(next(gen))
+    assert [(e.index, e.token_ids, e.text) for e in events] == [(0, (72,), "H"), (1, (105,), "i")]
+    assert stop.value.value.text == "Hi" and stop.value.value.finish_reason is FinishReason.STOP
+    assert handle.result() is handle.completion  # cached
+
+
+def test_repeated_token_entries_are_yielded_once(redis_url, client):
+    worker = EchoWorker(redis_url, duplicate_tokens=True)
+    try:
+        handle = client.submit("abcd")
+        events = list(handle.stream(timeout=10))
+        assert [e.index for e in events] == [0, 1, 2, 3]
+        assert "".join(e.text for e in events) == handle.completion.text == "abcd"
+    finally:
+        worker.close()
+
+
+def test_errors_raise_request_failed(client, echo, r):
+    with pytest.raises(RequestFailed) as info:
+        client.submit("FAIL").result(timeout=10)
+    assert info.value.code == "too_long" and "too long" in info.value.reason
+    # A bad request from a producer that skips validation (raw XADD) is answered too.
+    r.xadd(KEYS.requests, {"id": "raw-1", "prompt": "x", "top_p": "2"})
+    with pytest.raises(RequestFailed) as info:
+        client.handle("raw-1").result(timeout=10)
+    assert info.value.code == "bad_request" and "top_p" in info.value.reason
+    assert wait_for(lambda: r.xlen(KEYS.dead) == 2)
+    assert r.xpending(KEYS.requests, PREFILL_GROUP)["pending"] == 0
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_client_validates_before_sending(client, r):
+    for kwargs in [{}, {"prompt": "a", "max_tokens": 0}, {"prompt": "a", "top_p": 0},
+                   {"prompt": "a", "priority": "urgent"}, {"prompt": "a", "id": "bad id"}]:
+        with pytest.raises(RequestError):
+            client.submit(**kwargs)
+    with pytest.raises(RequestError):
+        client.submit_many([{"prompt": "ok"}, {"prompt": "a", "temperature": -1}])
+    assert not r.exists(KEYS.requests)
+
+
+def test_submit_many_and_priority(client, echo, r):
+    specs = [{"prompt": f"p{i}", "seed": i} for i in range(20)] + [{"prompt": "hi", "priority": "high"}]
+    handles = client.submit_many(specs)
+    assert [h.result(timeout=10).text for h in handles] == [f"p{i}" for i in range(20)] + ["hi"]
+    assert len({h.request_id for h in handles}) == 21
+
+
+def test_high_priority_is_taken_first(redis_url, client):
+    client.submit_many([{"prompt": "n", "id": f"normal-{i}"} for i in range(3)])
+    client.submit("h", priority="high", id="high-0")
+    worker = EchoWorker(redis_url)
+    try:
+        client.handle("normal-2").result(timeout=10)
+        assert worker.handled[0] == "high-0"
+    finally:
+        worker.close()
+
+
+def test_timeout(client):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.handle("nobody-answers").result(timeout=0.2)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_cancel(redis_url, client, r):
+    worker = EchoWorker(redis_url, token_delay_s=0.02)
+    try:
+        handle = client.submit("x" * 200)
+        stream = handle.stream(timeout=10)
+        next(stream)
+        handle.cancel()
+        assert 0 < r.ttl(KEYS.cancel(handle.request_id)) <= 3600
+        completion = handle.result(timeout=10)
+        assert completion.finish_reason is FinishReason.CANCELLED
+        assert 0 < len(completion.text) < 200
+    finally:
+        worker.close()
+
+
+def test_async_client(redis_url, echo):
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            handle = await client.submit("async", max_tokens=10)
+            deltas = [d async for d in handle.text_stream(timeout=10)]
+            assert deltas == list("async") and handle.completion.text == "async"
+            handles = await client.submit_many([{"prompt": "ab"}, {"prompt": "cd", "priority": "high"}])
+            assert [(await h.result(timeout=10)).text for h in handles] == ["ab", "cd"]
+            with pytest.raises(RequestFailed):
+                await (await client.submit("FAIL")).result(timeout=10)
+            with pytest.raises(TimeoutError):
+                await client.handle("nobody").result(timeout=0.1)
+            await handles[0].cancel()
+            assert await client.redis.exists(KEYS.cancel(handles[0].request_id))
+
+    asyncio.run(main())
+
+
+def test_stream_survives_a_redis_restart(tmp_path):
+    with RedisServer(dir=tmp_path, appendonly=True, extra_args=("--appendfsync", "always")) as server:
+        worker = EchoWorker(server.url, token_delay_s=0.01)
+        try:
+            with Client(server.url) as client:
+                handle = client.submit("y" * 60)
+                stream = handle.text_stream(timeout=30)
+                received = [next(stream) for _ in range(5)]
+                server.restart()
+                received.extend(stream)
+            assert "".join(received) == "y" * 60 == handle.completion.text
+        finally:
+            worker.close()
+
+
+def test_raw_redis_producer_needs_no_pdqueue(redis_url, echo):
+    """The write side as any Redis client sees it: plain XADD, plain XREAD of plain fields."""
+    raw = redis.Redis.from_url(redis_url, decode_responses=True)
+    entry_id = raw.xadd("pdq:{default}:requests", {"prompt": "hi", "max_tokens": "8"})
+    answer, last = [], "0-0"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (answer and answer[-1]["type"] == "done"):
+        for _, entries in raw.xread({f"pdq:{{default}}:out:{entry_id}": last}, block=200) or []:
+            for last, fields in entries:
+                answer.append(fields)
+    assert [f["type"] for f in answer] == ["token", "token", "done"]
+    assert answer[0] == {"type": "token", "index": "0", "token_ids": "[104]", "text": "h"}
+    assert answer[-1]["text"] == "hi" and answer[-1]["finish_reason"] == "stop"
+    assert answer[-1]["token_ids"] == "[104,105]" and answer[-1]["id"] == entry_id
+    raw.close()

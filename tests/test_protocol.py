@@ -1,0 +1,257 @@
+"""Wire types: round trips, and a clear reason for every kind of bad request."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdqueue.keys import Keys
+from pdqueue.protocol import (
+    PROTOCOL_VERSION,
+    REQUEST_FIELDS,
+    Completion,
+    ErrorCode,
+    FinishReason,
+    Handoff,
+    HandoffError,
+    Priority,
+    ProtocolError,
+    Request,
+    RequestError,
+    ResultType,
+    decode_handoff,
+    done_entry,
+    encode_handoff,
+    error_entry,
+    parse_request,
+    parse_result,
+    request_to_fields,
+    token_entry,
+)
+
+EID = "1700000000123-4"
+
+
+def as_bytes(fields: dict) -> dict[bytes, bytes]:
+    """What redis-py hands a worker."""
+    return {k.encode(): v.encode() if isinstance(v, str) else v for k, v in fields.items()}
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+def test_keys_share_one_hash_tag():
+    keys = Keys()
+    names = [keys.requests, keys.requests_high, keys.handoff, keys.handoff_node("n1"),
+             keys.out("r1"), keys.done, keys.dead, keys.worker("w1"), keys.cancel("r1"),
+             keys.seen("r1")]
+    assert all(name.startswith("pdq:{default}:") for name in names)
+    assert keys.requests_high == "pdq:{default}:requests:high"
+    assert keys.handoff_node("n1") == "pdq:{default}:handoff:n1"
+    assert keys.request_streams == (keys.requests_high, keys.requests)
+    assert keys.worker_id_of(keys.worker("w:1").encode()) == "w:1"
+    assert Keys("blue").out("x") == "pdq:{blue}:out:x"
+    with pytest.raises(ValueError):
+        Keys("a{b}")
+
+
+# -- requests ------------------------------------------------------------------------------
+
+def test_request_round_trip_all_fields():
+    req = Request(id="req-1", prompt="héllo\n", max_tokens=7, temperature=0.5, top_p=0.9,
+                  top_k=40, seed=123, stop=("\n\n", "END"), deadline_ms=2500,
+                  priority=Priority.HIGH, chat=True)
+    fields = request_to_fields(req)
+    assert all(isinstance(v, str) for v in fields.values())
+    assert fields["stop"] == '["\\n\\n", "END"]' and fields["chat"] == "1"
+    parsed = parse_request(EID, as_bytes(fields))
+    assert parsed == dataclasses.replace(req, enqueued_ms=1700000000123)
+    assert parsed.deadline_at_ms == 1700000000123 + 2500
+    assert parsed.expired(1700000000123 + 2501) and not parsed.expired(1700000000123 + 2500)
+
+
+def test_request_defaults_are_omitted_and_restored():
+    req = Request(id="r", prompt_ids=(1, 2, 3))
+    assert request_to_fields(req) == {"id": "r", "prompt_ids": "[1,2,3]"}
+    assert parse_request(EID, request_to_fields(req)) == dataclasses.replace(req, enqueued_ms=1700000000123)
+
+
+def test_request_without_id_takes_the_entry_id():
+    req = parse_request(EID, {b"prompt": b"hi"})
+    assert req.id == EID and req.prompt == "hi" and req.max_tokens == 128
+    assert Keys().out(req.id) == f"pdq:{{default}}:out:{EID}"
+
+
+def test_redis_cli_style_values_are_accepted():
+    req = parse_request(EID, {"prompt": "x", "max_tokens": " 5 ", "temperature": "0",
+                              "top_p": ".5", "chat": "true", "priority": "HIGH"})
+    assert (req.max_tokens, req.temperature, req.top_p, req.chat, req.priority) == (
+        5, 0.0, 0.5, True, Priority.HIGH)
+
+
+BAD_REQUESTS = [
+    ({}, "needs 'prompt' or 'prompt_ids'"),
+    ({"prompt": "a", "prompt_ids": "[1]"}, "both 'prompt' and 'prompt_ids'"),
+    ({"prompt": b"\xff\xfe"}, "field 'prompt' is not valid UTF-8"),
+    ({"prompt": "a", "max_tokens": "ten"}, "max_tokens must be an integer"),
+    ({"prompt": "a", "max_tokens": "-3"}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "a", "max_tokens": "0"}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "a", "max_tokens": "1.5"}, "max_tokens must be an integer"),
+    ({"prompt": "a", "temperature": "-0.1"}, "temperature must be a finite number >= 0"),
+    ({"prompt": "a", "temperature": "nan"}, "temperature must be a finite decimal number"),
+    ({"prompt": "a", "temperature": "1e999"}, "temperature must be a finite decimal number"),
+    ({"prompt": "a", "top_p": "0"}, "top_p must be in (0, 1]"),
+    ({"prompt": "a", "top_p": "1.01"}, "top_p must be in (0, 1]"),
+    ({"prompt": "a", "top_k": "-1"}, "top_k must be an integer >= 0"),
+    ({"prompt": "a", "seed": "-1"}, "seed must be an integer in [0, 2**63)"),
+    ({"prompt": "a", "deadline_ms": "0"}, "deadline_ms must be an integer >= 1"),
+    ({"prompt_ids": "[1, 2"}, "prompt_ids is not valid JSON"),
+    ({"prompt_ids": '{"a": 1}'}, "prompt_ids must be a JSON array"),
+    ({"prompt_ids": "[1, -2]"}, "prompt_ids must be a JSON array of non-negative integers"),
+    ({"prompt_ids": '[1, "2"]'}, "prompt_ids must be a JSON array of non-negative integers"),
+    ({"prompt_ids": "[1.0]"}, "prompt_ids must be a JSON array of non-negative integers"),
+    ({"prompt_ids": "[true]"}, "prompt_ids must be a JSON array of non-negative integers"),
+    ({"prompt_ids": "[]"}, "prompt_ids is empty"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "a", "stop": "\n"}, "stop is not valid JSON"),
+    ({"prompt": "a", "stop": "[1]"}, "stop must be a JSON array of strings"),
+    ({"prompt": "a", "stop": '[""]'}, "stop must be a list of non-empty strings"),
+    ({"prompt": "a", "priority": "urgent"}, "priority must be 'normal' or 'high'"),
+    ({"prompt": "a", "chat": "yes"}, "chat must be 1 or 0"),
+    ({"prompt_ids": "[1]", "chat": "1"}, "chat=1 needs 'prompt'"),
+    ({"prompt": "a", "temprature": "0"}, "unknown field 'temprature'"),
+]
+
+
+@pytest.mark.parametrize("fields,reason", BAD_REQUESTS)
+def test_bad_request_reasons(fields, reason):
+    with pytest.raises(RequestError) as info:
+        parse_request(EID, as_bytes({"id": "req-9", **fields}))
+    assert reason in info.value.reason
+    assert info.value.request_id == "req-9"  # the error can be answered on out:req-9
+    assert info.value.code == "bad_request"
+
+
+@pytest.mark.parametrize("bad_id", ["", "a b", "x" * 129, "a/b", "é", "a{b}"])
+def test_bad_id_has_no_answer_stream(bad_id):
+    with pytest.raises(RequestError) as info:
+        parse_request(EID, {"id": bad_id, "prompt": "hi"})
+    assert "id must be 1..128 characters" in info.value.reason
+    assert info.value.request_id is None
+
+
+def test_bad_request_without_id_names_the_entry_id():
+    with pytest.raises(RequestError) as info:
+        parse_request(EID, {b"prompt": b"hi", b"max_tokens": b"0"})
+    assert info.value.request_id == EID
+    with pytest.raises(RequestError) as info:
+        parse_request(None, {b"prompt": b"hi"})
+    assert "no 'id' field" in info.value.reason
+
+
+def test_request_error_codes():
+    assert RequestError("x", "r", ErrorCode.TOO_LONG).code == "too_long"
+    assert RequestError("x", "r", "duplicate").code == "duplicate"
+    assert isinstance(RequestError("x"), ValueError)
+
+
+FIELD_NAMES = st.sampled_from(list(REQUEST_FIELDS)) | st.text(max_size=8)
+FIELD_VALUES = (st.binary(max_size=24) | st.text(max_size=24)
+                | st.sampled_from(["0", "-1", "1e999", "nan", "[1,2]", "[-1]", '["a"]', "[",
+                                   "high", "1", "0.5", "[[[[[[]]]]]]", "9" * 40, "true"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(FIELD_NAMES | st.binary(max_size=8), FIELD_VALUES, max_size=6))
+def test_parse_request_raises_only_request_error(fields):
+    try:
+        req = parse_request(EID, fields)
+    except RequestError as exc:
+        assert exc.reason and exc.code == "bad_request"
+    else:
+        assert parse_request(EID, request_to_fields(req)) == req  # what parses, round-trips
+
+
+# -- results -------------------------------------------------------------------------------
+
+def test_token_entry_round_trip():
+    fields = token_entry(3, [17, 18], "é!")
+    assert fields == {"type": "token", "index": "3", "token_ids": "[17,18]", "text": "é!"}
+    event = parse_result(b"5-0", as_bytes(fields))
+    assert (event.type, event.index, event.token_ids, event.text, event.entry_id) == (
+        ResultType.TOKEN, 3, (17, 18), "é!", "5-0")
+
+
+def test_done_entry_round_trip():
+    completion = Completion(
+        request_id="r1", text="hi there", token_ids=(5, 6), finish_reason=FinishReason.LENGTH,
+        num_prompt_tokens=4, ttft_ms=12.5, queue_ms=1.25, prefill_ms=10.0, transfer_ms=0.5,
+        transfer_bytes=65536, decode_ms=30.125, tbt_p50_ms=15.0, tbt_max_ms=16.0, e2e_ms=44.0,
+        prefill_worker="p0", decode_worker="d0", transfer_path="shm")
+    fields = done_entry(completion)
+    assert all(isinstance(v, str) for v in fields.values())
+    event = parse_result("9-0", as_bytes(fields))
+    assert event.type is ResultType.DONE and event.completion == completion
+    assert event.completion.num_tokens == 2
+
+
+def test_error_entry_round_trip():
+    event = parse_result("1-0", as_bytes(error_entry("prompt too long", ErrorCode.TOO_LONG, 0)))
+    assert (event.type, event.reason, event.code, event.index) == (
+        ResultType.ERROR, "prompt too long", "too_long", 0)
+    assert parse_result("1-0", error_entry("boom")).code == "internal"
+
+
+@pytest.mark.parametrize("fields", [{}, {"type": "nope"}, {"type": "token", "index": "x"},
+                                    {"type": "token", "index": "0", "token_ids": "[oops"},
+                                    {"type": "done", "finish_reason": "eos"}])
+def test_malformed_results_raise_protocol_error(fields):
+    with pytest.raises(ProtocolError):
+        parse_result("1-0", fields)
+
+
+# -- handoff -------------------------------------------------------------------------------
+
+def make_handoff(**overrides) -> Handoff:
+    values = dict(
+        request=Request(id="r1", prompt="hi", seed=None, stop=("x",), enqueued_ms=1700000000000),
+        prompt_ids=[1, 2, 3], output_ids=[7], seed=99,
+        ticket={"version": 1, "segment": "pdq-kv-1", "block_ids": [0, 4], "lease_deadline": 1.5},
+        prefill_worker="p0", enqueued_ms=1700000000000.0, prefill_start_ms=1700000000001.5,
+        prefill_end_ms=1700000000010.0, first_token_ms=1700000000010.25, attempt=1)
+    values.update(overrides)
+    return Handoff(**values)
+
+
+def test_handoff_round_trip():
+    handoff = make_handoff()
+    fields = encode_handoff(handoff)
+    assert fields["id"] == b"r1" and isinstance(fields["data"], bytes)
+    assert decode_handoff(as_bytes(fields)) == handoff
+    assert decode_handoff(encode_handoff(make_handoff(ticket=None))).ticket is None
+
+
+def test_handoff_rejects_other_versions_and_garbage():
+    body = msgpack.unpackb(encode_handoff(make_handoff())["data"])
+    body["version"] = PROTOCOL_VERSION + 1
+    with pytest.raises(HandoffError, match="version 2 is not supported"):
+        decode_handoff({b"data": msgpack.packb(body)})
+    for data in [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"version": PROTOCOL_VERSION})]:
+        with pytest.raises(HandoffError):
+            decode_handoff({b"data": data})
+    with pytest.raises(HandoffError, match="no 'data'"):
+        decode_handoff({b"id": b"r1"})
+    with pytest.raises(HandoffError, match="output_ids is empty"):
+        decode_handoff(encode_handoff(make_handoff(output_ids=[])))
+
+
+def test_producer_imports_no_torch():
+    code = ("import sys, pdqueue; from pdqueue import Client, AsyncClient; "
+            "import pdqueue.queue, pdqueue.config; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

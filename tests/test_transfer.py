@@ -1,0 +1,440 @@
+"""KV transport against real processes, shared memory and sockets (no mocks).
+
+A sender runs in a spawned child: it creates its pool in a shm segment, fills it with seeded
+values, and exports tickets on command (over a Pipe). The test process is the receiver.
+Segments use a per-run name prefix in /dev/shm; none may be left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer import (FailureCode, KVReceiver, KVSender, LeaseTable, SharedKVPool, Ticket, TransferError,
+                              cleanup_segments, node_id)
+from pdqueue.transfer.blocks import plan_frames
+
+pytestmark = pytest.mark.timeout(120)
+
+SHM_DIR = "/dev/shm"
+PREFIX = f"pdq-kv-test{uuid.uuid4().hex[:8]}"
+NODE = "test-node"
+SMALL = KVCacheLayout(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=2, head_dim=8)   # 64 KiB
+
+
+def pool_values(layout: KVCacheLayout, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.shape, generator=gen).to(layout.torch_dtype)
+
+
+def _sender_main(conn, cfg: dict) -> None:
+    torch.set_num_threads(1)
+    layout = KVCacheLayout.from_dict(cfg["layout"])
+    pool = SharedKVPool.create(layout, cfg["prefix"], cfg["worker_id"], cfg["incarnation"], shm_dir=SHM_DIR)
+    pool.tensor.copy_(pool_values(layout, cfg["seed"]))
+    sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=cfg["lease_s"],
+                                      max_frame_bytes=cfg["max_frame_bytes"])
+    conn.send({"endpoint": sender.endpoint, "segment": pool.name, "nonce": pool.nonce, "pid": os.getpid()})
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "export":
+            conn.send(sender.export(*args).to_dict())
+        elif cmd == "poll":
+            conn.send(sender.poll_freeable())
+        elif cmd == "close":
+            sender.close()
+            pool.close()
+            conn.send("closed")
+            return
+
+
+class SenderProcess:
+    """A prefill-side sender in a spawned child process."""
+
+    def __init__(self, layout: KVCacheLayout = SMALL, *, seed: int = 1, lease_s: float = 10.0,
+                 max_frame_bytes: int = 1024, incarnation: str | None = None):
+        self.layout = layout
+        self.seed = seed
+        self.worker_id = f"w{uuid.uuid4().hex[:6]}"
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        cfg = {"layout": layout.to_dict(), "prefix": PREFIX, "worker_id": self.worker_id,
+               "incarnation": self.incarnation, "node": NODE, "seed": seed, "lease_s": lease_s,
+               "max_frame_bytes": max_frame_bytes}
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
+        self.proc.start()
+        self.info = self._recv(60)
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("sender child did not answer")
+        return self.conn.recv()
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self._recv(30)
+
+    def export(self, request_id: str, block_ids, lease_s: float | None = None) -> Ticket:
+        num_tokens = len(block_ids) * self.layout.block_size - 1
+        return Ticket.from_dict(self.call("export", request_id, list(block_ids), num_tokens, lease_s))
+
+    def poll(self) -> list:
+        return self.call("poll")
+
+    def expected(self) -> torch.Tensor:
+        return pool_values(self.layout, self.seed)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            assert self.call("close") == "closed"
+        self.proc.join(10)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+
+def own_segments() -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segment_left_behind():
+    yield
+    left = own_segments()
+    for name in left:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not left, f"segments left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def sender():
+    proc = SenderProcess()
+    yield proc
+    proc.close()
+
+
+@pytest.fixture
+def local_pool():
+    return SMALL.allocate()
+
+
+def rid() -> str:
+    return f"req-{uuid.uuid4().hex[:8]}"
+
+
+def shuffled(n: int, k: int) -> list[int]:
+    return random.Random(k * 7919 + n).sample(range(n), k)
+
+
+def assert_copied(dst_pool, dst_ids, expected, src_ids) -> None:
+    assert torch.equal(dst_pool[:, :, dst_ids], expected[:, :, src_ids])
+    untouched = [b for b in range(dst_pool.shape[2]) if b not in set(dst_ids)]
+    assert not dst_pool[:, :, untouched].any(), "blocks outside dst_block_ids were written"
+
+
+# -- the data paths ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["shm", "zmq", "auto"])
+@pytest.mark.parametrize("num_blocks", [1, 3, 11])   # 11 blocks: planes split across frames
+def test_fetch_is_bit_exact_into_shuffled_blocks(sender, local_pool, mode, num_blocks):
+    src_ids, dst_ids = shuffled(64, num_blocks), shuffled(64, num_blocks)[::-1]
+    ticket = sender.export(rid(), src_ids)
+    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+        result = receiver.fetch(ticket, dst_ids)
+    assert result.path == ("zmq" if mode == "zmq" else "shm")
+    assert result.nbytes == num_blocks * 2 * SMALL.num_layers * SMALL.block_nbytes
+    assert_copied(local_pool, dst_ids, sender.expected(), src_ids)
+
+
+def test_auto_uses_zmq_across_nodes_and_frames_follow_the_plan(sender, local_pool):
+    src_ids = shuffled(64, 11)
+    ticket = sender.export(rid(), src_ids)
+    assert len(plan_frames(4, 11, SMALL.block_nbytes, 1024)) == 12   # 4 planes x 3 block ranges
+    with KVReceiver(local_pool, SMALL, "another-node", mode="auto", timeout_s=5) as receiver:
+        assert receiver.fetch(ticket.to_dict(), list(range(11))).path == "zmq"
+    assert_copied(local_pool, list(range(11)), sender.expected(), src_ids)
+
+
+def test_release_returns_blocks_to_the_engine_exactly_once(sender, local_pool):
+    sender.poll()
+    tickets = [sender.export(rid(), [10 + i, 30 + i]) for i in range(3)]
+    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as shm, \
+            KVReceiver(local_pool, SMALL, NODE, mode="zmq", timeout_s=5) as zmq:
+        shm.fetch(tickets[0], [0, 1])
+        zmq.fetch(tickets[1], [2, 3])
+        time.sleep(0.1)   # the zmq release is fire-and-forget
+        freed = dict(sender.poll())
+        assert freed == {tickets[0].request_id: (10, 30), tickets[1].request_id: (11, 31)}
+        assert sender.poll() == []
+        with pytest.raises(TransferError) as err:   # a released ticket cannot be fetched again
+            shm.fetch(tickets[0], [0, 1])
+        assert err.value.code == FailureCode.UNKNOWN_REQUEST and not err.value.retryable
+        shm.fetch(tickets[2], [4, 5])
+    assert dict(sender.poll()) == {tickets[2].request_id: (12, 32)}
+
+
+@pytest.mark.parametrize("mode", ["shm", "zmq"])
+def test_expired_lease_frees_blocks_and_fetch_fails(sender, local_pool, mode):
+    sender.poll()
+    before = sender.export(rid(), [40, 41], lease_s=0.2)   # fetched after expiry, before poll
+    after = sender.export(rid(), [42], lease_s=0.2)        # fetched after the engine polled
+    time.sleep(0.3)
+    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+        with pytest.raises(TransferError) as err:
+            receiver.fetch(before, [0, 1])
+        assert err.value.code == FailureCode.LEASE_EXPIRED and not err.value.retryable
+        assert dict(sender.poll()) == {before.request_id: (40, 41), after.request_id: (42,)}
+        assert sender.poll() == []
+        with pytest.raises(TransferError) as err:
+            receiver.fetch(after, [2])
+        assert err.value.code == FailureCode.LEASE_EXPIRED
+
+
+@pytest.mark.parametrize("mode", ["shm", "zmq", "auto"])
+def test_stale_incarnation_is_rejected(sender, local_pool, mode):
+    ticket = sender.export(rid(), [5])
+    stale = dataclasses.replace(ticket, incarnation="0" * 12)
+    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+        with pytest.raises(TransferError) as err:
+            receiver.fetch(stale, [0])
+        assert err.value.code == FailureCode.STALE_INCARNATION and not err.value.retryable
+        receiver.fetch(ticket, [0])   # the genuine ticket still works
+    checked = KVReceiver(local_pool, SMALL, NODE, is_current=lambda worker, inc: False)
+    with checked, pytest.raises(TransferError) as err:
+        checked.fetch(sender.export(rid(), [6]), [0])
+    assert err.value.code == FailureCode.STALE_INCARNATION
+
+
+@pytest.mark.parametrize("mode", ["shm", "zmq", "auto"])
+def test_nonce_mismatch_is_rejected(sender, local_pool, mode):
+    ticket = dataclasses.replace(sender.export(rid(), [7]), nonce="ab" * 16)
+    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+        with pytest.raises(TransferError) as err:
+            receiver.fetch(ticket, [0])
+    assert err.value.code == FailureCode.NONCE_MISMATCH
+    assert not local_pool.any()
+
+
+def test_bad_tickets_are_rejected_before_any_io(sender, local_pool):
+    ticket = sender.export(rid(), [8, 9])
+    other = dataclasses.replace(SMALL, head_dim=16)
+    cases = {
+        FailureCode.VERSION_MISMATCH: (dataclasses.replace(ticket, version=99), [0, 1]),
+        FailureCode.LAYOUT_MISMATCH: (dataclasses.replace(ticket, layout=other.to_dict()), [0, 1]),
+        FailureCode.BAD_TICKET: (ticket, [0, 0]),
+    }
+    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
+        for code, (bad, dst) in cases.items():
+            with pytest.raises(TransferError) as err:
+                receiver.fetch(bad, dst)
+            assert err.value.code == code
+        with pytest.raises(TransferError) as err:
+            receiver.fetch({"version": 1}, [0])
+        assert err.value.code == FailureCode.BAD_TICKET
+        receiver.fetch(ticket, [0, 1])
+
+
+def test_fetches_from_background_threads(sender, local_pool):
+    tickets = [(sender.export(rid(), [50 + i, 20 + i]), [2 * i, 2 * i + 1]) for i in range(6)]
+    errors = []
+    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
+        def work(items):
+            try:
+                for ticket, dst in items:
+                    receiver.fetch(ticket, dst)
+            except Exception as exc:   # pragma: no cover - reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=work, args=(tickets[i::2],)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert not errors
+    expected = sender.expected()
+    for ticket, dst in tickets:
+        assert torch.equal(local_pool[:, :, dst], expected[:, :, list(ticket.block_ids)])
+
+
+# -- failures of the sender ------------------------------------------------------------------
+
+def test_killed_sender_fails_fast_and_its_segment_is_cleaned_up(sender, local_pool):
+    victim = SenderProcess(seed=2)
+    tickets = {mode: victim.export(rid(), [1, 2]) for mode in ("shm", "zmq")}
+    assert victim.info["segment"] in own_segments()
+    victim.kill()
+    for mode, ticket in tickets.items():
+        with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=0.5) as receiver:
+            start = time.monotonic()
+            with pytest.raises(TransferError) as err:
+                receiver.fetch(ticket, [0, 1])
+            assert time.monotonic() - start < 2.0
+            assert err.value.code == FailureCode.PEER_TIMEOUT and not err.value.retryable
+    live = {(sender.worker_id, sender.incarnation)}
+    removed = cleanup_segments(lambda worker, inc: (worker, inc) in live, name_prefix=PREFIX)
+    assert removed == [victim.info["segment"]]
+    assert own_segments() == [sender.info["segment"]]
+
+
+def test_bf16_pool_and_clean_close_leaves_no_segment(local_pool):
+    layout = dataclasses.replace(SMALL, dtype="bfloat16")
+    proc = SenderProcess(layout, seed=3, max_frame_bytes=512)
+    dst_pool = layout.allocate()
+    try:
+        for mode in ("shm", "zmq"):
+            ticket = proc.export(rid(), [3, 9, 4])
+            with KVReceiver(dst_pool, layout, NODE, mode=mode, timeout_s=5) as receiver:
+                receiver.fetch(ticket, [60, 2, 61])
+            assert torch.equal(dst_pool[:, :, [60, 2, 61]], proc.expected()[:, :, [3, 9, 4]])
+    finally:
+        proc.close()
+    assert proc.info["segment"] not in own_segments()
+
+
+# -- the pieces on their own --------------------------------------------------------------------
+
+def test_lease_table_hands_blocks_back_exactly_once():
+    now = [100.0]
+    table = LeaseTable(lease_s=10, clock=lambda: now[0])
+    table.add("a", [1, 2], 5)
+    table.add("b", [3], 2)
+    table.add("c", [4], 2)
+    with pytest.raises(ValueError):
+        table.add("a", [9], 1)
+    assert table.acquire("a") and table.release("a")
+    assert table.poll_freeable() == [("a", (1, 2))]
+    assert table.poll_freeable() == [] and not table.release("a") and not table.acquire("a")
+    now[0] = 105.0
+    assert table.acquire("b")          # pins: deadline is now 115
+    now[0] = 111.0
+    assert table.expire() == 1         # c expired (deadline 110); b is pinned
+    assert not table.acquire("c")
+    assert table.release("c")          # bytes still intact: not yet handed back
+    assert table.poll_freeable() == [("c", (4,))]
+    now[0] = 116.0
+    assert table.poll_freeable() == [("b", (3,))]
+    assert not table.release("b")      # too late: the engine may already reuse block 3
+    assert len(table) == 0 and table.num_held_blocks() == 0
+
+
+def test_node_id_is_shared_created_once_and_overridable(tmp_path, monkeypatch):
+    monkeypatch.delenv("PDQ_NODE_ID", raising=False)
+    ids = []
+    threads = [threading.Thread(target=lambda: ids.append(node_id(str(tmp_path)))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(ids)) == 1 and len(ids[0]) == 32
+    assert (tmp_path / "pdq-node-id").read_text().strip() == ids[0]
+    assert sorted(os.listdir(tmp_path)) == ["pdq-node-id"]   # no temporary file left
+    other = tmp_path / "other-domain"
+    other.mkdir()
+    assert node_id(str(other)) != ids[0]
+    monkeypatch.setenv("PDQ_NODE_ID", "pinned")
+    assert node_id(str(tmp_path)) == "pinned"
+
+
+def test_segment_header_is_validated_and_owner_unlinks():
+    layout = SMALL
+    worker, incarnation = f"w{uuid.uuid4().hex[:6]}", "inc1"
+    owner = SharedKVPool.create(layout, PREFIX, worker, incarnation)
+    try:
+        with pytest.raises(FileExistsError):
+            SharedKVPool.create(layout, PREFIX, worker, incarnation)
+        owner.tensor[1, 0, 5].fill_(3.5)
+        peer = SharedKVPool.attach(owner.name, owner.nonce)
+        assert float(peer.tensor[1, 0, 5, 0, 0, 0]) == 3.5 and peer.layout == layout
+        assert (peer.info.worker_id, peer.info.incarnation) == (worker, incarnation)
+        peer.close()
+        with pytest.raises(TransferError) as err:
+            SharedKVPool.attach(owner.name, "00" * 16)
+        assert err.value.code == FailureCode.NONCE_MISMATCH
+        with pytest.raises(TransferError) as err:
+            SharedKVPool.attach(owner.name + "-missing", owner.nonce)
+        assert err.value.code == FailureCode.SEGMENT_UNAVAILABLE and err.value.retryable
+    finally:
+        owner.close()
+    assert owner.name not in own_segments()
+    junk = os.path.join(SHM_DIR, f"{PREFIX}-junk-1")
+    with open(junk, "wb") as f:
+        f.write(b"not a segment")
+    with pytest.raises(TransferError):
+        SharedKVPool.attach(os.path.basename(junk), "00")
+    assert cleanup_segments(lambda w, i: True, name_prefix=PREFIX) == []           # may still be in creation
+    assert cleanup_segments(lambda w, i: True, name_prefix=PREFIX, grace_s=0) == [os.path.basename(junk)]
+
+
+# -- throughput sanity (printed, not asserted) --------------------------------------------------
+
+def _best(fn, repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _raw_socket_seconds(nbytes: int) -> float:
+    payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+    sink = bytearray(nbytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+
+    def receive():
+        view, got = memoryview(sink), 0
+        while got < nbytes:
+            got += client.recv_into(view[got:])
+
+    def once():
+        thread = threading.Thread(target=receive)
+        thread.start()
+        conn.sendall(payload)
+        thread.join()
+    try:
+        return _best(once)
+    finally:
+        for s in (conn, client, server):
+            s.close()
+
+
+def test_throughput_sanity(capsys):
+    layout = KVCacheLayout(num_layers=8, num_blocks=192, block_size=16, num_kv_heads=4, head_dim=64)  # 48 MiB
+    num_blocks = 128                                                                                 # 32 MiB
+    proc = SenderProcess(layout, seed=4, max_frame_bytes=16 << 20, lease_s=60)
+    try:
+        dst_pool = layout.allocate()
+        src_ids, dst_ids = shuffled(192, num_blocks), shuffled(192, num_blocks)
+        nbytes = num_blocks * 2 * layout.num_layers * layout.block_nbytes
+        results = {}
+        for mode in ("shm", "zmq"):
+            with KVReceiver(dst_pool, layout, NODE, mode=mode, timeout_s=10) as receiver:
+                tickets = iter([proc.export(rid(), src_ids) for _ in range(4)])
+                receiver.fetch(next(tickets), dst_ids)   # warm: map the segment, connect
+                results[mode] = _best(lambda: receiver.fetch(next(tickets), dst_ids))
+            assert torch.equal(dst_pool[:, :, dst_ids], proc.expected()[:, :, src_ids])
+        a, b = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+        b.copy_(a)
+        torch_s = _best(lambda: b.copy_(a))
+        raw_s = _raw_socket_seconds(nbytes)
+    finally:
+        proc.close()
+    gbps = {name: nbytes / s / 1e9 for name, s in {**results, "torch": torch_s, "raw": raw_s}.items()}
+    with capsys.disabled():
+        print(f"\n[throughput, {nbytes >> 20} MiB, {num_blocks} scattered blocks] "
+              f"shm fetch {gbps['shm']:.2f} GB/s vs torch copy {gbps['torch']:.2f} GB/s; "
+              f"zmq fetch {gbps['zmq']:.2f} GB/s vs raw TCP socket {gbps['raw']:.2f} GB/s")

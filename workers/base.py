@@ -1,0 +1,225 @@
+"""What the three worker roles share: connecting, registering, request intake, answering.
+
+Intake turns a ``requests`` stream entry into an engine request or into an answer:
+parse (protocol) -> idempotency (``seen:<id>``) -> deadline and cancel -> tokenize ->
+limits that need the model (context, KV pool, vocabulary). Anything that cannot run is
+answered with an ``error`` entry on ``out:<id>`` (when the id is usable), copied to
+``dead`` with its reason, and acknowledged, all in one MULTI/EXEC. The worker goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from pdqueue import keys as K
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.keys import Keys
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Request, RequestError,
+                              done_entry, error_entry, parse_request, token_entry)
+from pdqueue.queue import streams
+from pdqueue.queue.publisher import Publisher
+from pdqueue.queue.registry import Heartbeat
+from workers.common import Backoff, StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
+
+log = logging.getLogger("pdqueue.worker")
+
+
+@dataclass(slots=True)
+class Intake:
+    """A request taken from ``requests`` and admitted into the engine."""
+    stream: str
+    entry_id: str
+    request: Request
+    prompt_ids: list[int]
+    params: SamplingParams
+    read_ms: float
+    token_times_ms: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5,
+                                health_check_interval=30)
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(self, config: WorkerConfig, loaded):
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.worker_id = config.worker_id or new_worker_id(self.role)
+        self.incarnation = new_incarnation()
+        self.keys = Keys(config.cluster)
+        self.r = connect(config.redis_url)
+        self.stop = StopFlag()
+        self.backoff = Backoff()
+        self.heartbeat = None
+
+    # ---- intake --------------------------------------------------------------------------
+    def intake(self, engine, stream: str, entry_id: str, fields: dict, ops: list) -> Intake | None:
+        """Admit one request entry into ``engine``, or append its answer (error, cancel,
+        expiry) and acknowledgement to ``ops`` (callables ``fn(pipe)`` that the caller runs
+        in one MULTI/EXEC). Returns the Intake when admitted."""
+
+        read_ms = now_ms()
+        try:
+            if fields is None:  # deleted while pending
+                ops.append(lambda p: streams.ack_into(p, stream, K.PREFILL_GROUP, entry_id))
+                return None
+            req = parse_request(entry_id, fields)
+            if not streams.claim_request_id(self.r, self.keys, req.id, entry_id):
+                self.reject(ops, stream, entry_id, fields, None,
+                            f"request id {req.id!r} was already taken by another entry", ErrorCode.DUPLICATE)
+                return None
+            if req.expired(read_ms):
+                self.finish_early(ops, stream, entry_id, req, FinishReason.EXPIRED)
+                return None
+            if self.r.exists(self.keys.cancel(req.id)):
+                self.finish_early(ops, stream, entry_id, req, FinishReason.CANCELLED)
+                return None
+            prompt_ids = self.tokenize(req)
+            reason = engine.check_prompt(len(prompt_ids))
+            if reason:
+                raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
+            seed = req.seed if req.seed is not None else secrets.randbits(63)
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=seed, stop=tuple(req.stop))
+            engine.add_request(req.id, prompt_ids, params)
+            return Intake(stream, entry_id, req, prompt_ids, params, read_ms)
+        except RequestError as exc:
+            rid = exc.request_id
+            self.reject(ops, stream, entry_id, fields, rid, exc.reason, exc.code)
+        except Exception as exc:  # a bug must not kill the worker or lose the entry's answer
+            log.exception("intake of %s failed", entry_id)
+            self.reject(ops, stream, entry_id, fields or {}, None, f"internal error: {exc}", ErrorCode.INTERNAL)
+        return None
+
+    def tokenize(self, req: Request) -> list[int]:
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+            vocab = self.loaded.config.vocab_size
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"prompt_ids has token id {bad[0]}; the vocabulary has {vocab} ids", req.id)
+        else:
+            text = req.prompt
+            if req.chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens)", req.id)
+        return ids
+
+    def reject(self, ops, stream, entry_id, fields, request_id, reason, code,
+               group: str = K.PREFILL_GROUP) -> None:
+        """Answer an entry that cannot run: error on out:<id>, a copy on dead, ack."""
+        code = getattr(code, "value", code)
+        log.info("rejected %s (%s): %s", request_id or entry_id, code, reason)
+        if request_id and code != ErrorCode.DUPLICATE.value:
+            self.add_error(ops, request_id, reason, code)
+        fields = dict(fields or {})
+        ops.append(lambda p: streams.dead_letter(p, self.keys, fields, reason, stream, entry_id,
+                                                 code=code, worker=self.worker_id))
+        self.add_ack(ops, stream, entry_id, group)
+
+    def finish_early(self, ops, stream, entry_id, req: Request, reason: FinishReason) -> None:
+        c = Completion(req.id, "", (), reason, e2e_ms=max(0.0, now_ms() - req.enqueued_ms),
+                       prefill_worker=self.worker_id)
+        self.add_done(ops, c)
+        self.add_ack(ops, stream, entry_id, K.PREFILL_GROUP)
+
+    def add_error(self, ops, request_id: str, reason: str, code, index: int | None = None) -> None:
+        fields = error_entry(reason, code, index)
+        ops.append(lambda p: streams.xadd_expiring(p, self.keys.out(request_id), fields, K.OUT_TTL_S))
+
+    def add_done(self, ops, c: Completion) -> None:
+        fields = done_entry(c)
+        ops.append(lambda p: streams.xadd_expiring(p, self.keys.out(c.request_id), fields, K.OUT_TTL_S))
+        ops.append(lambda p: streams.xadd_into(p, self.keys.done, fields, maxlen=K.DONE_MAXLEN))
+
+    def add_token(self, ops, request_id: str, index: int, token_id: int, text: str) -> None:
+        fields = token_entry(index, [token_id], text)
+        ops.append(lambda p: streams.xadd_expiring(p, self.keys.out(request_id), fields, K.OUT_TTL_S))
+
+    def add_ack(self, ops, stream: str, entry_id: str, group: str) -> None:
+        ops.append(lambda p: streams.ack_into(p, stream, group, entry_id))
+
+    def make_publisher(self) -> Publisher:
+        return Publisher(lambda: connect(self.config.redis_url), name=f"pdq-publisher-{self.worker_id}")
+
+    def read(self, group: str, stream_names, count: int, block_ms: int):
+        """XREADGROUP with reconnects: [] while Redis is unavailable."""
+        try:
+            entries = streams.read_group(self.r, group, self.worker_id, stream_names, count=count,
+                                         block_ms=block_ms or None)
+            self.backoff.reset()
+            return entries
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("redis unavailable (%s); retrying", exc)
+            self.backoff.sleep(self.stop.cold)
+            return []
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):  # Redis restarted without persistence
+                self.ensure_groups()
+                return []
+            raise
+
+    def start_heartbeat(self, **info) -> None:
+        while True:
+            try:
+                self.heartbeat = Heartbeat(self.r, self.keys, self.worker_id, role=self.role,
+                                           incarnation=self.incarnation, model=self.config.engine.model,
+                                           **info).start()
+                return
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if self.stop.cold.is_set():
+                    raise
+                log.warning("redis unavailable at start (%s); retrying", exc)
+                self.backoff.sleep(self.stop.cold)
+
+    # ---- redis with retries --------------------------------------------------------------
+    def execute(self, build) -> list | None:
+        """Run ``build(pipe)`` as one MULTI/EXEC, retrying connection errors with capped
+        backoff until it goes through or a cold stop is asked for."""
+        while not self.stop.cold.is_set():
+            try:
+                with self.r.pipeline(transaction=True) as pipe:
+                    build(pipe)
+                    result = pipe.execute()
+                self.backoff.reset()
+                return result
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                self.backoff.sleep(self.stop.cold)
+        return None
+
+    def ensure_groups(self) -> None:
+        for stream in self.keys.request_streams:
+            streams.ensure_group(self.r, stream, K.PREFILL_GROUP)
+        for stream in self.handoff_streams():
+            streams.ensure_group(self.r, stream, K.DECODE_GROUP)
+
+    def handoff_streams(self) -> list[str]:
+        return [self.keys.handoff]
+
+
+def tbt_stats(times_ms: list[float]) -> tuple[float, float]:
+    gaps = sorted(b - a for a, b in zip(times_ms, times_ms[1:]))
+    if not gaps:
+        return 0.0, 0.0
+    return gaps[len(gaps) // 2], gaps[-1]
+
+
+def sleep_briefly(stop: StopFlag, seconds: float) -> None:
+    stop.cold.wait(seconds)
+
+
+__all__ = ["WorkerBase", "Intake", "tbt_stats", "connect", "time"]

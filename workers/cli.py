@@ -1,0 +1,165 @@
+"""The `pdqueue` command: click commands that parse options, build config and call into
+the library or the worker modules. Defaults come from the environment (PDQ_REDIS_URL,
+PDQ_CLUSTER, PDQ_MODEL). User errors print one red line on stderr and exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+DEFAULT_MODEL = "smollm2"
+
+
+class UserError(click.ClickException):
+    """A mistake the user can fix: one red line, exit status 1, no traceback."""
+
+    def show(self, file=None):
+        click.secho(f"error: {self.format_message()}", fg="red", err=True)
+
+
+def model_option(f):
+    return click.option("--model", envvar="PDQ_MODEL", default=DEFAULT_MODEL, show_default=True,
+                        help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")(f)
+
+
+def engine_options(f):
+    for opt in reversed([
+        click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1)."),
+        click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice)."),
+        click.option("--kv-cache-mb", type=int, default=512, show_default=True, help="KV pool size."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def load(model: str, device: str, dtype: str):
+    """Load a model with a progress line on stderr (dequantizing takes a while)."""
+    import torch  # noqa: F401  (imported here so that `pdqueue --help` stays fast)
+
+    from pdqueue.engine.kv_cache import dtype_from_name
+    from pdqueue.models.loader import load_model
+
+    click.secho(f"loading {model} on {device} ({dtype}) ...", fg="cyan", err=True)
+    started = time.perf_counter()
+    try:
+        loaded = load_model(model, device=device, dtype=dtype_from_name(dtype))
+    except (FileNotFoundError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    click.secho(f"loaded in {time.perf_counter() - started:.1f}s", fg="cyan", err=True)
+    return loaded
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available on this machine")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pdqueue")
+def cli():
+    """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
+
+
+@cli.command()
+@click.argument("prompt")
+@model_option
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
+@engine_options
+def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, chat, device, dtype,
+             threads, kv_cache_mb):
+    """Generate in this process with the colocated engine, streaming tokens (the reference)."""
+    from pdqueue.engine.config import EngineConfig
+    from pdqueue.engine.llm_engine import LLMEngine
+    from pdqueue.engine.sampling import SamplingParams
+
+    check_device(device)
+    loaded = load(model, device, dtype)
+    engine = LLMEngine(loaded, EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads,
+                                            kv_cache_mb=kv_cache_mb))
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    prompt_ids = tok.encode(text)
+    reason = engine.check_prompt(len(prompt_ids))
+    if reason:
+        raise UserError(reason)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    started = time.perf_counter()
+    outputs = []
+
+    def show(out):
+        outputs.append(out)
+        click.echo(out.text, nl=False)
+        sys.stdout.flush()
+
+    engine.generate([prompt_ids], params, on_output=show)
+    click.echo()
+    elapsed = time.perf_counter() - started
+    reason = outputs[-1].finish_reason if outputs else "?"
+    click.secho(f"[{len(outputs)} tokens in {elapsed:.2f}s, {len(outputs) / elapsed:.1f} tok/s, "
+                f"finish: {reason}]", fg="cyan", err=True)
+
+
+@cli.group()
+def bench():
+    """Benchmarks: they compare against baselines measured in the same run."""
+
+
+@bench.command("engine")
+@model_option
+@engine_options
+@click.option("--prompt-lens", default="128,512,2048", show_default=True)
+@click.option("--batch-sizes", default="1,8,32", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_engine(model, device, dtype, threads, kv_cache_mb, prompt_lens, batch_sizes, as_json):
+    """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound."""
+    from pdqueue.bench import engine_bench
+    from pdqueue.engine.config import EngineConfig
+
+    check_device(device)
+    try:
+        lens = tuple(int(x) for x in prompt_lens.split(","))
+        sizes = tuple(int(x) for x in batch_sizes.split(","))
+    except ValueError:
+        raise UserError("--prompt-lens and --batch-sizes take comma-separated integers") from None
+    loaded = load(model, device, dtype)
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb)
+    result = engine_bench.run(loaded, config, lens, sizes,
+                              progress=lambda m: click.secho(m, fg="cyan", err=True))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"model {result['model']}  {result['device']} {result['dtype']}  threads {result['threads']}")
+    click.echo(f"weights {result['weight_bytes'] / 2**20:.0f} MiB; copy {result['copy_gb_s']:.2f} GB/s, "
+               f"read {result['read_gb_s']:.2f} GB/s")
+    click.echo(f"bandwidth bound per decode step: {result['bound_ms_copy']:.1f} ms (copy), "
+               f"{result['bound_ms_read']:.1f} ms (read)")
+    for n, v in result["prefill_tok_s"].items():
+        click.echo(f"prefill {n:>5} tokens: {v:8.0f} tok/s")
+    for b, v in result["decode_ms"].items():
+        click.echo(f"decode batch {b:>3}: {v:8.1f} ms/step  ({b / v * 1e3:.0f} tok/s)")
+    for k, v in result["ratios"].items():
+        click.echo(f"{k}: {v:.2f}x")
+
+
+def main():
+    cli(prog_name="pdqueue")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""What every worker process shares: its identity, its configuration, stopping on signals,
+and retrying Redis with capped backoff.
+
+A first SIGTERM/SIGINT asks for a warm stop (finish what is in hand, take nothing new); a
+second one asks for a cold stop (leave now; unfinished work stays pending in Redis and is
+reclaimed by another worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pdqueue.engine.config import EngineConfig
+
+log = logging.getLogger("pdqueue.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    cluster: str = "default"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: str = "auto"          # auto | shm | zmq: how KV reaches the decode side
+    bind: str = "tcp://127.0.0.1:*"  # the prefill worker's KV server (zmq ROUTER)
+    lease_s: float = 30.0           # exported KV is held at most this long for the decode side
+    fetch_timeout_s: float = 10.0
+    max_batch_requests: int = 16    # requests read per XREADGROUP
+    reclaim_idle_ms: int = 15000    # pending entries idle this long are taken over
+    max_attempts: int = 3           # recompute attempts before a request is failed
+    worker_id: str | None = None
+    burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(8)
+
+
+class StopFlag:
+    """Set by signals: ``warm`` after the first, ``cold`` after the second."""
+
+    def __init__(self):
+        self.warm = threading.Event()
+        self.cold = threading.Event()
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.warm.is_set():
+            log.warning("second signal: stopping now")
+            self.cold.set()
+        else:
+            log.warning("signal %s: finishing work in hand, then stopping (again to stop now)", signum)
+            self.warm.set()
+
+
+class Backoff:
+    """Capped exponential backoff with jitter for reconnecting."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0):
+        self.base_s = base_s
+        self.cap_s = cap_s
+        self.attempt = 0
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+    def sleep(self, stop: threading.Event | None = None) -> None:
+        delay = min(self.cap_s, self.base_s * 2 ** self.attempt) * (0.5 + secrets.randbelow(1000) / 2000)
+        self.attempt += 1
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
