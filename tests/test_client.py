@@ -27,7 +27,16 @@ from pdqueue.protocol import (
     parse_request,
     token_entry,
 )
-from pdqueue.queue import Publisher, RedisServer, XAdd, ack_into, dead_letter, ensure_group, read_group
+from pdqueue.queue import (
+    Publisher,
+    RedisServer,
+    XAdd,
+    ack_into,
+    dead_letter,
+    ensure_group,
+    read_group,
+    read_own_pending,
+)
 
 KEYS = Keys()
 
@@ -46,13 +55,20 @@ class EchoWorker:
         self._thread.start()
 
     def _run(self) -> None:
+        recover = False
         while not self._stop.is_set():
             try:
-                entries = read_group(self.r, PREFILL_GROUP, "echo", KEYS.request_streams,
-                                     count=16, block_ms=50)
+                if recover:  # redo what was taken but not acknowledged (tokens get republished)
+                    entries = read_own_pending(self.r, PREFILL_GROUP, "echo", KEYS.request_streams)
+                    recover = False
+                else:
+                    entries = read_group(self.r, PREFILL_GROUP, "echo", KEYS.request_streams,
+                                         count=16, block_ms=50)
                 for stream, entry_id, fields in entries:
-                    self._handle(stream, entry_id, fields)
+                    if fields:
+                        self._handle(stream, entry_id, fields)
             except (redis.ConnectionError, redis.TimeoutError):
+                recover = True
                 time.sleep(0.05)
 
     def _handle(self, stream: str, entry_id: str, fields: dict) -> None:

@@ -157,6 +157,61 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prompt_lens, batch_
         click.echo(f"{k}: {v:.2f}x")
 
 
+ROLES = ("prefill", "decode", "colocated")
+
+
+@cli.command()
+@click.argument("role", type=click.Choice(ROLES))
+@click.option("--redis-url", envvar="PDQ_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@click.option("--cluster", envvar="PDQ_CLUSTER", default="default", show_default=True)
+@model_option
+@engine_options
+@click.option("--policy", type=click.Choice(["prefill_first", "chunked"]), default="prefill_first",
+              show_default=True, help="Colocated scheduling policy.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--transfer", type=click.Choice(["auto", "shm", "zmq"]), default="auto", show_default=True,
+              help="How KV reaches the decode side (auto: shm on the same node, else zmq).")
+@click.option("--bind", default="tcp://127.0.0.1:*", show_default=True, help="Prefill: KV server bind address.")
+@click.option("--lease-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
+@click.option("--worker-id", default=None)
+@click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
+@click.option("--log-level", default="INFO", show_default=True)
+def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, policy, max_num_seqs,
+           max_batched_tokens, transfer, bind, lease_s, worker_id, burst, log_level):
+    """Run one worker process. The first SIGTERM drains, a second one stops now."""
+    from pdqueue.engine.config import EngineConfig
+    from workers.common import WorkerConfig, setup_logging
+
+    setup_logging(log_level)
+    check_device(device)
+    check_redis(redis_url)
+    engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
+                          policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+    config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, bind=bind,
+                          lease_s=lease_s, worker_id=worker_id, burst=burst)
+    loaded = load(model, device, dtype)
+    if role == "prefill":
+        from workers.prefill import PrefillWorker as Worker
+    elif role == "decode":
+        from workers.decode import DecodeWorker as Worker
+    else:
+        from workers.colocated import ColocatedWorker as Worker
+    w = Worker(config, loaded)
+    w.stop.install()
+    w.run()
+
+
+def check_redis(url: str) -> None:
+    """Fail with one clear line when Redis is not reachable."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except (redis.ConnectionError, redis.TimeoutError, ValueError) as exc:
+        raise UserError(f"cannot reach Redis at {url}: {exc}") from None
+
+
 def main():
     cli(prog_name="pdqueue")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgpack
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer.errors import FailureCode, TransferError  # noqa: F401  (part of the interface)
 
 if TYPE_CHECKING:
     import torch

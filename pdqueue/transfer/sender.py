@@ -61,7 +61,12 @@ class KVSender:
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
-        self._sock.bind(endpoint)
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            self._context.term()
+            raise
         self.endpoint = advertise or self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-sender-{worker_id}", daemon=True)
@@ -140,6 +145,13 @@ class KVSender:
             msg = wire.unpack(raw)
         except Exception as exc:
             return [wire.error_reply(None, FailureCode.BAD_REPLY, f"undecodable request: {exc}")]
+        try:
+            return self._dispatch(msg)
+        except Exception as exc:   # answer rather than let the receiver time out
+            log.exception("KV sender %s: %s of %r failed", self.worker_id, msg.get("op"), msg.get("request_id"))
+            return [wire.error_reply(msg.get("seq"), FailureCode.BAD_REPLY, f"sender failed: {exc!r}")]
+
+    def _dispatch(self, msg: dict) -> list:
         seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
         if msg.get("v") != TRANSFER_VERSION:
             return [wire.error_reply(seq, FailureCode.VERSION_MISMATCH,

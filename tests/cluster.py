@@ -1,0 +1,91 @@
+"""Real worker processes for tests: started with the `pdqueue worker` command, found in
+the registry, stopped with SIGTERM (killed if they do not stop), logs kept for failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from pdqueue.keys import Keys
+from pdqueue.queue.registry import list_workers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Cluster:
+    def __init__(self, redis_url: str, log_dir: Path, model: str = "tiny", cluster: str = "default"):
+        self.redis_url = redis_url
+        self.log_dir = Path(log_dir)
+        self.model = model
+        self.cluster = cluster
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.r = redis.Redis.from_url(redis_url)
+        self.keys = Keys(cluster)
+
+    def start(self, role: str, *args: str, worker_id: str | None = None, prefix: list[str] | None = None,
+              env: dict | None = None, wait: bool = True) -> str:
+        worker_id = worker_id or f"{role}-{len(self.procs)}"
+        cmd = [sys.executable, "-m", "workers.cli", "worker", role, "--model", self.model,
+               "--redis-url", self.redis_url, "--cluster", self.cluster, "--worker-id", worker_id,
+               "--threads", "1", "--kv-cache-mb", "16", *args]
+        if prefix:  # e.g. ["unshare", "--mount", "sh", "-c", "mount ... && exec {cmd}"]
+            cmd = [*prefix[:-1], prefix[-1].format(cmd=" ".join(_quote(c) for c in cmd))]
+        log = open(self.log_dir / f"{worker_id}.log", "wb")
+        self.procs[worker_id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        if wait:
+            self.wait_registered(worker_id)
+        return worker_id
+
+    def wait_registered(self, worker_id: str, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for w in list_workers(self.r, self.keys):
+                if w["worker_id"] == worker_id:
+                    return w
+            proc = self.procs[worker_id]
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {worker_id} exited with {proc.returncode}:\n{self.log(worker_id)}")
+            time.sleep(0.05)
+        raise TimeoutError(f"worker {worker_id} did not register:\n{self.log(worker_id)}")
+
+    def workers(self) -> dict[str, dict]:
+        return {w["worker_id"]: w for w in list_workers(self.r, self.keys)}
+
+    def log(self, worker_id: str) -> str:
+        return (self.log_dir / f"{worker_id}.log").read_text(errors="replace")[-4000:]
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        os.killpg(self.procs[worker_id].pid, sig)
+
+    def stop(self, worker_id: str, timeout: float = 30.0) -> int:
+        proc = self.procs[worker_id]
+        if proc.poll() is None:
+            self.signal(worker_id, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(worker_id, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self) -> dict[str, int]:
+        for wid, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    self.signal(wid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        return {wid: self.stop(wid) for wid in list(self.procs)}
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)

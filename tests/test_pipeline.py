@@ -1,0 +1,200 @@
+"""The disaggregated pipeline end to end: real Redis, real worker processes, real shared
+memory and sockets. The colocated engine in this process is the oracle: the pipeline must
+return its tokens, token for token."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+import time
+
+import pytest
+import redis
+
+from pdqueue.client import Client
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.keys import Keys
+from pdqueue.models.loader import load_model
+from tests.cluster import Cluster
+from tests.oracle import assert_same_tokens
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog while seven ravens watch quietly".split()
+    out = []
+    for i in range(n):
+        length = rng.choice([1, 3, 15, 16, 17, 40, 90, 200])
+        out.append(" ".join(rng.choice(words) for _ in range(length))[: max(1, length * 3)])
+    return out
+
+
+def request_params(i: int, sampled: bool) -> dict:
+    if sampled:
+        return {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 1000 + i}
+    return {"max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}
+
+
+def oracle(loaded, prompts: list[str], params: list[dict]) -> list[list[int]]:
+    engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
+    ids = [loaded.tokenizer.encode(p) for p in prompts]
+    sp = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
+                         top_k=p.get("top_k", 0), seed=p["seed"]) for p in params]
+    return ids, engine.generate(ids, sp)
+
+
+def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | None = None):
+    prompts = mixed_prompts(n) * 2
+    params = [request_params(i, sampled=i >= n) for i in range(2 * n)]
+    prompt_ids, expected = oracle(loaded, prompts, params)
+    client = Client(cluster.redis_url, cluster.cluster)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+    results = [h.result(timeout=120) for h in handles]
+    paths = {r.transfer_path for r in results}
+    for pid, exp, res in zip(prompt_ids, expected, results):
+        assert_same_tokens(loaded, pid, exp, list(res.token_ids))
+    if expect_path:
+        assert paths == {expect_path}, paths
+    # The stream carries the completion's tokens, each index once, in order.
+    for h, res in list(zip(handles, results))[:4]:
+        events = list(client.handle(h.request_id).stream(timeout=10))
+        streamed = [t for e in events if e.type == "token" for t in e.token_ids]
+        assert streamed == list(res.token_ids)
+    return results
+
+
+def wait_pools_free(cluster: Cluster, timeout: float = 20.0) -> None:
+    """Every worker's KV pool back to all-free and no lease held (from the heartbeats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = {wid: w.get("load", {}) for wid, w in cluster.workers().items()}
+        busy = {wid: l for wid, l in loads.items()
+                if l.get("kv_free") != l.get("kv_total") or l.get("leases", 0) or l.get("running", 0)}
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not all-free: {busy}")
+        time.sleep(0.2)
+
+
+def segments_of(worker_ids) -> list[str]:
+    return [p for p in glob.glob("/dev/shm/pdq-kv-*") if any(f"-{w}-" in p for w in worker_ids)]
+
+
+@pytest.fixture
+def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    codes = c.stop_all()
+    leftover = segments_of(c.procs)
+    assert not leftover, f"segments left behind: {leftover}"
+    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
+
+
+@pytest.mark.parametrize("num_prefill,num_decode,transfer,path", [
+    (1, 1, "auto", "shm"),
+    (1, 1, "zmq", "zmq"),
+    (2, 2, "auto", "shm"),
+    (2, 2, "zmq", "zmq"),
+])
+def test_pipeline_matches_colocated_engine(cluster, tiny, num_prefill, num_decode, transfer, path):
+    for i in range(num_prefill):
+        cluster.start("prefill", "--transfer", transfer, worker_id=f"prefill{i}")
+    for i in range(num_decode):
+        cluster.start("decode", "--transfer", transfer, worker_id=f"decode{i}")
+    results = run_and_compare(cluster, tiny, n=32, expect_path=path)
+    if num_decode > 1:
+        assert len({r.decode_worker for r in results}) > 1, "work should spread over decode workers"
+    wait_pools_free(cluster)
+
+
+def test_cross_host_path_is_chosen_by_itself(cluster, tiny):
+    """A decode worker with a private /dev/shm (its own mount namespace) is another
+    shared-memory domain: the ZeroMQ path is chosen automatically and tokens still match."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare to make a private /dev/shm")
+    cluster.start("prefill", worker_id="prefillA")
+    cluster.start("decode", worker_id="decodeB",
+                  prefix=["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {cmd}"])
+    nodes = {w["worker_id"]: w["node"] for w in cluster.workers().values()}
+    assert nodes["prefillA"] != nodes["decodeB"]
+    run_and_compare(cluster, tiny, n=8, expect_path="zmq")
+    wait_pools_free(cluster)
+
+
+def test_plain_redis_producer(cluster):
+    """Any Redis client can produce and read: flat string fields in, flat fields out."""
+    cluster.start("prefill")
+    cluster.start("decode")
+    raw = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    prefix = "pdq:{default}:"
+    raw.xadd(prefix + "requests", {"id": "plain-1", "prompt": "hello there", "max_tokens": "5",
+                                   "temperature": "0"})
+    entry_id = raw.xadd(prefix + "requests", {"prompt": "no id given", "max_tokens": "3"})
+    for rid, n in (("plain-1", 5), (entry_id, 3)):
+        last, tokens, done = "0", [], None
+        deadline = time.monotonic() + 60
+        while done is None and time.monotonic() < deadline:
+            for _stream, entries in raw.xread({prefix + f"out:{rid}": last}, block=1000) or []:
+                for last, fields in entries:
+                    if fields["type"] == "token":
+                        tokens.extend(json.loads(fields["token_ids"]))
+                    elif fields["type"] == "done":
+                        done = fields
+        assert done is not None, f"no answer for {rid}"
+        assert json.loads(done["token_ids"]) == tokens and len(tokens) == n
+        assert done["finish_reason"] in ("length", "stop")
+
+
+BAD_ENTRIES = [
+    ({"id": "bad-missing-prompt", "max_tokens": "4"}, "prompt"),
+    ({"id": "bad-max-tokens", "prompt": "hi", "max_tokens": "lots"}, "max_tokens"),
+    ({"id": "bad-negative", "prompt": "hi", "max_tokens": "-3"}, "max_tokens"),
+    ({"id": "bad-unknown", "prompt": "hi", "colour": "blue"}, "colour"),
+    ({"id": "bad-bytes", "prompt": b"\xff\xfe\xfa"}, "UTF-8"),
+    ({"id": "bad-too-long", "prompt": "x" * 5000}, "context"),
+    ({"id": "bad-ids", "prompt_ids": "[1, 2, 99999]"}, "vocabulary"),
+    ({"id": "bad-json", "prompt_ids": "[1, 2"}, "prompt_ids"),
+]
+
+
+def test_bad_input_gets_an_error_and_nothing_is_lost(cluster):
+    cluster.start("prefill")
+    cluster.start("decode")
+    r = redis.Redis.from_url(cluster.redis_url)
+    keys = Keys()
+    good = []
+    for i, (fields, _) in enumerate(BAD_ENTRIES):
+        r.xadd(keys.requests, fields)
+        rid = f"good-{i}"
+        r.xadd(keys.requests, {"id": rid, "prompt": f"fine request {i}", "max_tokens": "4", "temperature": "0"})
+        good.append(rid)
+    r.xadd(keys.requests, {b"\x00\xff": b"\xfe"})  # garbage field name, no id
+    client = Client(cluster.redis_url)
+    for rid in good:
+        assert client.handle(rid).result(timeout=60).num_tokens == 4
+    for fields, needle in BAD_ENTRIES:
+        rid = fields["id"]
+        with pytest.raises(Exception) as info:
+            client.handle(rid).result(timeout=30)
+        assert needle.lower() in str(info.value).lower(), (rid, str(info.value))
+    dead = r.xrange(keys.dead)
+    reasons = {e[1].get(b"field:id", b"").decode(): e[1][b"reason"].decode() for e in dead}
+    for fields, needle in BAD_ENTRIES:
+        assert needle.lower() in reasons[fields["id"]].lower()
+    assert len(dead) == len(BAD_ENTRIES) + 1
+    assert all(p.poll() is None for p in cluster.procs.values()), "no worker may exit"
+    wait_pools_free(cluster)

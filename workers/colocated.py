@@ -1,0 +1,98 @@
+"""The colocated worker: prefill and decode in one engine (the baseline pdqueue is
+measured against, and a complete server on its own).
+
+Lifecycle of a request: ``requests`` (group ``prefill``) -> intake -> engine (waiting ->
+running) -> every token streamed to ``out:<id>`` through the publisher -> on finish the
+``done`` entry, the ``done`` notification and the XACK of the request entry go out in one
+MULTI/EXEC.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdqueue import keys as K
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.protocol import Completion
+from workers.base import Intake, WorkerBase, tbt_stats
+from workers.common import WorkerConfig, now_ms
+
+log = logging.getLogger("pdqueue.colocated")
+
+
+class ColocatedWorker(WorkerBase):
+    role = "colocated"
+
+    def __init__(self, config: WorkerConfig, loaded):
+        super().__init__(config, loaded)
+        self.engine = LLMEngine(loaded, config.engine)
+        self.inflight: dict[str, Intake] = {}
+
+    def run(self) -> None:
+        self.ensure_groups()
+        self.start_heartbeat(load=self.load())
+        self.publisher = self.make_publisher()
+        log.info("colocated worker %s ready", self.worker_id)
+        try:
+            while not self.stop.cold.is_set():
+                busy = self.engine.has_unfinished
+                if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
+                    self.take_requests(block_ms=0 if busy else 100)
+                elif not busy:
+                    break
+                if self.engine.has_unfinished:
+                    self.publish(self.engine.step())
+                elif self.config.burst and not self.inflight:
+                    break
+                self.heartbeat.update(**self.load())
+        finally:
+            self.teardown()
+
+    def load(self) -> dict:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "kv_free": self.engine.block_manager.num_free_blocks,
+                "kv_total": self.engine.layout.num_blocks}
+
+    def take_requests(self, block_ms: int) -> None:
+        room = self.config.engine.max_num_seqs - self.engine.num_running
+        entries = self.read(K.PREFILL_GROUP, self.keys.request_streams,
+                            min(room, self.config.max_batch_requests), block_ms)
+        if not entries:
+            return
+        ops: list = []
+        for stream, entry_id, fields in entries:
+            intake = self.intake(self.engine, stream, entry_id, fields, ops)
+            if intake:
+                self.inflight[intake.request.id] = intake
+        if ops:
+            self.publisher.submit(ops)
+
+    def publish(self, outputs) -> None:
+        ops: list = []
+        t = now_ms()
+        for out in outputs:
+            it = self.inflight[out.request_id]
+            it.token_times_ms.append(t)
+            it.output_ids.append(out.token_id)
+            self.add_token(ops, out.request_id, out.index, out.token_id, out.text)
+            if out.finished:
+                del self.inflight[out.request_id]
+                req = it.request
+                p50, pmax = tbt_stats(it.token_times_ms)
+                first = it.token_times_ms[0]
+                self.add_done(ops, Completion(
+                    req.id, out.full_text or "", tuple(it.output_ids), out.finish_reason,
+                    num_prompt_tokens=len(it.prompt_ids), ttft_ms=first - req.enqueued_ms,
+                    queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
+                    decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+                    prefill_worker=self.worker_id, decode_worker=self.worker_id, transfer_path="local"))
+                self.add_ack(ops, it.stream, it.entry_id, K.PREFILL_GROUP)
+        if ops:
+            self.publisher.submit(ops)
+
+    def teardown(self) -> None:
+        if getattr(self, "publisher", None):
+            self.publisher.close(timeout=10)
+        if self.heartbeat:
+            self.heartbeat.stop()
+        log.info("colocated worker %s stopped", self.worker_id)

@@ -1,0 +1,231 @@
+"""The decode worker: handoffs in, tokens and completions out, continuous batching.
+
+Lifecycle of a request here: ``handoff:<own node>`` then ``handoff`` (group ``decode``) ->
+taken only when there is room (batch slot and blocks for the whole sequence) -> blocks
+reserved -> KV fetched by the fetch thread (shm when the ticket's node is ours, else
+ZeroMQ), off the step loop -> admitted into the running batch -> every token streamed to
+``out:<id>`` through the publisher (never blocks the step) -> on finish one MULTI/EXEC
+writes the ``done`` entry, the ``done`` notification and acknowledges the handoff.
+
+A handoff whose KV cannot be fetched (prefill worker dead, lease expired, stale
+incarnation) or that carries no ticket is recomputed here from its prompt and the tokens
+generated so far; the stream continues at the next index.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from pdqueue import keys as K
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.engine.sequence import Sequence
+from pdqueue.protocol import Completion, ErrorCode, Handoff, HandoffError, decode_handoff
+from pdqueue.queue import streams
+from pdqueue.transfer.errors import TransferError
+from pdqueue.transfer.node import node_id
+from pdqueue.transfer.receiver import KVReceiver
+from workers.base import WorkerBase, tbt_stats
+from workers.common import WorkerConfig, now_ms
+
+log = logging.getLogger("pdqueue.decode")
+
+
+@dataclass(slots=True)
+class Job:
+    stream: str
+    entry_id: str
+    handoff: Handoff
+    params: SamplingParams
+    read_ms: float
+    seq: Sequence | None = None
+    transfer_ms: float = 0.0
+    transfer_bytes: int = 0
+    transfer_path: str = ""
+    error: str | None = None
+    admitted_ms: float = 0.0
+    token_times_ms: list[float] = field(default_factory=list)
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, config: WorkerConfig, loaded):
+        super().__init__(config, loaded)
+        self.node = node_id()
+        self.engine = LLMEngine(loaded, config.engine)
+        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, self.node,
+                                   mode=config.transfer, timeout_s=config.fetch_timeout_s)
+        self.jobs: dict[str, Job] = {}
+        self.backlog: list[Job] = []         # taken from Redis, waiting for room
+        self._to_fetch: queue.Queue = queue.Queue()
+        self._fetched: queue.Queue = queue.Queue()
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-fetch", daemon=True)
+
+    def handoff_streams(self) -> list[str]:
+        return [self.keys.handoff_node(self.node), self.keys.handoff]
+
+    def run(self) -> None:
+        self.ensure_groups()
+        self.start_heartbeat(node=self.node, load=self.load())
+        self.publisher = self.make_publisher()
+        self._fetcher.start()
+        log.info("decode worker %s ready (node %s, transfer %s)", self.worker_id, self.node, self.config.transfer)
+        try:
+            while not self.stop.cold.is_set():
+                self.admit_fetched()
+                self.start_backlog()
+                idle = not self.engine.has_unfinished and not self.jobs
+                if not self.stop.warm.is_set():
+                    if not self.backlog and self.has_room():
+                        self.take_handoffs(block_ms=100 if idle else 0)
+                elif idle:
+                    break
+                if self.engine.has_unfinished:
+                    self.publish(self.engine.step())
+                elif self.config.burst and not self.jobs:
+                    break
+                elif self.jobs and not self.engine.has_unfinished:
+                    self.stop.cold.wait(0.001)  # waiting for a fetch
+                self.heartbeat.update(**self.load())
+        finally:
+            self.teardown()
+
+    def load(self) -> dict:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "fetching": len(self.jobs) - self.engine.num_running - self.engine.num_waiting,
+                "kv_free": self.engine.block_manager.num_free_blocks,
+                "kv_total": self.engine.layout.num_blocks}
+
+    def has_room(self) -> bool:
+        return (len(self.jobs) < self.config.engine.max_num_seqs
+                and self.engine.block_manager.num_free_blocks > 0)
+
+    # ---- taking handoffs -------------------------------------------------------------
+    def take_handoffs(self, block_ms: int) -> None:
+        entries = self.read(K.DECODE_GROUP, self.handoff_streams(), 1, block_ms)
+        for stream, entry_id, fields in entries:
+            ops: list = []
+            try:
+                if fields is None:
+                    raise HandoffError("entry was deleted")
+                h = decode_handoff(fields)
+            except HandoffError as exc:
+                self.reject(ops, stream, entry_id, fields, None, f"bad handoff: {exc}", ErrorCode.BAD_REQUEST,
+                            group=K.DECODE_GROUP)
+                self.publisher.submit(ops)
+                continue
+            req = h.request
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=h.seed, stop=tuple(req.stop))
+            self.backlog.append(Job(stream, entry_id, h, params, now_ms()))
+
+    def start_backlog(self) -> None:
+        """Reserve blocks for taken handoffs and queue their fetch, while there is room."""
+        while self.backlog:
+            job = self.backlog[0]
+            h = job.handoff
+            if h.request.id in self.jobs:  # a duplicate delivery of a request we run
+                self.backlog.pop(0)
+                ops: list = []
+                self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
+                self.publisher.submit(ops)
+                continue
+            num_tokens = len(h.prompt_ids) + len(h.output_ids)
+            if not self.engine.can_reserve(num_tokens + 1):
+                return
+            self.backlog.pop(0)
+            self.jobs[h.request.id] = job
+            if h.ticket is None:
+                self.recompute(job, "no KV ticket")
+                continue
+            job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids)
+            self._to_fetch.put(job)
+
+    def _fetch_loop(self) -> None:
+        while True:
+            job = self._to_fetch.get()
+            if job is None:
+                return
+            try:
+                num_blocks = len(job.handoff.ticket["block_ids"])
+                result = self.receiver.fetch(job.handoff.ticket, job.seq.block_table[:num_blocks])
+                job.transfer_ms = result.seconds * 1e3
+                job.transfer_bytes = result.nbytes
+                job.transfer_path = result.path
+            except TransferError as exc:
+                job.error = str(exc)
+            except Exception as exc:  # never let the fetch thread die
+                log.exception("fetch of %s failed", job.handoff.request.id)
+                job.error = f"internal: {exc}"
+            self._fetched.put(job)
+
+    def admit_fetched(self) -> None:
+        while True:
+            try:
+                job = self._fetched.get_nowait()
+            except queue.Empty:
+                return
+            if job.error:
+                log.warning("KV fetch for %s failed (%s): recomputing", job.handoff.request.id, job.error)
+                self.engine.unreserve(job.seq)
+                job.seq = None
+                self.recompute(job, job.error)
+                continue
+            job.admitted_ms = now_ms()
+            self.engine.add_prefilled(job.seq)
+
+    def recompute(self, job: Job, why: str) -> None:
+        h = job.handoff
+        if h.attempt >= self.config.max_attempts:
+            del self.jobs[h.request.id]
+            ops: list = []
+            self.add_error(ops, h.request.id, f"gave up after {h.attempt} attempts: {why}", ErrorCode.INTERNAL,
+                           index=len(h.output_ids))
+            self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
+            self.publisher.submit(ops)
+            return
+        h.attempt += 1
+        job.transfer_path = "recompute"
+        job.admitted_ms = now_ms()
+        self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
+
+    # ---- publishing ------------------------------------------------------------------
+    def publish(self, outputs) -> None:
+        ops: list = []
+        t = now_ms()
+        for out in outputs:
+            job = self.jobs[out.request_id]
+            job.token_times_ms.append(t)
+            self.add_token(ops, out.request_id, out.index, out.token_id, out.text)
+            if out.finished:
+                del self.jobs[out.request_id]
+                self.add_done(ops, self.completion(job, out, t))
+                self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
+        if ops:
+            self.publisher.submit(ops)
+
+    def completion(self, job: Job, out, t: float) -> Completion:
+        h = job.handoff
+        req = h.request
+        times = [h.first_token_ms] + job.token_times_ms
+        p50, pmax = tbt_stats(times)
+        return Completion(
+            req.id, out.full_text or "", tuple(out.seq.output_ids), out.finish_reason,
+            num_prompt_tokens=len(h.prompt_ids), ttft_ms=h.first_token_ms - req.enqueued_ms,
+            queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
+            transfer_ms=job.transfer_ms, transfer_bytes=job.transfer_bytes,
+            decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+            prefill_worker=h.prefill_worker, decode_worker=self.worker_id, transfer_path=job.transfer_path)
+
+    def teardown(self) -> None:
+        self._to_fetch.put(None)
+        if getattr(self, "publisher", None):
+            self.publisher.close(timeout=10)
+        self.receiver.close()
+        if self.heartbeat:
+            self.heartbeat.stop()
+        log.info("decode worker %s stopped", self.worker_id)
