@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import redis
 import redis.asyncio
@@ -119,6 +119,10 @@ class _Assembler:
         return event
 
 
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _remaining_s(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
@@ -210,12 +214,18 @@ class Client:
     def _stream_of(self, req: Request) -> str:
         return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
 
-    def submit(self, prompt: str | None = None, **kwargs: Any) -> RequestHandle:
-        """Queue one request (see ``build_request`` for the arguments; ``RequestError`` if
-        invalid, before anything is sent)."""
-        req = build_request(prompt, **kwargs)
+    def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
+               max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+               deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
+               chat: bool = False, id: str | None = None) -> RequestHandle:
+        """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
+        ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``."""
+        req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat, id=id)
         entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
-        return RequestHandle(self, req.id, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+        return RequestHandle(self, req.id, _str(entry_id))
 
     def submit_many(self, requests: Sequence[dict]) -> list[RequestHandle]:
         """Queue many requests in one pipelined round trip; all are validated first."""
@@ -224,7 +234,7 @@ class Client:
             for req in reqs:
                 pipe.xadd(self._stream_of(req), request_to_fields(req))
             entry_ids = pipe.execute()
-        return [RequestHandle(self, req.id, eid.decode() if isinstance(eid, bytes) else eid)
+        return [RequestHandle(self, req.id, _str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 
     def handle(self, request_id: str) -> RequestHandle:
@@ -312,10 +322,17 @@ class AsyncClient:
     def _stream_of(self, req: Request) -> str:
         return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
 
-    async def submit(self, prompt: str | None = None, **kwargs: Any) -> AsyncRequestHandle:
-        req = build_request(prompt, **kwargs)
+    async def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
+                     max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+                     top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+                     deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
+                     chat: bool = False, id: str | None = None) -> AsyncRequestHandle:
+        """See ``Client.submit``."""
+        req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat, id=id)
         entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
-        return AsyncRequestHandle(self, req.id, entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+        return AsyncRequestHandle(self, req.id, _str(entry_id))
 
     async def submit_many(self, requests: Sequence[dict]) -> list[AsyncRequestHandle]:
         reqs = [build_request(**spec) for spec in requests]
@@ -323,7 +340,7 @@ class AsyncClient:
             for req in reqs:
                 pipe.xadd(self._stream_of(req), request_to_fields(req))
             entry_ids = await pipe.execute()
-        return [AsyncRequestHandle(self, req.id, eid.decode() if isinstance(eid, bytes) else eid)
+        return [AsyncRequestHandle(self, req.id, _str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 
     def handle(self, request_id: str) -> AsyncRequestHandle:

@@ -99,6 +99,16 @@ class Request:
     chat: bool = False               # apply the model's chat template to ``prompt``
     enqueued_ms: int = 0             # unix ms, from the stream entry id (0 if unknown)
 
+    def __post_init__(self) -> None:
+        # Accept lists and plain strings from Python callers; validate_request judges values.
+        if isinstance(self.prompt_ids, list):
+            object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.priority, str) and not isinstance(self.priority, Priority) \
+                and self.priority in ("normal", "high"):
+            object.__setattr__(self, "priority", Priority(self.priority))
+
     @property
     def deadline_at_ms(self) -> int | None:
         """Unix ms after which the request expires, or None."""

@@ -64,10 +64,12 @@ class Cluster:
     def signal(self, worker_id: str, sig: int) -> None:
         os.killpg(self.procs[worker_id].pid, sig)
 
-    def stop(self, worker_id: str, timeout: float = 30.0) -> int:
+    def stop(self, worker_id: str, timeout: float = 30.0, signalled: bool = False) -> int:
+        """SIGTERM (a warm stop), then wait; SIGKILL after ``timeout``."""
         proc = self.procs[worker_id]
         if proc.poll() is None:
-            self.signal(worker_id, signal.SIGTERM)
+            if not signalled:
+                self.signal(worker_id, signal.SIGTERM)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -82,7 +84,7 @@ class Cluster:
                     self.signal(wid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        return {wid: self.stop(wid) for wid in list(self.procs)}
+        return {wid: self.stop(wid, signalled=True) for wid in list(self.procs)}
 
 
 def _quote(s: str) -> str:

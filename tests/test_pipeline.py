@@ -66,7 +66,8 @@ def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | No
     for pid, exp, res in zip(prompt_ids, expected, results):
         assert_same_tokens(loaded, pid, exp, list(res.token_ids))
     if expect_path:
-        assert paths == {expect_path}, paths
+        nodes = {w["worker_id"]: w.get("node") for w in cluster.workers().values()}
+        assert paths == {expect_path}, (paths, nodes, {w: cluster.log(w)[-1500:] for w in cluster.procs})
     # The stream carries the completion's tokens, each index once, in order.
     for h, res in list(zip(handles, results))[:4]:
         events = list(client.handle(h.request_id).stream(timeout=10))
@@ -198,3 +199,35 @@ def test_bad_input_gets_an_error_and_nothing_is_lost(cluster):
     assert len(dead) == len(BAD_ENTRIES) + 1
     assert all(p.poll() is None for p in cluster.procs.values()), "no worker may exit"
     wait_pools_free(cluster)
+
+
+@pytest.mark.slow
+def test_smollm2_pipeline_matches_colocated_engine(redis_url, tmp_path):
+    """The real model through 1 prefill + 1 decode: greedy and seeded, token for token."""
+    loaded = load_model("smollm2")
+    c = Cluster(redis_url, tmp_path, model="smollm2")
+    try:
+        c.start("prefill", "--kv-cache-mb", "64", worker_id="prefill-s")
+        c.start("decode", "--kv-cache-mb", "64", worker_id="decode-s")
+        prompts = ["The capital of France is", "Write a haiku about the sea.",
+                   "1, 2, 3, 4, 5,", "Explain what a KV cache is in one sentence."]
+        params = [{"max_tokens": 10, "temperature": 0.0, "seed": 0}] * 2 + \
+                 [{"max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "seed": 7 + i} for i in range(2)]
+        ids = [loaded.tokenizer.encode(p) for p in prompts]
+        engine = LLMEngine(loaded, EngineConfig(kv_cache_mb=64))
+        expected = engine.generate(ids, [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"],
+                                                        top_p=p.get("top_p", 1.0), seed=p["seed"]) for p in params])
+        client = Client(redis_url)
+        handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+        results = [h.result(timeout=120) for h in handles]
+        for pid, exp, res in zip(ids, expected, results):
+            assert_same_tokens(loaded, pid, exp, list(res.token_ids))
+        assert "Paris" in results[0].text
+        assert {r.transfer_path for r in results} == {"shm"}, {w: c.log(w)[-1500:] for w in c.procs}
+        assert all(r.transfer_bytes == len(i) * 30 * 2 * 3 * 64 * 4 or r.transfer_bytes > 0
+                   for r, i in zip(results, ids))
+        wait_pools_free(c)
+    finally:
+        codes = c.stop_all()
+    assert all(code == 0 for code in codes.values())
+    assert not segments_of(c.procs)

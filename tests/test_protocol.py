@@ -166,7 +166,7 @@ FIELD_VALUES = (st.binary(max_size=24) | st.text(max_size=24)
                                    "high", "1", "0.5", "[[[[[[]]]]]]", "9" * 40, "true"]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(st.dictionaries(FIELD_NAMES | st.binary(max_size=8), FIELD_VALUES, max_size=6))
 def test_parse_request_raises_only_request_error(fields):
     try:
@@ -255,3 +255,9 @@ def test_producer_imports_no_torch():
             "import pdqueue.queue, pdqueue.config; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_request_accepts_lists_and_plain_strings():
+    req = Request(id="x", prompt_ids=[1, 2], stop=["a"], priority="high")
+    assert req.prompt_ids == (1, 2) and req.stop == ("a",) and req.priority is Priority.HIGH
+    assert request_to_fields(req)["priority"] == "high"

@@ -200,7 +200,10 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif text.stopped:
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+              or seq.num_tokens > self.layout.num_blocks * self.config.block_size):
+            # The last check: computing the next token needs KV slots for all current ones;
+            # past the whole pool the sequence could never run again (it would wait forever).
             reason = FinishReason.LENGTH
         out = StepOutput(seq.request_id, index, token_id, delta, reason, seq)
         if reason is not None:
