@@ -297,23 +297,21 @@ def stop_inside(text: str, pieces: list[str]) -> tuple[str, int]:
 @pytest.mark.slow
 def test_smollm2_stop_strings_and_stream(smollm2, smol_runs):
     tok = smollm2.tokenizer
-    prompts, params, together = smol_runs
-    prompt, ids = prompts[0], together[0]  # greedy "The capital of France is ..."
-    pieces = [tok.decode(ids[: k + 1])[len(tok.decode(ids[:k])):] for k in range(len(ids))]
+    prompt = smol_runs[0][0]  # "The capital of France is"
+    eng = engine(smollm2, num_blocks=64)
+    # Both runs below are the same request alone: the same computation, so the same tokens.
+    plain = run_collect(eng, {"n": (prompt, greedy(SMOL_MAX_TOKENS))})["n"]
+    ids = [o.token_id for o in plain]
+    assert plain[-1].finish_reason == "length" and len(ids) == SMOL_MAX_TOKENS
     full = tok.decode(ids)
+    assert check_stream(plain) == full
+    pieces = [tok.decode(ids[: k + 1])[len(tok.decode(ids[:k])):] for k in range(len(ids))]
     assert "".join(pieces) == full
     stop, last = stop_inside(full, pieces)
-    eng = engine(smollm2, num_blocks=64)
-    outs = run_collect(eng, {"s": (prompt, greedy(SMOL_MAX_TOKENS, stop=("never seen", stop))),
-                             "n": (prompt, greedy(SMOL_MAX_TOKENS))})
-    stopped = outs["s"]
+    stopped = run_collect(eng, {"s": (prompt, greedy(SMOL_MAX_TOKENS, stop=("never seen", stop)))})["s"]
     assert [o.token_id for o in stopped] == ids[: last + 1]  # ends on the token completing it
     assert stopped[-1].finish_reason == "stop"
     assert check_stream(stopped) == full[: full.find(stop)]
-    assert stop not in "".join(o.text for o in stopped)
-    # The same request without stop strings: the whole text, "length".
-    assert [o.token_id for o in outs["n"]] == ids and outs["n"][-1].finish_reason == "length"
-    assert check_stream(outs["n"]) == full
     assert eng.block_manager.num_free_blocks == 64
 
 
@@ -330,7 +328,8 @@ def test_smollm2_eos_and_ignore_eos(smollm2):
     assert text == tok.decode([o.token_id for o in eos]) and text.strip()
     ign = outs["ign"]
     assert len(ign) == 8 and ign[-1].finish_reason == "length"
-    assert [o.token_id for o in ign[: len(eos)]] == [o.token_id for o in eos]  # runs past the EOS
+    # ... runs past the EOS (same batch: equal tokens, or at worst a near-tie flip)
+    assert_same_tokens(smollm2, prompt, [o.token_id for o in eos], [o.token_id for o in ign[: len(eos)]])
     assert eng.block_manager.num_free_blocks == 64
 
 

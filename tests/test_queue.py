@@ -76,6 +76,17 @@ def test_read_group_reads_high_priority_first(r):
     got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=1, block_ms=2000)
     assert [f[b"n"] for _, _, f in got] == [b"late"]
 
+    def burst():  # the wake-up takes one entry, the top-up the rest, high first
+        with r.pipeline(transaction=True) as pipe:
+            for i in range(3):
+                pipe.xadd(KEYS.requests, {"n": f"n{i}"})
+            pipe.xadd(KEYS.requests_high, {"n": "h"})
+            pipe.execute()
+
+    threading.Timer(0.05, burst).start()
+    got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3, block_ms=2000)
+    assert [f[b"n"] for _, _, f in got] == [b"h", b"n0", b"n1"]
+
 
 def test_autoclaim_takes_over_a_dead_consumers_entries(r):
     ensure_group(r, KEYS.requests, PREFILL_GROUP)
@@ -212,9 +223,10 @@ def test_publisher_units_are_atomic_and_isolate_bad_ones(r, redis_url):
         pub.submit([lambda pipe: pipe.xadd("s", {"n": "3"}), lambda pipe: 1 / 0])  # build fails
         pub.submit([lambda pipe: pipe.execute_command("XADD", "s")])  # rejected: EXECABORT
         pub.submit([("s", {"n": "4"})])
+        pub.submit([("s", {"n": "5"}), lambda pipe: pipe.lpush("s", "x")])  # WRONGTYPE in EXEC
         assert pub.flush(timeout=10)
-        assert pub.dropped == 2 and len(errors) == 2
-    assert [f[b"n"] for _, f in r.xrange("s")] == [b"1", b"2", b"4"]
+        assert pub.dropped == 2 and len(errors) == 3 and pub.errors == 3
+    assert [f[b"n"] for _, f in r.xrange("s")] == [b"1", b"2", b"4", b"5"]
     with pytest.raises(RuntimeError):
         pub.submit([("s", {"n": "5"})])
 
@@ -255,7 +267,7 @@ def test_publisher_close_gives_up_when_redis_is_gone():
 
 def test_heartbeat_registers_updates_and_expires(r):
     registry = Registry(r, KEYS)
-    hb = registry.heartbeat("p0", role="prefill", node="n1", ttl_s=0.6, model="tiny",
+    hb = registry.heartbeat("p0", role="prefill", node="n1", ttl_s=1.0, model="tiny",
                             endpoints={"zmq": "tcp://127.0.0.1:5555"}, load={"running": 0})
     dec = registry.heartbeat("d0", role="decode", node="n1", ttl_s=30)
     try:
@@ -266,7 +278,7 @@ def test_heartbeat_registers_updates_and_expires(r):
         assert info["pid"] > 0 and info["started_ms"] <= info["beat_ms"]
         hb.update(running=3, kv_free=10)
         assert wait_for(lambda: registry.get("p0")["load"] == {"running": 3, "kv_free": 10})
-        time.sleep(0.8)  # longer than the TTL: the beats keep it alive
+        time.sleep(1.3)  # longer than the TTL: the beats keep it alive
         assert registry.get("p0") is not None
         hb.stop(remove=False)
         assert wait_for(lambda: registry.get("p0") is None, timeout=2)

@@ -22,6 +22,7 @@ from pdqueue.keys import Keys
 from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Request, RequestError,
                               done_entry, error_entry, parse_request, token_entry)
 from pdqueue.queue import streams
+from pdqueue.queue.ownership import Write, ack_and_write, touch_owned
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.registry import Heartbeat
 from workers.common import Backoff, StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
@@ -62,6 +63,7 @@ class WorkerBase:
         self.stop = StopFlag()
         self.backoff = Backoff()
         self.heartbeat = None
+        self._last_reclaim = 0.0
 
     # ---- intake --------------------------------------------------------------------------
     def intake(self, engine, stream: str, entry_id: str, fields: dict, ops: list) -> Intake | None:
@@ -151,6 +153,93 @@ class WorkerBase:
 
     def add_ack(self, ops, stream: str, entry_id: str, group: str) -> None:
         ops.append(lambda p: streams.ack_into(p, stream, group, entry_id))
+
+    def add_outcome(self, ops, stream: str, entry_id: str, group: str, writes: list[Write]) -> None:
+        """Acknowledge the input entry and write its outcome, only if this worker still owns
+        it (see pdqueue/queue/ownership.py): one outcome per entry, whoever finishes first."""
+        ops.append(lambda p: ack_and_write(p, stream, group, entry_id, writes))
+
+    def done_writes(self, c: Completion) -> list[Write]:
+        fields = done_entry(c)
+        return [Write(self.keys.out(c.request_id), fields, ttl_ms=K.OUT_TTL_S * 1000),
+                Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN)]
+
+    def error_writes(self, request_id: str, reason: str, code, index: int | None = None) -> list[Write]:
+        return [Write(self.keys.out(request_id), error_entry(reason, code, index), ttl_ms=K.OUT_TTL_S * 1000)]
+
+    # ---- dead workers and hung ones ------------------------------------------------------
+    def reclaim(self, group: str, stream_names, limit: int) -> list:
+        """Take over entries of other consumers of ``group``: at once when the consumer's
+        heartbeat is gone (it died), after ``reclaim_idle_ms`` otherwise (it hangs).
+        Returns (stream, entry_id, fields) like a read."""
+        now = time.monotonic()
+        if limit <= 0 or now - self._last_reclaim < 0.5:
+            return []
+        self._last_reclaim = now
+        claimed: list = []
+        try:
+            for stream in stream_names:
+                if len(claimed) >= limit:
+                    break
+                try:
+                    pending = self.r.xpending_range(stream, group, min="-", max="+", count=100)
+                except redis.ResponseError:
+                    continue  # no such stream or group yet
+                alive: dict[str, bool] = {}
+                dead_ids, hung_ids = [], []
+                for p in pending:
+                    consumer = p["consumer"].decode()
+                    if consumer == self.worker_id:
+                        continue
+                    if consumer not in alive:
+                        alive[consumer] = bool(self.r.exists(self.keys.worker(consumer)))
+                    if not alive[consumer]:
+                        dead_ids.append(p["message_id"])
+                    elif p["time_since_delivered"] >= self.config.reclaim_idle_ms:
+                        hung_ids.append(p["message_id"])
+                for ids, min_idle in ((dead_ids, 200), (hung_ids, self.config.reclaim_idle_ms)):
+                    ids = ids[: limit - len(claimed)]
+                    if not ids:
+                        continue
+                    for entry_id, fields in self.r.xclaim(stream, group, self.worker_id, min_idle, ids):
+                        if entry_id is not None:
+                            claimed.append((stream, entry_id.decode(), fields))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("reclaim: redis unavailable (%s)", exc)
+        if claimed:
+            log.warning("reclaimed %d entries of dead or hung workers: %s", len(claimed),
+                        [e[1] for e in claimed])
+        return claimed
+
+    def own_pending(self, group: str, stream_names) -> list:
+        """Entries delivered to this consumer name before a restart and never acknowledged."""
+        try:
+            return streams.read_own_pending(self.r, group, self.worker_id, stream_names)
+        except redis.ResponseError:
+            return []
+
+    def touch(self, stream_entries: dict[str, list[str]], group: str) -> set[str]:
+        """Keep owned entries from looking idle; returns entry ids this worker lost."""
+        lost: set[str] = set()
+        try:
+            for stream, ids in stream_entries.items():
+                lost.update(touch_owned(self.r, stream, group, self.worker_id, ids))
+        except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+            log.warning("touch failed (%s)", exc)
+        return lost
+
+    def cancelled(self, request_ids: list[str]) -> set[str]:
+        """Which of ``request_ids`` a producer cancelled (``cancel:<id>`` set)."""
+        if not request_ids:
+            return set()
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                for rid in request_ids:
+                    pipe.exists(self.keys.cancel(rid))
+                flags = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return set()
+        return {rid for rid, flag in zip(request_ids, flags) if flag}
 
     def make_publisher(self) -> Publisher:
         return Publisher(lambda: connect(self.config.redis_url), name=f"pdq-publisher-{self.worker_id}")

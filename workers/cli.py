@@ -212,6 +212,16 @@ def check_redis(url: str) -> None:
         raise UserError(f"cannot reach Redis at {url}: {exc}") from None
 
 
+def _register_more() -> None:
+    from workers import cli_bench, cli_cluster
+
+    cli_cluster.register(cli)
+    cli_bench.register(bench)
+
+
+_register_more()
+
+
 def main():
     cli(prog_name="pdqueue")
 

@@ -54,9 +54,10 @@ class ColocatedWorker(WorkerBase):
                 "kv_total": self.engine.layout.num_blocks}
 
     def take_requests(self, block_ms: int) -> None:
-        room = self.config.engine.max_num_seqs - self.engine.num_running
-        entries = self.read(K.PREFILL_GROUP, self.keys.request_streams,
-                            min(room, self.config.max_batch_requests), block_ms)
+        room = min(self.config.engine.max_num_seqs - self.engine.num_running, self.config.max_batch_requests)
+        entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, room)
+        if not entries:
+            entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, room, block_ms)
         if not entries:
             return
         ops: list = []
@@ -80,13 +81,12 @@ class ColocatedWorker(WorkerBase):
                 req = it.request
                 p50, pmax = tbt_stats(it.token_times_ms)
                 first = it.token_times_ms[0]
-                self.add_done(ops, Completion(
+                self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, self.done_writes(Completion(
                     req.id, out.full_text or "", tuple(it.output_ids), out.finish_reason,
                     num_prompt_tokens=len(it.prompt_ids), ttft_ms=first - req.enqueued_ms,
                     queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
                     decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-                    prefill_worker=self.worker_id, decode_worker=self.worker_id, transfer_path="local"))
-                self.add_ack(ops, it.stream, it.entry_id, K.PREFILL_GROUP)
+                    prefill_worker=self.worker_id, decode_worker=self.worker_id, transfer_path="local")))
         if ops:
             self.publisher.submit(ops)
 

@@ -14,8 +14,10 @@ generated so far; the stream continues at the next index.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
+import time
 import threading
 from dataclasses import dataclass, field
 
@@ -23,8 +25,7 @@ from pdqueue import keys as K
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
-from pdqueue.protocol import Completion, ErrorCode, Handoff, HandoffError, decode_handoff
-from pdqueue.queue import streams
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff
 from pdqueue.transfer.errors import TransferError
 from pdqueue.transfer.node import node_id
 from pdqueue.transfer.receiver import KVReceiver
@@ -64,6 +65,8 @@ class DecodeWorker(WorkerBase):
         self._to_fetch: queue.Queue = queue.Queue()
         self._fetched: queue.Queue = queue.Queue()
         self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-fetch", daemon=True)
+        self._last_check = 0.0
+        self._last_touch = 0.0
 
     def handoff_streams(self) -> list[str]:
         return [self.keys.handoff_node(self.node), self.keys.handoff]
@@ -73,6 +76,7 @@ class DecodeWorker(WorkerBase):
         self.start_heartbeat(node=self.node, load=self.load())
         self.publisher = self.make_publisher()
         self._fetcher.start()
+        self.accept(self.own_pending(K.DECODE_GROUP, self.handoff_streams()), resumed=True)
         log.info("decode worker %s ready (node %s, transfer %s)", self.worker_id, self.node, self.config.transfer)
         try:
             while not self.stop.cold.is_set():
@@ -84,6 +88,7 @@ class DecodeWorker(WorkerBase):
                         self.take_handoffs(block_ms=100 if idle else 0)
                 elif idle:
                     break
+                self.housekeeping()
                 if self.engine.has_unfinished:
                     self.publish(self.engine.step())
                 elif self.config.burst and not self.jobs:
@@ -106,7 +111,15 @@ class DecodeWorker(WorkerBase):
 
     # ---- taking handoffs -------------------------------------------------------------
     def take_handoffs(self, block_ms: int) -> None:
-        entries = self.read(K.DECODE_GROUP, self.handoff_streams(), 1, block_ms)
+        entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), 1)
+        resumed = bool(entries)
+        if not entries:
+            entries = self.read(K.DECODE_GROUP, self.handoff_streams(), 1, block_ms)
+        self.accept(entries, resumed)
+
+    def accept(self, entries, resumed: bool) -> None:
+        """Queue handoff entries; ``resumed``: taken over from a dead or hung decode worker
+        (or our own previous process), so the answer stream may already hold more tokens."""
         for stream, entry_id, fields in entries:
             ops: list = []
             try:
@@ -119,9 +132,34 @@ class DecodeWorker(WorkerBase):
                 self.publisher.submit(ops)
                 continue
             req = h.request
+            if resumed and not self.catch_up(h, stream, entry_id):
+                continue
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=h.seed, stop=tuple(req.stop))
             self.backlog.append(Job(stream, entry_id, h, params, now_ms()))
+
+    def catch_up(self, h: Handoff, stream: str, entry_id: str) -> bool:
+        """Resume from what ``out:<id>`` already shows: tokens published by the previous
+        owner are kept (recompute from prompt + those), so the stream continues at the next
+        index with no gap, no duplicate and no divergence. False if already answered."""
+        tokens: dict[int, list[int]] = {}
+        for _eid, fields in self.r.xrange(self.keys.out(h.request.id)):
+            kind = fields.get(b"type")
+            if kind in (b"done", b"error"):
+                ops: list = []
+                self.add_ack(ops, stream, entry_id, K.DECODE_GROUP)
+                self.publisher.submit(ops)
+                return False
+            if kind == b"token":
+                tokens[int(fields[b"index"])] = json.loads(fields[b"token_ids"])
+        output: list[int] = []
+        while len(output) in tokens:
+            output += tokens[len(output)]
+        if len(output) > len(h.output_ids):
+            log.info("resuming %s after %d published tokens", h.request.id, len(output))
+            h.output_ids = output
+            h.ticket = None  # the exported KV covers fewer tokens: recompute
+        return True
 
     def start_backlog(self) -> None:
         """Reserve blocks for taken handoffs and queue their fetch, while there is room."""
@@ -139,6 +177,15 @@ class DecodeWorker(WorkerBase):
                 return
             self.backlog.pop(0)
             self.jobs[h.request.id] = job
+            if h.request.expired(now_ms()) or self.cancelled([h.request.id]):
+                self.jobs.pop(h.request.id)
+                reason = FinishReason.EXPIRED if h.request.expired(now_ms()) else FinishReason.CANCELLED
+                seq = Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids)
+                c = self.completion(job, seq, now_ms(), self.tokenizer.decode(h.output_ids), reason)
+                ops: list = []
+                self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
+                self.publisher.submit(ops)
+                continue
             if h.ticket is None:
                 self.recompute(job, "no KV ticket")
                 continue
@@ -183,15 +230,56 @@ class DecodeWorker(WorkerBase):
         if h.attempt >= self.config.max_attempts:
             del self.jobs[h.request.id]
             ops: list = []
-            self.add_error(ops, h.request.id, f"gave up after {h.attempt} attempts: {why}", ErrorCode.INTERNAL,
-                           index=len(h.output_ids))
-            self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
+            reason = f"gave up after {h.attempt} attempts: {why}"
+            self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP,
+                             self.error_writes(h.request.id, reason, ErrorCode.INTERNAL, len(h.output_ids)))
             self.publisher.submit(ops)
             return
         h.attempt += 1
         job.transfer_path = "recompute"
         job.admitted_ms = now_ms()
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
+
+    # ---- cancel, deadlines, ownership ------------------------------------------------
+    def housekeeping(self) -> None:
+        """Every ~100 ms: stop cancelled and expired requests; every few seconds: keep our
+        handoff entries from looking idle, and drop those another worker took over."""
+        now = time.monotonic()
+        if now - self._last_check < 0.1:
+            return
+        self._last_check = now
+        in_engine = set(self.engine.request_ids())
+        running = [rid for rid in self.jobs if rid in in_engine]
+        t = now_ms()
+        stopped = {rid: FinishReason.CANCELLED for rid in self.cancelled(running)}
+        for rid in running:
+            if rid not in stopped and self.jobs[rid].handoff.request.expired(t):
+                stopped[rid] = FinishReason.EXPIRED
+        for rid, reason in stopped.items():
+            self.finish_now(rid, reason)
+        if now - self._last_touch > self.config.reclaim_idle_ms / 3000:
+            self._last_touch = now
+            by_stream: dict[str, list[str]] = {}
+            for job in self.jobs.values():
+                by_stream.setdefault(job.stream, []).append(job.entry_id)
+            lost = self.touch(by_stream, K.DECODE_GROUP)
+            for rid in [rid for rid, job in self.jobs.items() if job.entry_id in lost]:
+                log.warning("%s was taken over by another worker; dropping it here", rid)
+                self.engine.abort(rid)
+                del self.jobs[rid]
+
+    def finish_now(self, request_id: str, reason: FinishReason) -> None:
+        """End a request early (cancelled, expired): blocks freed, a done entry published."""
+        if request_id not in self.engine.request_ids():
+            return  # still fetching: handled when the fetch completes
+        seq = self.engine.abort(request_id, reason.value)
+        job = self.jobs.pop(request_id)
+        t = now_ms()
+        text = self.tokenizer.decode(seq.output_ids)
+        c = self.completion(job, None, t, seq=seq, text=text, reason=reason)
+        ops: list = []
+        self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
+        self.publisher.submit(ops)
 
     # ---- publishing ------------------------------------------------------------------
     def publish(self, outputs) -> None:
@@ -203,18 +291,18 @@ class DecodeWorker(WorkerBase):
             self.add_token(ops, out.request_id, out.index, out.token_id, out.text)
             if out.finished:
                 del self.jobs[out.request_id]
-                self.add_done(ops, self.completion(job, out, t))
-                self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
+                c = self.completion(job, out.seq, t, text=out.full_text or "", reason=out.finish_reason)
+                self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
         if ops:
             self.publisher.submit(ops)
 
-    def completion(self, job: Job, out, t: float) -> Completion:
+    def completion(self, job: Job, seq, t: float, text: str, reason) -> Completion:
         h = job.handoff
         req = h.request
         times = [h.first_token_ms] + job.token_times_ms
         p50, pmax = tbt_stats(times)
         return Completion(
-            req.id, out.full_text or "", tuple(out.seq.output_ids), out.finish_reason,
+            req.id, text, tuple(seq.output_ids), reason,
             num_prompt_tokens=len(h.prompt_ids), ttft_ms=h.first_token_ms - req.enqueued_ms,
             queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
             transfer_ms=job.transfer_ms, transfer_bytes=job.transfer_bytes,

@@ -21,7 +21,7 @@ import time
 from pdqueue import keys as K
 from pdqueue.engine.llm_engine import LLMEngine, kv_layout_for
 from pdqueue.protocol import Completion, Handoff, encode_handoff
-from pdqueue.queue import streams
+from pdqueue.queue.ownership import Write
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.node import node_id
 from pdqueue.transfer.sender import KVSender
@@ -60,6 +60,7 @@ class PrefillWorker(WorkerBase):
         self.ensure_groups()
         self.start_heartbeat(node=self.node, endpoints={"kv": self.sender.endpoint}, load=self.load())
         self.publisher = self.make_publisher()
+        self.resume_own_pending()
         log.info("prefill worker %s ready (node %s, kv %s, segment %s)", self.worker_id, self.node,
                  self.sender.endpoint, self.pool.name)
         try:
@@ -97,9 +98,23 @@ class PrefillWorker(WorkerBase):
         self.free_released()
 
     def take_requests(self, block_ms: int) -> None:
-        entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, self.config.max_batch_requests, block_ms)
+        limit = self.config.max_batch_requests
+        entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, limit)
+        if not entries:
+            entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, limit, block_ms)
         if not entries:
             return
+        ops: list = []
+        for stream, entry_id, fields in entries:
+            intake = self.intake(self.engine, stream, entry_id, fields, ops)
+            if intake:
+                self.inflight[intake.request.id] = intake
+        if ops:
+            self.publisher.submit(ops)
+
+    def resume_own_pending(self) -> None:
+        """A restart under the same worker id picks up what the previous process had taken."""
+        entries = self.own_pending(K.PREFILL_GROUP, self.keys.request_streams)
         ops: list = []
         for stream, entry_id, fields in entries:
             intake = self.intake(self.engine, stream, entry_id, fields, ops)
@@ -128,7 +143,7 @@ class PrefillWorker(WorkerBase):
             req = it.request
             self.add_token(ops, req.id, out.index, out.token_id, out.text)
             if out.finished:  # max_tokens 1, EOS or a stop string at once: no decode needed
-                self.add_done(ops, Completion(
+                writes = self.done_writes(Completion(
                     req.id, out.full_text or "", (out.token_id,), out.finish_reason,
                     num_prompt_tokens=len(it.prompt_ids), ttft_ms=t - req.enqueued_ms,
                     queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=t - it.read_ms,
@@ -139,10 +154,8 @@ class PrefillWorker(WorkerBase):
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
                                   prefill_end_ms=t, first_token_ms=t)
-                fields = encode_handoff(handoff)
-                stream = self.handoff_stream()
-                ops.append(lambda p, s=stream, f=fields: streams.xadd_into(p, s, f))
-            self.add_ack(ops, it.stream, it.entry_id, K.PREFILL_GROUP)
+                writes = [Write(self.handoff_stream(), encode_handoff(handoff))]
+            self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, writes)
         if ops:
             self.publisher.submit(ops)
 

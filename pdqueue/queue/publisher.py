@@ -204,6 +204,7 @@ class Publisher:
         removed from ``batch`` (so a retry does not report it twice)."""
         pipe = client.pipeline(transaction=True)
         num_ops = 0
+        spans = []  # (first command, end, ops) of each unit, to blame failures on
         for unit in list(batch):
             mark = len(pipe.command_stack)
             try:
@@ -217,6 +218,7 @@ class Publisher:
                 self._report(exc, unit[1])
                 continue
             num_ops += len(unit[1])
+            spans.append((mark, len(pipe.command_stack), unit[1]))
         if not pipe.command_stack:
             return
         try:
@@ -224,8 +226,9 @@ class Publisher:
         finally:
             pipe.reset()
         self.batches += 1
-        failures = [res for res in results if isinstance(res, Exception)]
         self.published += num_ops
-        for exc in failures:
-            log.error("publisher: a command failed inside EXEC: %s", exc)
-            self._report(exc, [])
+        for start, end, ops in spans:
+            for res in results[start:end]:
+                if isinstance(res, Exception):
+                    log.error("publisher: a command failed inside EXEC: %s", res)
+                    self._report(res, ops)

@@ -74,20 +74,32 @@ def read_group(r: redis.Redis, group: str, consumer: str, streams: Iterable[str]
     ``streams`` is in priority order. One non-blocking XREADGROUP per stream in order, each
     asking only for what is still missing, so a lower stream is never read while a higher
     one can fill the batch. Only if all are empty and ``block_ms`` is set does it block on
-    all of them at once (the wake-up returns whichever got data first).
+    all of them at once, for one entry (two streams that get data in the same instant may
+    give one each, so a wake-up can exceed ``count`` by up to ``len(streams) - 1``), then
+    tops the batch up without blocking.
     """
     streams = list(streams)
+    result = _read_pass(r, group, consumer, streams, count)
+    if result or not block_ms:
+        return result
+    reply = r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=1, block=block_ms)
+    result = parse_read_reply(reply)
+    if result and len(result) < count:
+        result.extend(_read_pass(r, group, consumer, streams, count - len(result)))
+    order = {s: i for i, s in enumerate(streams)}
+    return sorted(result, key=lambda e: order.get(e[0], len(order)))  # stable: FIFO per stream
+
+
+def _read_pass(r: redis.Redis, group: str, consumer: str, streams: list[str],
+               count: int) -> list[Entry]:
     result: list[Entry] = []
     for stream in streams:
         missing = count - len(result)
         if missing <= 0:
-            return result
-        result.extend(parse_read_reply(r.xreadgroup(group, consumer, {stream: ">"}, count=missing)))
-    if result or not block_ms:
-        return result
-    reply = r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=count, block=block_ms)
-    order = {s: i for i, s in enumerate(streams)}
-    return sorted(parse_read_reply(reply), key=lambda e: order.get(e[0], len(order)))
+            break
+        reply = r.xreadgroup(group, consumer, {stream: ">"}, count=missing)
+        result.extend(parse_read_reply(reply))
+    return result
 
 
 class Claimed(NamedTuple):

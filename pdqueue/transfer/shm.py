@@ -230,7 +230,8 @@ def _prefault(mm: mmap.mmap, start: int, end: int) -> None:
 
 def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAULT_SHM_DIR,
                      name_prefix: str = DEFAULT_PREFIX, grace_s: float = 60.0) -> list[str]:
-    """Unlink this node's segments whose owner ``alive(worker_id, incarnation)`` denies, and
+    """Unlink this node's segments whose owner ``alive(worker_id, incarnation)`` denies and
+    whose owner pid is gone, and
     incomplete ones older than ``grace_s`` (their creator died mid-creation). Returns the
     names removed. Processes that still map a removed segment keep their mapping."""
     removed = []
@@ -239,7 +240,9 @@ def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAUL
             continue
         try:
             info = read_segment_info(entry.path)
-            dead = not alive(info.worker_id, info.incarnation)
+            # Dead only if both say so: the registry (this cluster's view; containers that
+            # share IPC but not a pid namespace) and the pid (other clusters on this host).
+            dead = not alive(info.worker_id, info.incarnation) and not _pid_alive(info.pid)
         except TransferError:
             try:
                 dead = time.time() - entry.stat().st_mtime > grace_s
@@ -253,3 +256,13 @@ def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAUL
             except (FileNotFoundError, PermissionError):
                 pass
     return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,93 @@
+"""PNG plots of bench results; matplotlib is optional (``available()`` says whether it is there).
+
+Every function takes the result object a bench returned (its JSON form) and a directory,
+writes PNG files and returns their paths. Imports matplotlib lazily (Agg backend).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_transfer(result: dict, directory: Path) -> list[Path]:
+    """GB/s against transfer size, one line per path (both layouts on one axis)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rows = sorted(result["sizes"], key=lambda r: r["bytes"])
+    paths = [p for p in rows[0]["paths"]]
+    for path in paths:
+        points = [(r["bytes"] / 2**20, r["paths"][path]["gb_s"]) for r in rows if path in r["paths"]]
+        ax.plot(*zip(*points), marker="o", label=path)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV bytes moved (MiB)")
+    ax.set_ylabel("GB/s (median, end to end)")
+    ax.set_title("KV transfer prefill -> decode process")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = Path(directory) / "transfer.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]
+
+
+def _cdf(ax, values, label) -> None:
+    data = sorted(values)
+    if data:
+        ax.plot(data, [(i + 1) / len(data) for i in range(len(data))], label=label)
+
+
+def plot_serve(result: dict, directory: Path) -> list[Path]:
+    """TTFT and TBT CDFs per mode (one figure per rate), and goodput against rate."""
+    plt = _pyplot()
+    written = []
+    rates = result["rates"]
+    for rate in rates:
+        fig, (ax_ttft, ax_tbt) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for mode, by_rate in result["raw"].items():
+            raw = by_rate.get(str(rate))
+            if raw:
+                _cdf(ax_ttft, raw["ttft_ms"], mode)
+                _cdf(ax_tbt, raw["tbt_ms"], mode)
+        for ax, what in ((ax_ttft, "TTFT (ms)"), (ax_tbt, "time between tokens (ms)")):
+            ax.set_xscale("log")
+            ax.set_xlabel(what)
+            ax.set_ylabel("fraction of requests" if ax is ax_ttft else "fraction of gaps")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{result['model']}, {rate} req/s")
+        path = Path(directory) / f"serve_cdf_rate{rate}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, by_rate in result["modes"].items():
+        points = [(float(r), by_rate[r]["goodput_rps"]) for r in by_rate]
+        ax.plot(*zip(*sorted(points)), marker="o", label=mode)
+    ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("goodput (req/s meeting both SLOs)")
+    ax.set_title(f"goodput, TTFT <= {result['slo']['ttft_ms']} ms and p90 TBT <= {result['slo']['tbt_ms']} ms")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = Path(directory) / "serve_goodput.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    written.append(path)
+    return written

@@ -1,0 +1,404 @@
+"""`pdqueue bench transfer`: KV transfer end to end, beside the limits measured in the same run.
+
+A spawned child plays the prefill side: its pool lives in a ``SharedKVPool`` served by a
+``KVSender``; it also serves the same bytes over a raw TCP socket, over gRPC (a generic
+handler and a bytes message: what one would write without pdqueue) and through Redis
+(pickle, SET). This process plays the decode side: for every size it times, from the
+ticket (or request) to the blocks in its own pool,
+- ``memcpy``: a plain torch copy of the same number of bytes in one process (the shm limit);
+- ``shm`` and ``zmq``: ``KVReceiver.fetch`` forced to each path;
+- ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the zmq limit);
+- ``grpc``: gather + ``tobytes`` on the sender, one unary call, ``frombuffer`` + scatter;
+- ``redis_pickle``: pickle + SET on the sender, GET + unpickle + scatter here.
+Each path gets warm-up runs (the first one is checked bit for bit), then the repeats run
+in rounds over all paths so that noise from other processes hits them alike; the median
+counts. Both processes run torch with one thread, like a worker started with ``--threads 1``.
+
+Who frees what: the child owns its segment (unlinked on close, and on exit by the parent's
+``finally``); the parent owns the Redis server it starts. Imports torch, zmq, redis; grpc
+when installed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import msgpack
+import torch
+
+from pdqueue.bench.stats import median
+from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer import KVReceiver, KVSender, SharedKVPool, Ticket, node_id
+from pdqueue.transfer.blocks import copy_blocks, planes
+
+PATHS = ("memcpy", "shm", "zmq", "raw_socket", "grpc", "redis_pickle")
+SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")   # 45 KiB/token
+SYNTHETIC = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32")  # 256 KiB/token
+FULL_CASES = {"smollm2": (128, 256, 512, 1024, 2048, 4096), "synthetic": (256, 512, 1024)}   # up to 189/256 MiB
+QUICK_CASES = {"smollm2": (128, 512)}
+RATIO_AT = ("smollm2", 512)
+TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0}
+_GRPC_METHOD = "/pdq.bench.KV/Fetch"
+_GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def grpc_available() -> bool:
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the prefill side (child process) ----------------------------------------------------
+
+def _peer_main(conn, cfg: dict) -> None:
+    torch.set_num_threads(1)
+    layout = KVCacheLayout.from_dict(cfg["layout"])
+    pool = SharedKVPool.create(layout, cfg["prefix"], cfg["worker_id"], uuid.uuid4().hex[:12])
+    try:
+        torch.manual_seed(0)
+        pool.tensor.uniform_(-1, 1)
+        src_planes = planes(pool.tensor)
+        sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=120)
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_serve_raw, args=(listener, pool.tensor), daemon=True).start()
+        grpc_server, grpc_port = _start_grpc(src_planes) if cfg["grpc"] else (None, None)
+        r = None
+        if cfg["redis_url"]:
+            import redis
+            r = redis.Redis.from_url(cfg["redis_url"])
+        conn.send({"segment": pool.name, "nonce": pool.nonce, "endpoint": sender.endpoint,
+                   "raw_port": listener.getsockname()[1], "grpc_port": grpc_port})
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "export":
+                conn.send(sender.export(*args).to_dict())
+                sender.poll_freeable()   # released leases: the blocks are "free" again
+            elif cmd == "redis_put":
+                key, ids = args
+                r.set(key, pickle.dumps(src_planes[:, ids]))
+                conn.send("ok")
+            elif cmd == "close":
+                break
+        sender.close()
+        if grpc_server is not None:
+            grpc_server.stop(0)
+    finally:
+        pool.close()
+        conn.send("closed")
+
+
+def _serve_raw(listener: socket.socket, pool: torch.Tensor) -> None:
+    src = memoryview(pool.view(-1).view(torch.uint8).numpy())
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        conn.sendall(src[:int.from_bytes(head, "little")])
+
+
+def _start_grpc(src_planes: torch.Tensor):
+    """The naive way: gather the blocks into a tensor, ``tobytes``, one bytes message."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    def fetch(request: bytes, context) -> bytes:
+        return src_planes[:, msgpack.unpackb(request)].numpy().tobytes()
+
+    handler = grpc.method_handlers_generic_handler(
+        "pdq.bench.KV", {"Fetch": grpc.unary_unary_rpc_method_handler(fetch)})
+    server = grpc.server(ThreadPoolExecutor(max_workers=1), options=_GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+class Peer:
+    """The prefill-side child process (see the module docstring)."""
+
+    def __init__(self, layout: KVCacheLayout, node: str, redis_url: str | None, use_grpc: bool):
+        cfg = {"layout": layout.to_dict(), "prefix": f"pdq-kv-bench{uuid.uuid4().hex[:6]}",
+               "worker_id": "bench-prefill", "node": node, "redis_url": redis_url, "grpc": use_grpc}
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, cfg), daemon=True)
+        self.proc.start()
+        self.info = self.call_timeout(None, 120)
+
+    def call_timeout(self, cmd, timeout: float):
+        if cmd is not None:
+            self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"transfer bench child did not answer {cmd and cmd[0]!r}")
+        reply = self.conn.recv()
+        if reply == "closed" and (cmd is None or cmd[0] != "close"):
+            raise RuntimeError("transfer bench child failed (see its traceback above)")
+        return reply
+
+    def call(self, *cmd):
+        return self.call_timeout(cmd, 120)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close")
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# -- the decode side (this process) ------------------------------------------------------
+
+@dataclass
+class Case:
+    layout_name: str
+    num_tokens: int
+    layout: KVCacheLayout
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.layout.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * 2 * self.layout.num_layers * self.layout.block_nbytes
+
+
+class DecodeSide:
+    """Everything this process needs for one layout: pool, receivers, sockets, channels."""
+
+    def __init__(self, peer: Peer, layout: KVCacheLayout, node: str, redis_url: str | None):
+        self.peer, self.layout = peer, layout
+        self.pool = layout.allocate()
+        self.pool.fill_(0)   # touch every page now, not inside a timed run
+        self.planes = planes(self.pool)
+        self.flat = self.pool.view(-1).view(torch.uint8)
+        self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60) for m in ("shm", "zmq")}
+        self.source = SharedKVPool.attach(peer.info["segment"], peer.info["nonce"])   # for checks only
+        self.raw = socket.create_connection(("127.0.0.1", peer.info["raw_port"]))
+        self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.grpc_channel = self.grpc_fetch = None
+        if peer.info["grpc_port"]:
+            import grpc
+            self.grpc_channel = grpc.insecure_channel(f"127.0.0.1:{peer.info['grpc_port']}", options=_GRPC_OPTIONS)
+            self.grpc_fetch = self.grpc_channel.unary_unary(_GRPC_METHOD)
+        self.redis = None
+        if redis_url:
+            import redis
+            self.redis = redis.Redis.from_url(redis_url)
+        self.memcpy_src = self.memcpy_dst = None
+        self._seq = 0
+
+    def close(self) -> None:
+        for receiver in self.receivers.values():
+            receiver.close()
+        self.raw.close()
+        if self.grpc_channel is not None:
+            self.grpc_channel.close()
+        if self.redis is not None:
+            self.redis.close()
+        self.source.close()
+
+    def runner(self, path: str, case: Case) -> Callable[[], float] | None:
+        """A function that runs ``path`` once for ``case`` and returns its seconds; None if
+        the path is unavailable."""
+        ids = list(range(case.num_blocks))
+        if path == "memcpy":
+            if self.memcpy_src is None or self.memcpy_src.numel() < case.nbytes:
+                self.memcpy_src = torch.ones(case.nbytes, dtype=torch.uint8)
+                self.memcpy_dst = torch.zeros(case.nbytes, dtype=torch.uint8)
+            src, dst = self.memcpy_src[:case.nbytes], self.memcpy_dst[:case.nbytes]
+            return lambda: _timed(lambda: dst.copy_(src))
+        if path in self.receivers:
+            receiver = self.receivers[path]
+
+            def fetch() -> float:
+                self._seq += 1
+                ticket = Ticket.from_dict(self.peer.call("export", f"r{self._seq}", ids, case.num_tokens))
+                return _timed(lambda: receiver.fetch(ticket, ids))
+            return fetch
+        if path == "raw_socket":
+            view = memoryview(self.flat.numpy())[:case.nbytes]
+            return lambda: _timed(lambda: _raw_fetch(self.raw, view))
+        if path == "grpc":
+            if self.grpc_fetch is None:
+                return None
+            request = msgpack.packb(ids)
+            return lambda: _timed(lambda: self._scatter(self.grpc_fetch(request), ids))
+        if path == "redis_pickle":
+            if self.redis is None:
+                return None
+
+            def via_redis() -> float:
+                self._seq += 1
+                key = f"pdq-bench:kv:{self._seq}"
+                started = time.perf_counter()
+                self.peer.call("redis_put", key, ids)
+                copy_blocks(pickle.loads(self.redis.get(key)), range(len(ids)), self.planes, ids)
+                seconds = time.perf_counter() - started
+                self.redis.delete(key)
+                return seconds
+            return via_redis
+        raise ValueError(f"unknown path {path!r}")
+
+    def _scatter(self, payload: bytes, ids: list[int]) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            src = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(self.planes.shape[0], len(ids), -1)
+        copy_blocks(src, range(len(ids)), self.planes, ids)
+
+    def clear(self, case: Case) -> None:
+        self.planes[:, :case.num_blocks].zero_()
+
+    def check(self, path: str, case: Case) -> None:
+        """The bytes that arrived are the sender's (memcpy moves other bytes: nothing to check)."""
+        if path == "memcpy":
+            return
+        if path == "raw_socket":
+            ok = torch.equal(self.flat[:case.nbytes], self.source.tensor.view(-1).view(torch.uint8)[:case.nbytes])
+        else:
+            n = case.num_blocks
+            ok = torch.equal(self.planes[:, :n], planes(self.source.tensor)[:, :n])
+        if not ok:
+            raise AssertionError(f"{path} delivered wrong bytes for {case.layout_name} {case.num_tokens} tokens")
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _raw_fetch(sock: socket.socket, view: memoryview) -> None:
+    sock.sendall(len(view).to_bytes(8, "little"))
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("raw socket peer closed")
+        got += n
+
+
+def run(quick: bool = False, repeats: int | None = None, warmup: int | None = None,
+        progress: Callable[[str], None] = print) -> dict:
+    """Run every case through every path; returns the result object (see ``--json``)."""
+    from pdqueue.queue.redis_server import RedisServer
+
+    torch.set_num_threads(1)
+    cases_by_layout = QUICK_CASES if quick else FULL_CASES
+    repeats = repeats or (3 if quick else 7)
+    warmup = warmup or (1 if quick else 2)
+    notes: list[str] = []
+    use_grpc = grpc_available()
+    if not use_grpc:
+        notes.append("grpcio is not installed (pip install pdqueue[bench]): the grpc path was skipped")
+    server = None
+    try:
+        server = RedisServer(extra_args=("--proto-max-bulk-len", "1gb")).start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        notes.append(f"no Redis server ({exc}): the redis_pickle path was skipped")
+    node = node_id()
+    results = []
+    try:
+        for layout_name, token_counts in cases_by_layout.items():
+            dims = SMOLLM2 if layout_name == "smollm2" else SYNTHETIC
+            max_blocks = -(-max(token_counts) // dims["block_size"])
+            layout = KVCacheLayout(num_blocks=max_blocks, **dims)
+            progress(f"{layout_name}: starting the prefill-side process ({layout.nbytes / 2**20:.0f} MiB pool)")
+            peer = Peer(layout, node, server.url if server else None, use_grpc)
+            side = None
+            try:
+                side = DecodeSide(peer, layout, node, server.url if server else None)
+                for num_tokens in token_counts:
+                    case = Case(layout_name, num_tokens, layout)
+                    progress(f"{layout_name} {num_tokens} tokens ({case.nbytes / 2**20:.1f} MiB)")
+                    results.append(_run_case(side, case, repeats, warmup))
+            finally:
+                if side is not None:
+                    side.close()
+                peer.close()
+    finally:
+        if server is not None:
+            server.stop()
+    return _result(results, quick, repeats, warmup, notes)
+
+
+def _run_case(side: DecodeSide, case: Case, repeats: int, warmup: int) -> dict:
+    runners = {p: side.runner(p, case) for p in PATHS}
+    runners = {p: fn for p, fn in runners.items() if fn is not None}
+    for path, fn in runners.items():
+        side.clear(case)
+        fn()
+        side.check(path, case)
+        for _ in range(warmup - 1):
+            fn()
+    seconds: dict[str, list[float]] = {p: [] for p in runners}
+    for _ in range(repeats):
+        for path, fn in runners.items():
+            seconds[path].append(fn())
+    row = {"layout": case.layout_name, "tokens": case.num_tokens, "bytes": case.nbytes, "paths": {}}
+    for path, values in seconds.items():
+        s = median(values)
+        row["paths"][path] = {"ms": s * 1e3, "gb_s": case.nbytes / s / 1e9, "ms_all": [v * 1e3 for v in values]}
+    return row
+
+
+def ratios_of(row: dict) -> dict:
+    p = row["paths"]
+
+    def ratio(a: str, b: str):
+        return p[a]["gb_s"] / p[b]["gb_s"] if a in p and b in p else None
+
+    return {"shm_vs_memcpy": ratio("shm", "memcpy"), "zmq_vs_raw_socket": ratio("zmq", "raw_socket"),
+            "zmq_vs_grpc": ratio("zmq", "grpc"), "shm_vs_grpc": ratio("shm", "grpc"),
+            "zmq_vs_redis_pickle": ratio("zmq", "redis_pickle"), "shm_vs_zmq": ratio("shm", "zmq")}
+
+
+def _result(rows: list[dict], quick: bool, repeats: int, warmup: int, notes: list[str]) -> dict:
+    at = next(r for r in rows if (r["layout"], r["tokens"]) == RATIO_AT)
+    for row in rows:
+        row["ratios"] = ratios_of(row)
+    return {
+        "bench": "transfer", "quick": quick, "repeats": repeats, "warmup": warmup,
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "layouts": {"smollm2": SMOLLM2, "synthetic": SYNTHETIC},
+        "ratios_at": {"layout": RATIO_AT[0], "tokens": RATIO_AT[1], "bytes": at["bytes"]},
+        "ratios": at["ratios"], "targets": TARGETS, "sizes": rows, "notes": notes,
+    }
+
+
+def format_table(result: dict) -> str:
+    paths = [p for p in PATHS if any(p in r["paths"] for r in result["sizes"])]
+    lines = ["GB/s (median ms) per path; end to end: ticket/request -> blocks in the receiving pool",
+             f"{'layout':<10}{'tokens':>7}{'MiB':>8}  " + "".join(f"{p:>20}" for p in paths)]
+    for row in result["sizes"]:
+        cells = []
+        for p in paths:
+            v = row["paths"].get(p)
+            cells.append(f"{v['gb_s']:7.2f} ({v['ms']:8.2f})" if v else f"{'-':>20}")
+        lines.append(f"{row['layout']:<10}{row['tokens']:>7}{row['bytes'] / 2**20:>8.1f}  "
+                     + "".join(f"{c:>20}" for c in cells))
+    at = result["ratios_at"]
+    lines.append(f"ratios at {at['layout']} {at['tokens']} tokens ({at['bytes'] / 2**20:.1f} MiB):")
+    for name, value in result["ratios"].items():
+        target = result["targets"].get(name)
+        verdict = "" if target is None or value is None else (
+            f"  (target >= {target}x: {'met' if value >= target else 'NOT met'})")
+        lines.append(f"  {name:<22} " + ("n/a" if value is None else f"{value:.2f}x") + verdict)
+    lines.extend(f"note: {n}" for n in result["notes"])
+    return "\n".join(lines)

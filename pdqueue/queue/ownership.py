@@ -1,0 +1,102 @@
+"""Exactly-once hand-over of a stream entry's outcome, and keeping ownership alive.
+
+A worker's output for an input entry (a handoff for a request, a completion for a
+handoff) is written only if the worker still owns the entry at that moment: one Lua script
+acknowledges the entry and, only if the XACK removed it from the group's pending list,
+deletes it and performs the writes. A worker that hung (SIGSTOP) while another one took its
+entry over (XCLAIM) therefore cannot publish a second outcome when it wakes: exactly one
+``done`` per request, whoever finishes first. Token entries carry their index and are
+de-duplicated by clients, so they need no such guard.
+
+``touch_owned`` resets the idle time of the entries a live worker still works on (long
+generations) without stealing entries that another worker has meanwhile claimed; it
+returns the ids this worker lost, so it can abort them.
+
+All keys of a pdqueue cluster share one hash slot, so the scripts run on Redis Cluster too.
+Imports redis only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+# KEYS[1] = input stream; KEYS[2..] = keys the writes touch.
+# ARGV[1] = group, ARGV[2] = entry id, ARGV[3] = JSON list of writes
+#   [key_index (into KEYS), ttl_ms (0 = none), maxlen (0 = none), num_args];
+# ARGV[4..] = each write's field names and values in turn (binary-safe: not in the JSON).
+_ACK_AND_WRITE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  return 0
+end
+redis.call('XDEL', KEYS[1], ARGV[2])
+local at = 4
+for _, w in ipairs(cjson.decode(ARGV[3])) do
+  local key = KEYS[w[1]]
+  local args = {}
+  for i = 0, w[4] - 1 do args[#args + 1] = ARGV[at + i] end
+  at = at + w[4]
+  if w[3] > 0 then
+    redis.call('XADD', key, 'MAXLEN', '~', w[3], '*', unpack(args))
+  else
+    redis.call('XADD', key, '*', unpack(args))
+  end
+  if w[2] > 0 then
+    redis.call('PEXPIRE', key, w[2])
+  end
+end
+return 1
+"""
+
+# KEYS[1] = stream; ARGV[1] = group, ARGV[2] = consumer, ARGV[3..] = entry ids.
+_TOUCH_OWNED = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+
+def _s(value) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", errors="surrogateescape")
+    return str(value)
+
+
+class Write:
+    """One XADD of ``fields`` to ``key`` (trimmed to ``maxlen``, TTL ``ttl_ms``)."""
+
+    __slots__ = ("key", "fields", "ttl_ms", "maxlen")
+
+    def __init__(self, key: str, fields: Mapping, ttl_ms: int = 0, maxlen: int = 0):
+        self.key, self.fields, self.ttl_ms, self.maxlen = key, fields, int(ttl_ms), int(maxlen)
+
+
+def ack_and_write(pipe, stream: str, group: str, entry_id: str, writes: list[Write]) -> None:
+    """Add to ``pipe``: XACK+XDEL ``entry_id`` and, only if it was still pending, the writes.
+    The script's reply (1 written, 0 skipped) is in the pipeline's results."""
+    keys = [stream]
+    spec = []
+    args: list = []
+    for w in writes:
+        if w.key not in keys:
+            keys.append(w.key)
+        flat = [x for item in w.fields.items() for x in item]
+        spec.append([keys.index(w.key) + 1, w.ttl_ms, w.maxlen, len(flat)])
+        args += flat
+    pipe.eval(_ACK_AND_WRITE, len(keys), *keys, group, entry_id, json.dumps(spec), *args)
+
+
+def touch_owned(r, stream: str, group: str, consumer: str, entry_ids: list[str]) -> list[str]:
+    """Reset the idle time of ``entry_ids`` still owned by ``consumer``; returns the ids it
+    no longer owns (claimed by another worker, or acknowledged)."""
+    if not entry_ids:
+        return []
+    lost = r.eval(_TOUCH_OWNED, 1, stream, group, consumer, *entry_ids)
+    return [_s(x) for x in lost]

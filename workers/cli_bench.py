@@ -1,0 +1,105 @@
+"""`pdqueue bench transfer` and `pdqueue bench serve`: parse options, call pdqueue.bench,
+print a table (or one JSON object with --json), write JSON and plots under --out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def _progress(message: str) -> None:
+    click.secho(message, fg="cyan", err=True)
+
+
+def _write_out(out: str | None, name: str, result: dict, plot) -> None:
+    """``<out>/<name>.json`` and the plots; a note on stderr when matplotlib is missing."""
+    if not out:
+        return
+    from pdqueue.bench import plots
+
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if not plots.available():
+        _progress(f"wrote {directory / name}.json; matplotlib is not installed, so no plots "
+                  "(pip install 'pdqueue[bench]')")
+        return
+    written = plot(result, directory)
+    _progress(f"wrote {directory / name}.json and " + ", ".join(str(p) for p in written))
+
+
+def _csv(text: str, cast, option: str) -> list:
+    from workers.cli import UserError
+
+    try:
+        values = [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option} takes a comma-separated list, got {text!r}") from None
+    if not values:
+        raise UserError(f"{option} is empty")
+    return values
+
+
+def register(bench) -> None:
+    """Add this module's commands to the `pdqueue bench` group."""
+
+    @bench.command("transfer")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @click.option("--quick", is_flag=True, help="Two small SmolLM2 sizes, few repeats (a smoke run).")
+    @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed runs per path and size.")
+    @click.option("--out", default=None, help="Directory for transfer.json and transfer.png.")
+    def bench_transfer(as_json, quick, repeats, out):
+        """Move real KV caches prefill -> decode process through shm and zmq, beside memcpy,
+        a raw TCP socket, gRPC and pickle-through-Redis measured in the same run."""
+        from pdqueue.bench import plots, transfer_bench
+        from pdqueue.bench.stats import round_floats
+
+        result = round_floats(transfer_bench.run(quick=quick, repeats=repeats, progress=_progress))
+        _write_out(out, "transfer", result, plots.plot_transfer)
+        click.echo(json.dumps(result, indent=2) if as_json else transfer_bench.format_table(result))
+
+    @bench.command("serve")
+    @click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,
+                  help="smollm2, tiny, or a path.")
+    @click.option("--modes", default="disagg,colocated-prefill-first,colocated-chunked", show_default=True)
+    @click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")
+    @click.option("--duration", type=click.FloatRange(min=1), default=None,
+                  help="Seconds of arrivals per rate (instead of --num-requests).")
+    @click.option("--num-requests", type=click.IntRange(min=1), default=None,
+                  help="Requests per rate (default 24, or what --duration gives).")
+    @click.option("--long-fraction", type=click.FloatRange(0, 1), default=0.25, show_default=True,
+                  help="Share of long-document prompts in the mix.")
+    @click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+                  help="TTFT SLO (default: per model).")
+    @click.option("--slo-tbt-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+                  help="SLO on each request's p90 time between tokens (default: per model).")
+    @click.option("--seed", type=int, default=0, show_default=True)
+    @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
+                  help="Requests sent (and not counted) before each mode's first rate.")
+    @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+    @click.option("--out", default=None, help="Directory for serve.json and the PNG plots.")
+    def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms, seed,
+                    warmup, as_json, out):
+        """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
+        colocated workers (prefill-first and chunked), one thread each, on the same cores."""
+        from pdqueue.bench import plots, serve_bench
+        from pdqueue.bench.stats import round_floats
+        from workers.cli import UserError
+
+        mode_list = _csv(modes, str, "--modes")
+        unknown = [m for m in mode_list if m not in serve_bench.MODES]
+        if unknown:
+            raise UserError(f"unknown mode(s) {unknown}; expected some of {list(serve_bench.MODES)}")
+        settings = serve_bench.Settings.for_model(
+            model, modes=mode_list, rates=_csv(rates, float, "--rates"), duration_s=duration,
+            num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
+            slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup)
+        try:
+            result = serve_bench.run(settings, progress=_progress)
+        except serve_bench.BenchError as exc:
+            raise UserError(str(exc)) from None
+        result = round_floats(result)
+        _write_out(out, "serve", result, plots.plot_serve)
+        click.echo(json.dumps(result, indent=2) if as_json else serve_bench.format_table(result))
