@@ -355,6 +355,10 @@ class Completion:
     tbt_p50_ms: float = 0.0     # time between tokens, median and max
     tbt_max_ms: float = 0.0
     e2e_ms: float = 0.0         # enqueue -> done
+    handoff_ms: float = 0.0     # first token published -> handoff taken by a decode worker
+    first_step_ms: float = 0.0  # KV in place -> second token published (one decode step)
+    ttst_ms: float = 0.0        # enqueue -> second token published; ~= queue + prefill +
+                                # handoff + transfer + first_step
     prefill_worker: str = ""
     decode_worker: str = ""
     transfer_path: str = ""     # "shm", "zmq", "local", "recompute", ...
@@ -365,6 +369,7 @@ class Completion:
 
 
 _COMPLETION_FLOATS = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_ms", "decode_ms",
+                      "handoff_ms", "first_step_ms", "ttst_ms",
                       "tbt_p50_ms", "tbt_max_ms", "e2e_ms")
 _COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes")
 _COMPLETION_STRS = ("prefill_worker", "decode_worker", "transfer_path")

@@ -266,7 +266,7 @@ class WorkerBase:
             try:
                 self.heartbeat = Heartbeat(self.r, self.keys, self.worker_id, role=self.role,
                                            incarnation=self.incarnation, model=self.config.engine.model,
-                                           **info).start()
+                                           ttl_s=self.config.heartbeat_ttl_s, **info).start()
                 return
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if self.stop.cold.is_set():

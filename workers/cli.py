@@ -63,7 +63,35 @@ def check_device(device: str) -> None:
         raise UserError(f"--device {device}: no CUDA device is available on this machine")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Group(click.Group):
+    """Usage errors (a bad option, a missing argument) as one red line and exit status 1,
+    like every other user error, instead of click's usage block and status 2."""
+
+    group_class = type  # subgroups (``bench``) are of this class too
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
+
+
+def _usage_error(exc: click.UsageError) -> UserError:
+    where = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+    return UserError(f"{exc.format_message()}{where}")
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="pdqueue")
 def cli():
     """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
@@ -173,12 +201,23 @@ ROLES = ("prefill", "decode", "colocated")
 @click.option("--transfer", type=click.Choice(["auto", "shm", "zmq"]), default="auto", show_default=True,
               help="How KV reaches the decode side (auto: shm on the same node, else zmq).")
 @click.option("--bind", default="tcp://127.0.0.1:*", show_default=True, help="Prefill: KV server bind address.")
+@click.option("--advertise-host", envvar="PDQ_ADVERTISE_HOST", default=None,
+              help="Prefill: the host decode workers reach the KV server at (tickets carry it with the "
+                   "bound port); 'auto' is the address this machine's hostname resolves to (a container's "
+                   "own IP). Default: the bound host, or 'auto' when binding 0.0.0.0 or *.")
 @click.option("--lease-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
-@click.option("--worker-id", default=None)
+@click.option("--fetch-timeout-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Decode: give up on a silent prefill peer after this long (then recompute).")
+@click.option("--heartbeat-ttl-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="A worker silent this long is dead; its work is taken over at once.")
+@click.option("--reclaim-idle-ms", type=click.IntRange(min=100), default=15000, show_default=True,
+              help="Work of a live but hung worker is taken over after this idle time.")
+@click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, policy, max_num_seqs,
-           max_batched_tokens, transfer, bind, lease_s, worker_id, burst, log_level):
+           max_batched_tokens, transfer, bind, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
+           reclaim_idle_ms, worker_id, burst, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from pdqueue.engine.config import EngineConfig
     from workers.common import WorkerConfig, setup_logging
@@ -189,7 +228,9 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
                           policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
     config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, bind=bind,
-                          lease_s=lease_s, worker_id=worker_id, burst=burst)
+                          advertise=advertised_endpoint(bind, advertise_host),
+                          lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
+                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst)
     loaded = load(model, device, dtype)
     if role == "prefill":
         from workers.prefill import PrefillWorker as Worker
@@ -200,6 +241,23 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     w = Worker(config, loaded)
     w.stop.install()
     w.run()
+
+
+def advertised_endpoint(bind: str, host: str | None) -> str | None:
+    """The KV address for tickets: ``tcp://HOST:*`` (the sender fills in the bound port), or
+    None to advertise the bound address itself."""
+    import socket
+
+    scheme, _, rest = bind.partition("://")
+    bind_host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or (host is None and bind_host not in ("0.0.0.0", "*", "[::]", "::")):
+        return None
+    if host in (None, "auto"):
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            raise UserError(f"--advertise-host auto: cannot resolve this machine's hostname ({exc})") from None
+    return f"tcp://{host}:{port}"
 
 
 def check_redis(url: str) -> None:

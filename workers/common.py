@@ -29,10 +29,12 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: str = "auto"          # auto | shm | zmq: how KV reaches the decode side
     bind: str = "tcp://127.0.0.1:*"  # the prefill worker's KV server (zmq ROUTER)
+    advertise: str | None = None    # the KV server address put in tickets (":*": the bound port)
     lease_s: float = 30.0           # exported KV is held at most this long for the decode side
     fetch_timeout_s: float = 10.0
     max_batch_requests: int = 16    # requests read per XREADGROUP
-    reclaim_idle_ms: int = 15000    # pending entries idle this long are taken over
+    reclaim_idle_ms: int = 15000    # a live but silent consumer's entries idle this long are taken over
+    heartbeat_ttl_s: float = 10.0   # a worker silent this long is dead: its entries are taken at once
     max_attempts: int = 3           # recompute attempts before a request is failed
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)

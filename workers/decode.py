@@ -48,6 +48,7 @@ class Job:
     transfer_path: str = ""
     error: str | None = None
     admitted_ms: float = 0.0
+    fetched_ms: float = 0.0     # KV in place (fetch finished, or recompute admitted)
     token_times_ms: list[float] = field(default_factory=list)
 
 
@@ -111,7 +112,8 @@ class DecodeWorker(WorkerBase):
 
     # ---- taking handoffs -------------------------------------------------------------
     def take_handoffs(self, block_ms: int) -> None:
-        entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), 1)
+        room = min(8, self.config.engine.max_num_seqs - len(self.jobs))
+        entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), room)
         resumed = bool(entries)
         if not entries:
             entries = self.read(K.DECODE_GROUP, self.handoff_streams(), 1, block_ms)
@@ -203,6 +205,7 @@ class DecodeWorker(WorkerBase):
                 job.transfer_ms = result.seconds * 1e3
                 job.transfer_bytes = result.nbytes
                 job.transfer_path = result.path
+                job.fetched_ms = now_ms()
             except TransferError as exc:
                 job.error = str(exc)
             except Exception as exc:  # never let the fetch thread die
@@ -237,7 +240,7 @@ class DecodeWorker(WorkerBase):
             return
         h.attempt += 1
         job.transfer_path = "recompute"
-        job.admitted_ms = now_ms()
+        job.admitted_ms = job.fetched_ms = now_ms()
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
 
     # ---- cancel, deadlines, ownership ------------------------------------------------
@@ -301,13 +304,17 @@ class DecodeWorker(WorkerBase):
         req = h.request
         times = [h.first_token_ms] + job.token_times_ms
         p50, pmax = tbt_stats(times)
+        second = job.token_times_ms[0] if job.token_times_ms else 0.0
         return Completion(
             req.id, text, tuple(seq.output_ids), reason,
             num_prompt_tokens=len(h.prompt_ids), ttft_ms=h.first_token_ms - req.enqueued_ms,
             queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
             transfer_ms=job.transfer_ms, transfer_bytes=job.transfer_bytes,
             decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-            prefill_worker=h.prefill_worker, decode_worker=self.worker_id, transfer_path=job.transfer_path)
+            prefill_worker=h.prefill_worker, decode_worker=self.worker_id, transfer_path=job.transfer_path,
+            handoff_ms=job.read_ms - h.first_token_ms,
+            first_step_ms=second - job.fetched_ms if second else 0.0,
+            ttst_ms=second - req.enqueued_ms if second else 0.0)
 
     def teardown(self) -> None:
         self._to_fetch.put(None)

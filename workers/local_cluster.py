@@ -255,9 +255,10 @@ class LocalCluster:
 
     # ---- stop ----------------------------------------------------------------------------
     def stop(self, grace_s: float = 60.0, hurry: threading.Event | None = None,
-             progress: Progress | None = None) -> dict:
+             progress: Progress | None = None, keep_logs: bool = False) -> dict:
         """Stop everything (see the module docstring); returns what happened:
-        ``{"exit_codes": {worker_id: code}, "killed": [...], "segments_removed": [...]}``."""
+        ``{"exit_codes": {worker_id: code}, "killed": [...], "segments_removed": [...]}``.
+        A temporary log directory is removed unless ``keep_logs``."""
         say = progress or (lambda msg: None)
         hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace_s
@@ -283,7 +284,7 @@ class LocalCluster:
         removed = self.remove_segments()
         if self.state_file is not None:
             remove_state(self.state_file)
-        if self._own_log_dir:
+        if self._own_log_dir and not keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
         return {"exit_codes": {w.worker_id: w.proc.returncode for w in self.workers}, "killed": killed,
                 "segments_removed": removed}

@@ -43,7 +43,7 @@ class PrefillWorker(WorkerBase):
         self.pool = SharedKVPool.create(layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
         self.engine = LLMEngine(loaded, config.engine, kv_cache=self.pool.tensor, prefill_only=True)
         self.sender = KVSender.for_shared_pool(self.pool, self.node, endpoint=config.bind,
-                                               lease_s=config.lease_s)
+                                               advertise=config.advertise, lease_s=config.lease_s)
         self.inflight: dict[str, Intake] = {}
         self._decode_nodes: set[str] = set()
         self._decode_nodes_at = 0.0

@@ -142,8 +142,11 @@ class Peer:
     def call_timeout(self, cmd, timeout: float):
         if cmd is not None:
             self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"transfer bench child did not answer {cmd and cmd[0]!r}")
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"transfer bench child did not answer {cmd and cmd[0]!r} "
+                                   f"(exit code {self.proc.exitcode})")
         reply = self.conn.recv()
         if reply == "closed" and (cmd is None or cmd[0] != "close"):
             raise RuntimeError("transfer bench child failed (see its traceback above)")

@@ -43,7 +43,8 @@ class KVSender:
                  endpoint: str = "tcp://127.0.0.1:*", lease_s: float = 30.0, *,
                  advertise: str | None = None, max_frame_bytes: int = MAX_FRAME_BYTES):
         """``endpoint``: bind address; ``advertise``: the address put in tickets (default: the
-        bound one, which is wrong for wildcard hosts such as 0.0.0.0)."""
+        bound one, which is wrong for wildcard hosts such as 0.0.0.0); a trailing ``:*`` in
+        it stands for the port actually bound (``tcp://10.0.0.5:*``)."""
         if tuple(pool_tensor.shape) != layout.shape or pool_tensor.dtype != layout.torch_dtype:
             raise ValueError(f"pool {tuple(pool_tensor.shape)} {pool_tensor.dtype} does not match {layout}")
         self.layout = layout
@@ -67,7 +68,10 @@ class KVSender:
             self._sock.close(linger=0)
             self._context.term()
             raise
-        self.endpoint = advertise or self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise and advertise.endswith(":*"):
+            advertise = advertise[:-1] + bound.rpartition(":")[2]
+        self.endpoint = advertise or bound
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-sender-{worker_id}", daemon=True)
         self._thread.start()

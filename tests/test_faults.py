@@ -1,0 +1,147 @@
+"""Fault injection: a worker killed or hung mid-request, a Redis restart. Every request
+completes exactly once from the client's view, with the colocated engine's tokens, and
+nothing leaks (blocks, segments)."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import pytest
+import redis
+
+from pdqueue.client import Client
+from pdqueue.keys import Keys
+from pdqueue.models.loader import load_model
+from pdqueue.queue.redis_server import RedisServer
+from tests.cluster import Cluster
+from tests.oracle import assert_same_tokens
+from tests.test_pipeline import mixed_prompts, oracle, segments_of, wait_pools_free
+
+FAST = ("--heartbeat-ttl-s", "1.5", "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2", "--lease-s", "10")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.fixture
+def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    c.stop_all()
+    assert not segments_of([w for w, p in c.procs.items() if p.returncode == 0])
+
+
+def submit(cluster, tiny, n: int, max_tokens: int, seed: int = 0):
+    prompts = mixed_prompts(n, seed)
+    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i,
+               "ignore_eos": False} for i in range(n)]
+    for p in params:
+        p.pop("ignore_eos")
+    prompt_ids, expected = oracle(tiny, prompts, params)
+    client = Client(cluster.redis_url)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+    return client, handles, prompt_ids, expected
+
+
+def check_all(cluster, tiny, client, handles, prompt_ids, expected, timeout=120):
+    """Every request answered once, with the oracle's tokens; streams without gaps."""
+    results = [h.result(timeout=timeout) for h in handles]
+    for pid, exp, res in zip(prompt_ids, expected, results):
+        assert_same_tokens(tiny, pid, exp, list(res.token_ids))
+    done = redis.Redis.from_url(cluster.redis_url).xrange(Keys().done)
+    counts = collections.Counter(f[b"id"].decode() for _, f in done)
+    assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles
+                                                               if counts[h.request_id] != 1}
+    for h, res in zip(handles[:6], results):
+        streamed = [t for e in client.handle(h.request_id).stream(timeout=10) for t in e.token_ids]
+        assert streamed == list(res.token_ids)
+    return results
+
+
+def wait_for(pred, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def out_len(cluster, rid) -> int:
+    return redis.Redis.from_url(cluster.redis_url).xlen(Keys().out(rid))
+
+
+def test_prefill_killed_mid_batch(cluster, tiny):
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, ids, expected = submit(cluster, tiny, 24, 8)
+    cluster.signal("p0", signal.SIGKILL)  # whatever it had taken is pending under p0
+    cluster.start("prefill", *FAST, worker_id="p1")
+    check_all(cluster, tiny, client, handles, ids, expected)
+    wait_pools_free(cluster)
+
+
+def test_prefill_killed_after_handoff_before_fetch(cluster, tiny):
+    cluster.start("prefill", *FAST, worker_id="p0")
+    client, handles, ids, expected = submit(cluster, tiny, 8, 10)
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: r.xlen(Keys().handoff) == 8, what="8 handoffs")
+    cluster.signal("p0", signal.SIGKILL)
+    cluster.procs["p0"].wait()
+    cluster.start("decode", *FAST, worker_id="d0")  # its fetches fail: recompute
+    results = check_all(cluster, tiny, client, handles, ids, expected)
+    assert {res.transfer_path for res in results} == {"recompute"}
+    assert segments_of(["p0"]), "a SIGKILLed owner cannot unlink its segment"
+    cluster.start("prefill", *FAST, worker_id="p1")  # a start on this node removes it
+    assert not segments_of(["p0"])
+    wait_pools_free(cluster)
+
+
+def test_decode_killed_mid_generation(cluster, tiny):
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, ids, expected = submit(cluster, tiny, 6, 300)
+    wait_for(lambda: all(out_len(cluster, h.request_id) > 5 for h in handles), what="tokens flowing")
+    cluster.signal("d0", signal.SIGKILL)
+    killed_at = time.monotonic()
+    cluster.start("decode", *FAST, worker_id="d1")
+    results = check_all(cluster, tiny, client, handles, ids, expected)
+    assert any(r.transfer_path == "recompute" and r.decode_worker == "d1" for r in results)
+    print(f"recovered {time.monotonic() - killed_at:.1f}s after the kill")
+    wait_pools_free(cluster)
+
+
+def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start("decode", *FAST, worker_id="d1")
+    client, handles, ids, expected = submit(cluster, tiny, 8, 300)
+    wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
+    cluster.signal("d0", signal.SIGSTOP)
+    time.sleep(4.0)  # longer than the heartbeat TTL and the reclaim idle time
+    cluster.signal("d0", signal.SIGCONT)
+    check_all(cluster, tiny, client, handles, ids, expected)
+    assert cluster.procs["d0"].poll() is None, "the hung worker resumes and goes on"
+    wait_pools_free(cluster)
+
+
+def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
+    server = RedisServer(appendonly=True).start()
+    try:
+        c = Cluster(server.url, tmp_path)
+        c.start("prefill", *FAST, worker_id="p0")
+        c.start("decode", *FAST, worker_id="d0")
+        client, handles, ids, expected = submit(c, tiny, 12, 200)
+        wait_for(lambda: sum(out_len(c, h.request_id) > 0 for h in handles) >= 4, what="first answers")
+        server.restart()
+        client = Client(server.url)
+        check_all(c, tiny, client, [client.handle(h.request_id) for h in handles], ids, expected)
+        wait_pools_free(c)
+        codes = c.stop_all()
+        assert all(code == 0 for code in codes.values()), {w: c.log(w) for w in codes}
+    finally:
+        server.stop()
