@@ -3,7 +3,9 @@ the registry, stopped with SIGTERM (killed if they do not stop), logs kept for f
 
 from __future__ import annotations
 
+import glob
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,30 +26,37 @@ class Cluster:
         self.log_dir = Path(log_dir)
         self.model = model
         self.cluster = cluster
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}  # by short name
+        # Worker ids carry a per-cluster tag: other test runs on this host (sharing /dev/shm)
+        # must never be mistaken for ours.
+        self.tag = secrets.token_hex(3)
         self.r = redis.Redis.from_url(redis_url)
         self.keys = Keys(cluster)
 
     def start(self, role: str, *args: str, worker_id: str | None = None, prefix: list[str] | None = None,
               env: dict | None = None, wait: bool = True) -> str:
-        worker_id = worker_id or f"{role}-{len(self.procs)}"
+        name = worker_id or f"{role}-{len(self.procs)}"
         cmd = [sys.executable, "-m", "workers.cli", "worker", role, "--model", self.model,
-               "--redis-url", self.redis_url, "--cluster", self.cluster, "--worker-id", worker_id,
+               "--redis-url", self.redis_url, "--cluster", self.cluster, "--worker-id", self.id(name),
                "--threads", "1", "--kv-cache-mb", "16", *args]
         if prefix:  # e.g. ["unshare", "--mount", "sh", "-c", "mount ... && exec {cmd}"]
             cmd = [*prefix[:-1], prefix[-1].format(cmd=" ".join(_quote(c) for c in cmd))]
-        log = open(self.log_dir / f"{worker_id}.log", "wb")
-        self.procs[worker_id] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                                 env={**os.environ, **(env or {})}, start_new_session=True)
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, **(env or {})}, start_new_session=True)
         if wait:
-            self.wait_registered(worker_id)
-        return worker_id
+            self.wait_registered(name)
+        return name
+
+    def id(self, name: str) -> str:
+        """The real worker id (consumer name) of the worker started as ``name``."""
+        return f"{name}-{self.tag}"
 
     def wait_registered(self, worker_id: str, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for w in list_workers(self.r, self.keys):
-                if w["worker_id"] == worker_id:
+                if w["worker_id"] == self.id(worker_id):
                     return w
             proc = self.procs[worker_id]
             if proc.poll() is not None:
@@ -56,7 +65,17 @@ class Cluster:
         raise TimeoutError(f"worker {worker_id} did not register:\n{self.log(worker_id)}")
 
     def workers(self) -> dict[str, dict]:
-        return {w["worker_id"]: w for w in list_workers(self.r, self.keys)}
+        """Live workers by short name."""
+        return {w["worker_id"].removesuffix(f"-{self.tag}"): w for w in list_workers(self.r, self.keys)}
+
+    def dead_segments(self) -> list[str]:
+        """This cluster's segments whose owner process is gone (leaked, until cleaned up)."""
+        return [p for p in self.segments() if not owner_alive(p)]
+
+    def segments(self, names=None) -> list[str]:
+        """This cluster's KV segments in /dev/shm (of the named workers, default all)."""
+        names = list(self.procs) if names is None else list(names)
+        return [p for p in glob.glob("/dev/shm/pdq-kv-*") if any(f"-{self.id(n)}-" in p for n in names)]
 
     def log(self, worker_id: str) -> str:
         return (self.log_dir / f"{worker_id}.log").read_text(errors="replace")[-4000:]
@@ -85,6 +104,18 @@ class Cluster:
                 except ProcessLookupError:
                     pass
         return {wid: self.stop(wid, signalled=True) for wid in list(self.procs)}
+
+
+def owner_alive(segment_path: str) -> bool:
+    from pdqueue.transfer.shm import read_segment_info
+
+    try:
+        os.kill(read_segment_info(segment_path).pid, 0)
+    except ProcessLookupError:
+        return False
+    except FileNotFoundError:
+        return True
+    return True
 
 
 def _quote(s: str) -> str:

@@ -17,7 +17,7 @@ from pdqueue.models.loader import load_model
 from pdqueue.queue.redis_server import RedisServer
 from tests.cluster import Cluster
 from tests.oracle import assert_same_tokens
-from tests.test_pipeline import mixed_prompts, oracle, segments_of, wait_pools_free
+from tests.test_pipeline import mixed_prompts, oracle, wait_pools_free
 
 FAST = ("--heartbeat-ttl-s", "1.5", "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2", "--lease-s", "10")
 
@@ -32,26 +32,25 @@ def cluster(redis_url, tmp_path):
     c = Cluster(redis_url, tmp_path)
     yield c
     c.stop_all()
-    assert not segments_of([w for w, p in c.procs.items() if p.returncode == 0])
+    assert not c.segments([w for w, p in c.procs.items() if p.returncode == 0])
 
 
 def submit(cluster, tiny, n: int, max_tokens: int, seed: int = 0):
     prompts = mixed_prompts(n, seed)
-    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i,
-               "ignore_eos": False} for i in range(n)]
-    for p in params:
-        p.pop("ignore_eos")
-    prompt_ids, expected = oracle(tiny, prompts, params)
+    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i}
+              for i in range(n)]
+    prompt_ids, expected, sampling = oracle(tiny, prompts, params)
     client = Client(cluster.redis_url)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
-    return client, handles, prompt_ids, expected
+    return client, handles, prompt_ids, (expected, sampling)
 
 
 def check_all(cluster, tiny, client, handles, prompt_ids, expected, timeout=120):
     """Every request answered once, with the oracle's tokens; streams without gaps."""
     results = [h.result(timeout=timeout) for h in handles]
-    for pid, exp, res in zip(prompt_ids, expected, results):
-        assert_same_tokens(tiny, pid, exp, list(res.token_ids))
+    expected, sampling = expected
+    for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
+        assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
     done = redis.Redis.from_url(cluster.redis_url).xrange(Keys().done)
     counts = collections.Counter(f[b"id"].decode() for _, f in done)
     assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles
@@ -95,9 +94,9 @@ def test_prefill_killed_after_handoff_before_fetch(cluster, tiny):
     cluster.start("decode", *FAST, worker_id="d0")  # its fetches fail: recompute
     results = check_all(cluster, tiny, client, handles, ids, expected)
     assert {res.transfer_path for res in results} == {"recompute"}
-    assert segments_of(["p0"]), "a SIGKILLed owner cannot unlink its segment"
+    assert cluster.segments(["p0"]), "a SIGKILLed owner cannot unlink its segment"
     cluster.start("prefill", *FAST, worker_id="p1")  # a start on this node removes it
-    assert not segments_of(["p0"])
+    assert not cluster.segments(["p0"])
     wait_pools_free(cluster)
 
 
@@ -110,7 +109,7 @@ def test_decode_killed_mid_generation(cluster, tiny):
     killed_at = time.monotonic()
     cluster.start("decode", *FAST, worker_id="d1")
     results = check_all(cluster, tiny, client, handles, ids, expected)
-    assert any(r.transfer_path == "recompute" and r.decode_worker == "d1" for r in results)
+    assert any(r.transfer_path == "recompute" and r.decode_worker == cluster.id("d1") for r in results)
     print(f"recovered {time.monotonic() - killed_at:.1f}s after the kill")
     wait_pools_free(cluster)
 

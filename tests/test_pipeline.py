@@ -4,7 +4,6 @@ return its tokens, token for token."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -47,26 +46,27 @@ def request_params(i: int, sampled: bool) -> dict:
     return {"max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}
 
 
-def oracle(loaded, prompts: list[str], params: list[dict]) -> list[list[int]]:
+def oracle(loaded, prompts: list[str], params: list[dict]):
+    """(prompt ids, the colocated engine's output ids, the SamplingParams) per request."""
     engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
     ids = [loaded.tokenizer.encode(p) for p in prompts]
     sp = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
                          top_k=p.get("top_k", 0), seed=p["seed"]) for p in params]
-    return ids, engine.generate(ids, sp)
+    return ids, engine.generate(ids, sp), sp
 
 
 def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | None = None):
     prompts = mixed_prompts(n) * 2
     params = [request_params(i, sampled=i >= n) for i in range(2 * n)]
-    prompt_ids, expected = oracle(loaded, prompts, params)
+    prompt_ids, expected, sampling = oracle(loaded, prompts, params)
     client = Client(cluster.redis_url, cluster.cluster)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
     results = [h.result(timeout=120) for h in handles]
     paths = {r.transfer_path for r in results}
-    for pid, exp, res in zip(prompt_ids, expected, results):
-        assert_same_tokens(loaded, pid, exp, list(res.token_ids))
+    for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
+        assert_same_tokens(loaded, pid, exp, list(res.token_ids), sp)
     if expect_path:
-        nodes = {w["worker_id"]: w.get("node") for w in cluster.workers().values()}
+        nodes = {name: w.get("node") for name, w in cluster.workers().items()}
         assert paths == {expect_path}, (paths, nodes, {w: cluster.log(w)[-1500:] for w in cluster.procs})
     # The stream carries the completion's tokens, each index once, in order.
     for h, res in list(zip(handles, results))[:4]:
@@ -90,16 +90,12 @@ def wait_pools_free(cluster: Cluster, timeout: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def segments_of(worker_ids) -> list[str]:
-    return [p for p in glob.glob("/dev/shm/pdq-kv-*") if any(f"-{w}-" in p for w in worker_ids)]
-
-
 @pytest.fixture
 def cluster(redis_url, tmp_path):
     c = Cluster(redis_url, tmp_path)
     yield c
     codes = c.stop_all()
-    leftover = segments_of(c.procs)
+    leftover = c.segments()
     assert not leftover, f"segments left behind: {leftover}"
     assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
 
@@ -130,7 +126,7 @@ def test_cross_host_path_is_chosen_by_itself(cluster, tiny):
     cluster.start("decode", worker_id="decodeB",
                   prefix=["unshare", "--mount", "--propagation", "private", "sh", "-c",
                           "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {cmd}"])
-    nodes = {w["worker_id"]: w["node"] for w in cluster.workers().values()}
+    nodes = {name: w["node"] for name, w in cluster.workers().items()}
     assert nodes["prefillA"] != nodes["decodeB"]
     run_and_compare(cluster, tiny, n=8, expect_path="zmq")
     wait_pools_free(cluster)
@@ -215,13 +211,14 @@ def test_smollm2_pipeline_matches_colocated_engine(redis_url, tmp_path):
                  [{"max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "seed": 7 + i} for i in range(2)]
         ids = [loaded.tokenizer.encode(p) for p in prompts]
         engine = LLMEngine(loaded, EngineConfig(kv_cache_mb=64))
-        expected = engine.generate(ids, [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"],
-                                                        top_p=p.get("top_p", 1.0), seed=p["seed"]) for p in params])
+        sampling = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"],
+                                   top_p=p.get("top_p", 1.0), seed=p["seed"]) for p in params]
+        expected = engine.generate(ids, sampling)
         client = Client(redis_url)
         handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
         results = [h.result(timeout=120) for h in handles]
-        for pid, exp, res in zip(ids, expected, results):
-            assert_same_tokens(loaded, pid, exp, list(res.token_ids))
+        for pid, exp, res, sp in zip(ids, expected, results, sampling):
+            assert_same_tokens(loaded, pid, exp, list(res.token_ids), sp)
         assert "Paris" in results[0].text
         assert {r.transfer_path for r in results} == {"shm"}, {w: c.log(w)[-1500:] for w in c.procs}
         token_bytes = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x kv heads x head dim x fp32
@@ -231,7 +228,7 @@ def test_smollm2_pipeline_matches_colocated_engine(redis_url, tmp_path):
     finally:
         codes = c.stop_all()
     assert all(code == 0 for code in codes.values())
-    assert not segments_of(c.procs)
+    assert not c.segments()
 
 
 def test_timing_breakdown_adds_up(cluster):
