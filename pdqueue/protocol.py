@@ -242,12 +242,9 @@ def parse_request(entry_id: str | bytes | None,
     eid = _text(entry_id, "stream entry id") if entry_id is not None else None
     if not isinstance(fields, Mapping):
         raise RequestError(f"request fields must be a mapping, got {type(fields).__name__}", eid)
-    named: dict[str, Any] = {}
-    for key, value in fields.items():
-        named[_text(key, "a field name", eid)] = value
-
-    if "id" in named:
-        raw_id = named["id"]
+    # The id first, so that any later problem can be answered on out:<id>.
+    raw_id = fields.get(b"id", fields.get("id"))
+    if raw_id is not None:
         rid = _text(raw_id, "field 'id'")
         if not _ID.match(rid):
             raise RequestError(
@@ -256,6 +253,9 @@ def parse_request(entry_id: str | bytes | None,
         rid = eid
     else:
         raise RequestError("request has no 'id' field and no stream entry id")
+    named: dict[str, Any] = {}
+    for key, value in fields.items():
+        named[_text(key, "a field name", rid)] = value
 
     def fail(reason: str):
         raise RequestError(reason, rid)

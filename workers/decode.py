@@ -134,11 +134,27 @@ class DecodeWorker(WorkerBase):
                 self.publisher.submit(ops)
                 continue
             req = h.request
+            problem = self.check_handoff(h)
+            if problem:
+                ops = []
+                self.reject(ops, stream, entry_id, fields, req.id, f"bad handoff: {problem}", ErrorCode.BAD_REQUEST,
+                            group=K.DECODE_GROUP)
+                self.publisher.submit(ops)
+                continue
             if resumed and not self.catch_up(h, stream, entry_id):
                 continue
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=h.seed, stop=tuple(req.stop))
             self.backlog.append(Job(stream, entry_id, h, params, now_ms()))
+
+    def check_handoff(self, h: Handoff) -> str | None:
+        """What makes a (well-formed) handoff impossible to run here, or None."""
+        vocab = self.loaded.config.vocab_size
+        if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
+            return f"token ids beyond the vocabulary ({vocab})"
+        if len(h.output_ids) > h.request.max_tokens:
+            return "more output tokens than max_tokens"
+        return self.engine.check_prompt(len(h.prompt_ids) + len(h.output_ids))
 
     def catch_up(self, h: Handoff, stream: str, entry_id: str) -> bool:
         """Resume from what ``out:<id>`` already shows: tokens published by the previous
