@@ -68,7 +68,7 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
-                  chat: bool = False, id: str | None = None) -> Request:
+                  chat: bool = False, ignore_eos: bool = False, id: str | None = None) -> Request:
     """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given."""
     request_id = id if id is not None else uuid.uuid4().hex
     try:
@@ -79,7 +79,7 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                   seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                  deadline_ms=deadline_ms, priority=priority, chat=chat)
+                  deadline_ms=deadline_ms, priority=priority, chat=chat, ignore_eos=ignore_eos)
     validate_request(req)
     return req
 
@@ -218,12 +218,13 @@ class Client:
                max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
-               chat: bool = False, id: str | None = None) -> RequestHandle:
+               chat: bool = False, ignore_eos: bool = False, id: str | None = None) -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
         ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat, id=id)
+                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
+                            ignore_eos=ignore_eos, id=id)
         entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return RequestHandle(self, req.id, _str(entry_id))
 
@@ -326,11 +327,13 @@ class AsyncClient:
                      max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                      top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
-                     chat: bool = False, id: str | None = None) -> AsyncRequestHandle:
+                     chat: bool = False, ignore_eos: bool = False,
+                     id: str | None = None) -> AsyncRequestHandle:
         """See ``Client.submit``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat, id=id)
+                            stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
+                            ignore_eos=ignore_eos, id=id)
         entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return AsyncRequestHandle(self, req.id, _str(entry_id))
 

@@ -30,6 +30,8 @@ PROTOCOL_VERSION = 1
 #      error; handoff msgpack {version, request, prompt_ids, output_ids, seed, ticket,
 #      prefill_worker, enqueued_ms, prefill_start_ms, prefill_end_ms, first_token_ms,
 #      attempt}.
+#      Later additions, all optional (older workers reject them as unknown fields):
+#      request field ignore_eos; done fields handoff_ms, first_step_ms, ttst_ms.
 
 
 class ResultType(str, Enum):
@@ -97,6 +99,7 @@ class Request:
     deadline_ms: int | None = None   # expires this many ms after enqueued_ms
     priority: Priority = Priority.NORMAL
     chat: bool = False               # apply the model's chat template to ``prompt``
+    ignore_eos: bool = False         # generate max_tokens even past end-of-sequence (benchmarks)
     enqueued_ms: int = 0             # unix ms, from the stream entry id (0 if unknown)
 
     def __post_init__(self) -> None:
@@ -122,7 +125,7 @@ class Request:
 
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
-                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat")
+                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos")
 _KNOWN_FIELDS = frozenset(REQUEST_FIELDS)
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INT = re.compile(r"^[+-]?[0-9]{1,30}$")
@@ -182,6 +185,8 @@ def validate_request(req: Request) -> None:
         fail(f"priority must be 'normal' or 'high', got {_short(req.priority)}")
     if not isinstance(req.chat, bool):
         fail(f"chat must be a boolean, got {_short(req.chat)}")
+    if not isinstance(req.ignore_eos, bool):
+        fail(f"ignore_eos must be a boolean, got {_short(req.ignore_eos)}")
 
 
 def request_to_fields(req: Request) -> dict[str, str]:
@@ -209,6 +214,8 @@ def request_to_fields(req: Request) -> dict[str, str]:
         fields["priority"] = Priority(req.priority).value
     if req.chat:
         fields["chat"] = "1"
+    if req.ignore_eos:
+        fields["ignore_eos"] = "1"
     return fields
 
 
@@ -306,12 +313,15 @@ def parse_request(entry_id: str | bytes | None,
             priority = Priority(text["priority"].strip().lower())
         except ValueError:
             fail(f"priority must be 'normal' or 'high', got {_short(text['priority'])}")
-    chat = False
-    if "chat" in text:
-        flag = text["chat"].strip().lower()
-        if flag not in ("1", "0", "true", "false"):
-            fail(f"chat must be 1 or 0, got {_short(text['chat'])}")
-        chat = flag in ("1", "true")
+    def flag(name: str) -> bool:
+        if name not in text:
+            return False
+        value = text[name].strip().lower()
+        if value not in ("1", "0", "true", "false"):
+            fail(f"{name} must be 1 or 0, got {_short(text[name])}")
+        return value in ("1", "true")
+
+    chat, ignore_eos = flag("chat"), flag("ignore_eos")
 
     defaults = Request(id=rid)
     max_tokens, temperature = integer("max_tokens"), number("temperature")
@@ -329,6 +339,7 @@ def parse_request(entry_id: str | bytes | None,
         deadline_ms=integer("deadline_ms"),
         priority=priority,
         chat=chat,
+        ignore_eos=ignore_eos,
         enqueued_ms=entry_id_ms(eid),
     )
     validate_request(req)

@@ -144,3 +144,35 @@ def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
         assert all(code == 0 for code in codes.values()), {w: c.log(w) for w in codes}
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
+def test_cancel_and_deadline_stop_the_work_and_free_blocks(cluster, layout):
+    if layout == "disaggregated":
+        cluster.start("prefill", *FAST, worker_id="p0")
+        cluster.start("decode", *FAST, worker_id="d0")
+    else:
+        cluster.start("colocated", *FAST, worker_id="c0")
+    client = Client(cluster.redis_url)
+    cancel_me = client.submit("cancel me", max_tokens=3000, temperature=0, ignore_eos=True)
+    expire_me = client.submit("expire me", max_tokens=3000, temperature=0, ignore_eos=True, deadline_ms=1500)
+    wait_for(lambda: out_len(cluster, cancel_me.request_id) > 3, what="tokens flowing")
+    client.cancel(cancel_me.request_id)
+    cancelled = cancel_me.result(timeout=30)
+    expired = expire_me.result(timeout=30)
+    assert cancelled.finish_reason == "cancelled" and 0 < cancelled.num_tokens < 3000
+    assert expired.finish_reason == "expired" and expired.num_tokens < 3000
+    assert expired.e2e_ms < 1500 + 1000
+    wait_pools_free(cluster)
+
+
+def test_warm_stop_drains_a_decode_worker(cluster, tiny):
+    """The first SIGTERM: running sequences finish; what it had not started goes to others."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start("decode", *FAST, worker_id="d1")
+    client, handles, ids, expected = submit(cluster, tiny, 12, 150)
+    wait_for(lambda: sum(out_len(cluster, h.request_id) > 2 for h in handles) >= 6, what="tokens flowing")
+    assert cluster.stop("d0") == 0
+    check_all(cluster, tiny, client, handles, ids, expected)
+    wait_pools_free(cluster)

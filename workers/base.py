@@ -93,7 +93,8 @@ class WorkerBase:
                 raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=seed, stop=tuple(req.stop))
+                                    top_k=req.top_k, seed=seed, stop=tuple(req.stop),
+                                    ignore_eos=req.ignore_eos)
             engine.add_request(req.id, prompt_ids, params)
             return Intake(stream, entry_id, req, prompt_ids, params, read_ms)
         except RequestError as exc:
@@ -272,6 +273,30 @@ class WorkerBase:
                 if self.stop.cold.is_set():
                     raise
                 log.warning("redis unavailable at start (%s); retrying", exc)
+                self.backoff.sleep(self.stop.cold)
+
+    # ---- the loop ----------------------------------------------------------------------
+    MAX_CONSECUTIVE_FAILURES = 20
+
+    def loop(self, iteration) -> None:
+        """Run ``iteration()`` until it returns False or a cold stop. Redis outages are
+        retried with capped backoff; an unexpected error is logged and the loop goes on
+        (the entries in hand stay pending, to be retried or reclaimed), unless it keeps
+        failing, when the worker exits with the error rather than spin."""
+        failures = 0
+        while not self.stop.cold.is_set():
+            try:
+                if not iteration():
+                    return
+                failures = 0
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                self.backoff.sleep(self.stop.cold)
+            except Exception:
+                failures += 1
+                log.exception("worker iteration failed (%d in a row)", failures)
+                if failures >= self.MAX_CONSECUTIVE_FAILURES:
+                    raise
                 self.backoff.sleep(self.stop.cold)
 
     # ---- redis with retries --------------------------------------------------------------

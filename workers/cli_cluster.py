@@ -465,7 +465,8 @@ def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> N
     if started:
         say("stopping (Ctrl-C again to stop at once)")
     result = lc.stop(grace_s, hurry, progress=say, keep_logs=keep_logs)
-    bad = {wid: code for wid, code in result["exit_codes"].items() if code not in (0, None)}
+    # -SIGTERM: a worker asked to stop before it had installed its handler (still loading).
+    bad = {wid: code for wid, code in result["exit_codes"].items() if code not in (0, None, -signal.SIGTERM)}
     if result["killed"]:
         say(f"killed: {', '.join(result['killed'])}")
     if bad and not result["killed"]:

@@ -10,10 +10,11 @@ MULTI/EXEC.
 from __future__ import annotations
 
 import logging
+import time
 
 from pdqueue import keys as K
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Completion
+from pdqueue.protocol import Completion, FinishReason
 from workers.base import Intake, WorkerBase, tbt_stats
 from workers.common import WorkerConfig, now_ms
 
@@ -27,6 +28,8 @@ class ColocatedWorker(WorkerBase):
         super().__init__(config, loaded)
         self.engine = LLMEngine(loaded, config.engine)
         self.inflight: dict[str, Intake] = {}
+        self._last_check = 0.0
+        self._last_touch = 0.0
 
     def run(self) -> None:
         self.ensure_groups()
@@ -34,19 +37,57 @@ class ColocatedWorker(WorkerBase):
         self.publisher = self.make_publisher()
         log.info("colocated worker %s ready", self.worker_id)
         try:
-            while not self.stop.cold.is_set():
-                busy = self.engine.has_unfinished
-                if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
-                    self.take_requests(block_ms=0 if busy else 100)
-                elif not busy:
-                    break
-                if self.engine.has_unfinished:
-                    self.publish(self.engine.step())
-                elif self.config.burst and not self.inflight:
-                    break
-                self.heartbeat.update(**self.load())
+            self.loop(self.iteration)
         finally:
             self.teardown()
+
+    def iteration(self) -> bool:
+        busy = self.engine.has_unfinished
+        if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
+            self.take_requests(block_ms=0 if busy else 100)
+        elif not busy:
+            return False
+        self.housekeeping()
+        if self.engine.has_unfinished:
+            self.publish(self.engine.step())
+        elif self.config.burst and not self.inflight:
+            return False
+        self.heartbeat.update(**self.load())
+        return True
+
+    def housekeeping(self) -> None:
+        """Every ~100 ms: end cancelled and expired requests (blocks freed, done published);
+        every few seconds: keep our request entries from looking idle to other workers."""
+        now = time.monotonic()
+        if now - self._last_check < 0.1:
+            return
+        self._last_check = now
+        t = now_ms()
+        ids = list(self.inflight)
+        stopped = {rid: FinishReason.CANCELLED for rid in self.cancelled(ids)}
+        stopped.update({rid: FinishReason.EXPIRED for rid in ids
+                        if rid not in stopped and self.inflight[rid].request.expired(t)})
+        ops: list = []
+        for rid, reason in stopped.items():
+            it = self.inflight.pop(rid)
+            seq = self.engine.abort(rid, reason.value)
+            output = seq.output_ids if seq else it.output_ids
+            c = Completion(rid, self.tokenizer.decode(output), tuple(output), reason,
+                           num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
+                           prefill_worker=self.worker_id, decode_worker=self.worker_id, transfer_path="local")
+            self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, self.done_writes(c))
+        if ops:
+            self.publisher.submit(ops)
+        if now - self._last_touch > self.config.reclaim_idle_ms / 3000:
+            self._last_touch = now
+            by_stream: dict[str, list[str]] = {}
+            for it in self.inflight.values():
+                by_stream.setdefault(it.stream, []).append(it.entry_id)
+            lost = self.touch(by_stream, K.PREFILL_GROUP)
+            for rid in [rid for rid, it in self.inflight.items() if it.entry_id in lost]:
+                log.warning("%s was taken over by another worker; dropping it here", rid)
+                self.engine.abort(rid)
+                del self.inflight[rid]
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,

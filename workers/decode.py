@@ -80,25 +80,28 @@ class DecodeWorker(WorkerBase):
         self.accept(self.own_pending(K.DECODE_GROUP, self.handoff_streams()), resumed=True)
         log.info("decode worker %s ready (node %s, transfer %s)", self.worker_id, self.node, self.config.transfer)
         try:
-            while not self.stop.cold.is_set():
-                self.admit_fetched()
-                self.start_backlog()
-                idle = not self.engine.has_unfinished and not self.jobs
-                if not self.stop.warm.is_set():
-                    if not self.backlog and self.has_room():
-                        self.take_handoffs(block_ms=100 if idle else 0)
-                elif idle:
-                    break
-                self.housekeeping()
-                if self.engine.has_unfinished:
-                    self.publish(self.engine.step())
-                elif self.config.burst and not self.jobs:
-                    break
-                elif self.jobs and not self.engine.has_unfinished:
-                    self.stop.cold.wait(0.001)  # waiting for a fetch
-                self.heartbeat.update(**self.load())
+            self.loop(self.iteration)
         finally:
             self.teardown()
+
+    def iteration(self) -> bool:
+        self.admit_fetched()
+        self.start_backlog()
+        idle = not self.engine.has_unfinished and not self.jobs
+        if not self.stop.warm.is_set():
+            if not self.backlog and self.has_room():
+                self.take_handoffs(block_ms=100 if idle else 0)
+        elif idle:
+            return False
+        self.housekeeping()
+        if self.engine.has_unfinished:
+            self.publish(self.engine.step())
+        elif self.config.burst and not self.jobs:
+            return False
+        elif self.jobs and not self.engine.has_unfinished:
+            self.stop.cold.wait(0.001)  # waiting for a fetch
+        self.heartbeat.update(**self.load())
+        return True
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
@@ -144,7 +147,8 @@ class DecodeWorker(WorkerBase):
             if resumed and not self.catch_up(h, stream, entry_id):
                 continue
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=h.seed, stop=tuple(req.stop))
+                                    top_k=req.top_k, seed=h.seed, stop=tuple(req.stop),
+                                    ignore_eos=req.ignore_eos)
             self.backlog.append(Job(stream, entry_id, h, params, now_ms()))
 
     def check_handoff(self, h: Handoff) -> str | None:
@@ -295,7 +299,7 @@ class DecodeWorker(WorkerBase):
         job = self.jobs.pop(request_id)
         t = now_ms()
         text = self.tokenizer.decode(seq.output_ids)
-        c = self.completion(job, None, t, seq=seq, text=text, reason=reason)
+        c = self.completion(job, seq, t, text=text, reason=reason)
         ops: list = []
         self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
         self.publisher.submit(ops)

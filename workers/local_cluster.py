@@ -16,7 +16,7 @@ worker left in /dev/shm are unlinked, and the state file and a temporary log dir
 are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not leave
 workers or the server behind.
 
-Imports redis and pdqueue.queue/keys/transfer.node (never torch).
+Imports redis and pdqueue.queue/keys (never torch).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ import redis
 from pdqueue.keys import Keys
 from pdqueue.queue.redis_server import RedisServer
 from pdqueue.queue.registry import list_workers
-from pdqueue.transfer.node import DEFAULT_SHM_DIR
 
+# pdqueue.transfer.shm's DEFAULT_PREFIX and node's DEFAULT_SHM_DIR, not imported: importing
+# pdqueue.transfer imports torch, which `up` and `status` do without.
 SEGMENT_PREFIX = "pdq-kv"
+SHM_DIR = "/dev/shm"
 ROLES_IN_STOP_ORDER = ("prefill", "decode")
 
 Progress = Callable[[str], None]
@@ -315,7 +317,7 @@ class LocalCluster:
     def segments(self) -> list[str]:
         """KV segments in /dev/shm that belong to our workers."""
         return [p for w in self.workers
-                for p in glob.glob(os.path.join(DEFAULT_SHM_DIR, f"{SEGMENT_PREFIX}-{w.worker_id}-*"))]
+                for p in glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}-{w.worker_id}-*"))]
 
     def remove_segments(self) -> list[str]:
         """Unlink segments of our (now stopped) workers: a killed prefill worker leaves its own."""

@@ -64,21 +64,24 @@ class PrefillWorker(WorkerBase):
         log.info("prefill worker %s ready (node %s, kv %s, segment %s)", self.worker_id, self.node,
                  self.sender.endpoint, self.pool.name)
         try:
-            while not self.stop.cold.is_set():
-                self.free_released()
-                busy = self.engine.has_unfinished
-                if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
-                    self.take_requests(block_ms=0 if busy else 100)
-                elif not busy:
-                    break
-                if self.engine.has_unfinished:
-                    self.publish(self.engine.step())
-                elif self.config.burst and not self.inflight:
-                    break
-                self.heartbeat.update(**self.load())
+            self.loop(self.iteration)
             self.drain_leases()
         finally:
             self.teardown()
+
+    def iteration(self) -> bool:
+        self.free_released()
+        busy = self.engine.has_unfinished
+        if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
+            self.take_requests(block_ms=0 if busy else 100)
+        elif not busy:
+            return False
+        if self.engine.has_unfinished:
+            self.publish(self.engine.step())
+        elif self.config.burst and not self.inflight:
+            return False
+        self.heartbeat.update(**self.load())
+        return True
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
