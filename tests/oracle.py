@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdqueue.engine.sampling import SamplingParams, draw_seed
+from pdqueue.engine.sampling import SamplingParams, candidate_scores
 
 TOL = 1e-3
 GREEDY = SamplingParams(temperature=0)
@@ -58,25 +58,18 @@ class NearTieFlip(UserWarning):
 def decision_scores(logits: torch.Tensor, params: SamplingParams, index: int) -> tuple[torch.Tensor, float]:
     """Per-token scores whose argmax is the engine's choice for output ``index``, and their scale.
 
-    Mirrors ``pdqueue.engine.sampling.sample_one`` step by step (float64 logs at the end).
+    Uses the sampler's own ``candidate_scores`` (non-candidates score -inf).
     """
     logits = logits.float().cpu()
     logit_scale = max(1.0, float(logits.abs().max()))
     if params.greedy:
         return logits.double(), logit_scale
-    scaled = logits / params.temperature
-    if params.top_k and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    gen = torch.Generator(device="cpu").manual_seed(draw_seed(params.seed, index))
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    scores = probs.double().log() - noise.double().log()
+    ids, candidate = candidate_scores(logits, params, index)
+    scores = torch.full((logits.numel(),), float("-inf"), dtype=torch.float64)
+    if ids is None:
+        scores = candidate.double()
+    else:
+        scores[ids] = candidate.double()
     return scores, max(1.0, logit_scale / params.temperature)
 
 

@@ -132,3 +132,22 @@ def test_top_k_one_is_greedy():
     logits = torch.randn(4, 100)
     p = SamplingParams(temperature=1.0, top_k=1, seed=3)
     assert sample(logits, [p] * 4, [0, 1, 2, 3]) == torch.argmax(logits, -1).tolist()
+
+
+@pytest.mark.parametrize("params,expected", [
+    (dict(), [0.563, 0.207, 0.126, 0.076, 0.028]),       # softmax of the logits
+    (dict(top_p=0.7), [0.731, 0.269, 0, 0, 0]),          # nucleus: the two best, renormalised
+    (dict(top_k=3), [0.631, 0.232, 0.137, 0, 0]),
+    (dict(temperature=2.0, top_k=4, top_p=0.6), [0.622, 0.378, 0, 0, 0]),
+])
+def test_sampled_frequencies_follow_the_distribution(params, expected):
+    import torch
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    p = SamplingParams(**{"temperature": 1.0, "seed": 11, **params})
+    n = 20000
+    counts = [0] * 5
+    for i in range(n):
+        counts[sample(logits[None], [p], [i])[0]] += 1
+    for got, want in zip(counts, expected):
+        assert abs(got / n - want) < 0.015, (counts, expected)

@@ -47,6 +47,7 @@ class PrefillWorker(WorkerBase):
         self.inflight: dict[str, Intake] = {}
         self._decode_nodes: set[str] = set()
         self._decode_nodes_at = 0.0
+        self._last_touch = 0.0
 
     def _segment_owner_alive(self, worker_id: str, incarnation: str) -> bool:
         try:
@@ -71,6 +72,7 @@ class PrefillWorker(WorkerBase):
 
     def iteration(self) -> bool:
         self.free_released()
+        self.keep_ownership()
         busy = self.engine.has_unfinished
         if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
             self.take_requests(block_ms=0 if busy else 100)
@@ -82,6 +84,22 @@ class PrefillWorker(WorkerBase):
             return False
         self.heartbeat.update(**self.load())
         return True
+
+    def keep_ownership(self) -> None:
+        """Requests waiting in a busy engine must not look abandoned to other prefill
+        workers; those another worker took over anyway are dropped here."""
+        now = time.monotonic()
+        if now - self._last_touch < self.config.reclaim_idle_ms / 3000:
+            return
+        self._last_touch = now
+        by_stream: dict[str, list[str]] = {}
+        for it in self.inflight.values():
+            by_stream.setdefault(it.stream, []).append(it.entry_id)
+        lost = self.touch(by_stream, K.PREFILL_GROUP)
+        for rid in [rid for rid, it in self.inflight.items() if it.entry_id in lost]:
+            log.warning("%s was taken over by another worker; dropping it here", rid)
+            self.engine.abort(rid)
+            del self.inflight[rid]
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
