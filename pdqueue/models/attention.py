@@ -29,9 +29,25 @@ class AttentionBatch:
     block_tables: list[torch.Tensor]  # LongTensor per sequence, on the cache's device
     slot_mapping: torch.Tensor  # LongTensor[T]: block_id * block_size + offset per new token
 
+    _gather: tuple[torch.Tensor, list[int]] | None = None
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def gather_plan(self, block_size: int) -> tuple[torch.Tensor, list[int]]:
+        """(every sequence's context blocks, concatenated; each sequence's first index in
+        it). Built once per step and used by every layer: one gather per layer instead of
+        one per sequence."""
+        if self._gather is None:
+            tables, offsets, total = [], [], 0
+            for table, num_ctx in zip(self.block_tables, self.context_lens):
+                num_blocks = (num_ctx + block_size - 1) // block_size
+                tables.append(table[:num_blocks])
+                offsets.append(total)
+                total += num_blocks
+            self._gather = (torch.cat(tables), offsets)
+        return self._gather
 
     @property
     def num_tokens(self) -> int:
@@ -77,12 +93,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
-    # One sequence at a time, so a sequence's numbers never depend on its batch mates.
-    for start, num_queries, num_ctx, block_table in zip(
-            batch.query_starts, batch.query_lens, batch.context_lens, batch.block_tables):
+    blocks, offsets = batch.gather_plan(block_size)
+    all_k = k_cache.index_select(0, blocks)
+    all_v = v_cache.index_select(0, blocks)
+    # One sequence at a time, so a sequence's numbers never depend on its batch mates
+    # (its K/V slices hold the same bytes whatever else was gathered beside them).
+    for start, num_queries, num_ctx, first in zip(
+            batch.query_starts, batch.query_lens, batch.context_lens, offsets):
         num_blocks = (num_ctx + block_size - 1) // block_size
-        blocks = block_table[:num_blocks]
-        seq_k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
-        seq_v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
+        seq_k = all_k[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
+        seq_v = all_v[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
         out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, scale)
     return out
