@@ -36,7 +36,7 @@ class Cluster:
     def start(self, role: str, *args: str, worker_id: str | None = None, prefix: list[str] | None = None,
               env: dict | None = None, wait: bool = True) -> str:
         name = worker_id or f"{role}-{len(self.procs)}"
-        cmd = [sys.executable, "-m", "workers.cli", "worker", role, "--model", self.model,
+        cmd = [sys.executable, "-m", "workers", "worker", role, "--model", self.model,
                "--redis-url", self.redis_url, "--cluster", self.cluster, "--worker-id", self.id(name),
                "--threads", "1", "--kv-cache-mb", "16", *args]
         if prefix:  # e.g. ["unshare", "--mount", "sh", "-c", "mount ... && exec {cmd}"]

@@ -211,7 +211,7 @@ class LocalCluster:
 
     def _spawn(self, role: str, worker_id: str) -> WorkerProcess:
         c = self.config
-        cmd = [sys.executable, "-m", "workers.cli", "worker", role, "--redis-url", self.url,
+        cmd = [sys.executable, "-m", "workers", "worker", role, "--redis-url", self.url,
                "--cluster", c.cluster, "--model", c.model, "--kv-cache-mb", str(c.kv_cache_mb),
                "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args]
         if c.threads:

@@ -1,0 +1,5 @@
+"""``python -m workers``: the `pdqueue` command without its console script."""
+
+from workers.cli import main
+
+main()

