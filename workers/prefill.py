@@ -40,10 +40,19 @@ class PrefillWorker(WorkerBase):
         self.node = node_id()
         self.removed_segments = cleanup_segments(self._segment_owner_alive)
         layout = kv_layout_for(loaded.config, config.engine)
-        self.pool = SharedKVPool.create(layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
-        self.engine = LLMEngine(loaded, config.engine, kv_cache=self.pool.tensor, prefill_only=True)
-        self.sender = KVSender.for_shared_pool(self.pool, self.node, endpoint=config.bind,
-                                               advertise=config.advertise, lease_s=config.lease_s)
+        if config.engine.device == "cpu":
+            # The pool lives in shared memory: decode workers on this node copy from it.
+            self.pool = SharedKVPool.create(layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
+            self.engine = LLMEngine(loaded, config.engine, kv_cache=self.pool.tensor, prefill_only=True)
+            self.sender = KVSender.for_shared_pool(self.pool, self.node, endpoint=config.bind,
+                                                   advertise=config.advertise, lease_s=config.lease_s)
+        else:
+            # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ.
+            self.pool = None
+            self.engine = LLMEngine(loaded, config.engine, prefill_only=True)
+            self.sender = KVSender(self.engine.kv_cache, self.engine.layout, self.worker_id, self.incarnation,
+                                   self.node, endpoint=config.bind, advertise=config.advertise,
+                                   lease_s=config.lease_s)
         self.inflight: dict[str, Intake] = {}
         self._decode_nodes: set[str] = set()
         self._decode_nodes_at = 0.0
@@ -63,7 +72,7 @@ class PrefillWorker(WorkerBase):
         self.publisher = self.make_publisher()
         self.resume_own_pending()
         log.info("prefill worker %s ready (node %s, kv %s, segment %s)", self.worker_id, self.node,
-                 self.sender.endpoint, self.pool.name)
+                 self.sender.endpoint, self.pool.name if self.pool else None)
         try:
             self.loop(self.iteration)
             self.drain_leases()
@@ -184,7 +193,8 @@ class PrefillWorker(WorkerBase):
         if getattr(self, "publisher", None):
             self.publisher.close(timeout=10)
         self.sender.close()
-        self.pool.close(unlink=True)
+        if self.pool:
+            self.pool.close(unlink=True)
         if self.heartbeat:
             self.heartbeat.stop()
         log.info("prefill worker %s stopped", self.worker_id)
