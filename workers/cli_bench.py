@@ -30,6 +30,50 @@ def _write_out(out: str | None, name: str, result: dict, plot) -> None:
     _progress(f"wrote {directory / name}.json and " + ", ".join(str(p) for p in written))
 
 
+def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cache_mb: int, log_dir: Path):
+    """serve_bench's Launcher: the processes of one mode under a LocalCluster (one torch
+    thread each), returned once all have registered."""
+    from pdqueue.bench.serve_bench import BenchError
+    from workers.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
+
+    args = {extra for _, extra in workers}
+    if len(args) != 1:
+        raise ValueError("workers of one mode must share their options")
+    roles = [role for role, _ in workers]
+    cluster_ = LocalCluster(LocalClusterConfig(
+        num_prefill=roles.count("prefill"), num_decode=roles.count("decode"), model=model, cluster=cluster,
+        redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir, worker_args=args.pop()))
+    cluster_.start_server()
+    cluster_.start_workers()
+    for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
+        cluster_._spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
+    try:
+        cluster_.wait_ready(timeout_s=600)
+    except (WorkerFailed, TimeoutError) as exc:
+        cluster_.stop(grace_s=5, keep_logs=True)
+        tail = getattr(exc, "log_tail", "")
+        raise BenchError(f"{exc}\n{tail}".strip()) from None
+    return _Stopper(cluster_)
+
+
+class _Stopper:
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def stop(self) -> None:
+        """Warm stop: colocated workers first (LocalCluster.stop kills roles it does not know)."""
+        import signal
+        import time
+
+        colocated = [w for w in self.cluster.workers if w.role == "colocated"]
+        for w in colocated:
+            w.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while any(w.alive for w in colocated) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.cluster.stop(grace_s=30, keep_logs=True)
+
+
 def _csv(text: str, cast, option: str) -> list:
     from workers.cli import UserError
 
@@ -78,10 +122,12 @@ def register(bench) -> None:
     @click.option("--seed", type=int, default=0, show_default=True)
     @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
                   help="Requests sent (and not counted) before each mode's first rate.")
+    @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                  help="colocated-chunked: token budget of one step (--max-batched-tokens).")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-    @click.option("--out", default=None, help="Directory for serve.json and the PNG plots.")
+    @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
     def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms, seed,
-                    warmup, as_json, out):
+                    warmup, chunk_tokens, as_json, out):
         """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
         colocated workers (prefill-first and chunked), one thread each, on the same cores."""
         from pdqueue.bench import plots, serve_bench
@@ -95,9 +141,10 @@ def register(bench) -> None:
         settings = serve_bench.Settings.for_model(
             model, modes=mode_list, rates=_csv(rates, float, "--rates"), duration_s=duration,
             num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
-            slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup)
+            slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens)
         try:
-            result = serve_bench.run(settings, progress=_progress)
+            result = serve_bench.run(settings, launch_workers, progress=_progress,
+                                     log_dir=Path(out) / "logs" if out else None)
         except serve_bench.BenchError as exc:
             raise UserError(str(exc)) from None
         result = round_floats(result)

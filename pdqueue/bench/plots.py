@@ -36,6 +36,7 @@ def plot_transfer(result: dict, directory: Path) -> list[Path]:
         points = [(r["bytes"] / 2**20, r["paths"][path]["gb_s"]) for r in rows if path in r["paths"]]
         ax.plot(*zip(*points), marker="o", label=path)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("KV bytes moved (MiB)")
     ax.set_ylabel("GB/s (median, end to end)")
     ax.set_title("KV transfer prefill -> decode process")
@@ -61,7 +62,7 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
     for rate in rates:
         fig, (ax_ttft, ax_tbt) = plt.subplots(1, 2, figsize=(12, 4.5))
         for mode, by_rate in result["raw"].items():
-            raw = by_rate.get(str(rate))
+            raw = by_rate.get(f"{rate:g}")
             if raw:
                 _cdf(ax_ttft, raw["ttft_ms"], mode)
                 _cdf(ax_tbt, raw["tbt_ms"], mode)
@@ -72,13 +73,13 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.suptitle(f"{result['model']}, {rate} req/s")
-        path = Path(directory) / f"serve_cdf_rate{rate}.png"
+        path = Path(directory) / f"serve_cdf_rate{rate:g}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, by_rate in result["modes"].items():
-        points = [(float(r), by_rate[r]["goodput_rps"]) for r in by_rate]
+    for mode, pooled in result["modes"].items():
+        points = [(float(r), f["goodput_rps"]) for r, f in pooled["by_rate"].items()]
         ax.plot(*zip(*sorted(points)), marker="o", label=mode)
     ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
     ax.set_xlabel("arrival rate (req/s)")

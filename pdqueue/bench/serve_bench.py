@@ -1,0 +1,374 @@
+"""`pdqueue bench serve`: serving under Poisson load, disaggregated against colocated.
+
+For each mode it starts fresh worker processes on this machine's cores (through a
+``Launcher`` that the CLI provides, so that pdqueue never imports workers), all against one
+Redis server started here:
+- ``disagg``: 1 prefill + 1 decode worker;
+- ``colocated-prefill-first``: 2 colocated workers, whole prompts before decodes;
+- ``colocated-chunked``: 2 colocated workers, decodes first and prompt chunks of at most
+  ``chunk_tokens`` per step.
+Every worker runs torch with one thread. A load generator on ``AsyncClient`` then sends, per
+rate, the same seeded request list (Poisson arrivals; a mix of short chat prompts and long
+documents, seeded prompt and output lengths, random token ids, greedy, ``ignore_eos``) and
+records each token's arrival time on the client. After warm-up requests (not counted):
+- TTFT: submit -> first token seen by the client; TBT: every gap between consecutive tokens
+  seen by the client (``tbt_server_ms``: the same from the ``out:`` entry ids, i.e. when the
+  worker's XADD ran, in whole ms); e2e: submit -> done;
+- throughput: output tokens / (first submit -> last completion);
+- goodput: arrival rate x the fraction of requests with TTFT <= the TTFT SLO and the p90
+  of their own gaps <= the TBT SLO (DistServe's attainment); unfinished requests fail both;
+- queue overhead: client TTFT - the worker's prefill time (``Completion.prefill_ms``: from
+  taking the request to its first token), i.e. the time spent in Redis and in queues. Under
+  load it includes waiting for a busy worker; ``idle_overhead_ms`` measures it alone, with
+  ``probes`` one-token requests sent one at a time to idle workers before the first rate.
+Imports redis (asyncio), rich, pdqueue's client; never torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from pdqueue.bench.stats import gaps, meets_slo, summary
+from pdqueue.protocol import entry_id_ms
+
+MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
+_VOCAB = {"tiny": 264, "smollm2": 49152}
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run (no Redis server, a worker did not start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    short_prompt: tuple[int, int]      # token counts, inclusive ranges (uniform)
+    short_output: tuple[int, int]
+    long_prompt: tuple[int, int]
+    long_output: tuple[int, int]
+    long_fraction: float = 0.25
+    vocab_size: int = 256
+
+    def ranges(self, kind: str) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(prompt, output) length ranges of a "short" or "long" request."""
+        return (self.long_prompt, self.long_output) if kind == "long" else (self.short_prompt, self.short_output)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    model: str
+    workload: Workload
+    slo_ttft_ms: float
+    slo_tbt_ms: float
+    modes: tuple[str, ...] = MODES
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0)
+    num_requests: int | None = 24      # per rate; None: rate x duration_s
+    duration_s: float | None = None
+    seed: int = 0
+    warmup: int = 2
+    probes: int = 10                   # one at a time, for the idle queue overhead
+    chunk_tokens: int = 256            # colocated-chunked: token budget per step
+    kv_cache_mb: int = 256
+    drain_timeout_s: float = 180.0     # after the last arrival, unfinished requests are failed
+
+    @classmethod
+    def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,
+                  slo_tbt_ms: float | None = None, num_requests: int | None = None,
+                  duration_s: float | None = None, **kw) -> "Settings":
+        """Defaults sized for one thread per worker on this class of CPU: SmolLM2 prefills
+        ~250 tokens/s and decodes one step in ~50 ms (batch 1) to ~140 ms (batch 8)."""
+        if model == "tiny":
+            workload = Workload((8, 32), (16, 48), (384, 768), (8, 16), long_fraction, _VOCAB["tiny"])
+            ttft, tbt = 250.0, 50.0
+        else:
+            workload = Workload((16, 64), (16, 48), (256, 512), (8, 16), long_fraction, _VOCAB.get(model, 256))
+            ttft, tbt = 4000.0, 250.0
+        if num_requests is None and duration_s is None:
+            num_requests = 24
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
+        return cls(model=model, workload=workload, slo_ttft_ms=slo_ttft_ms or ttft, slo_tbt_ms=slo_tbt_ms or tbt,
+                   num_requests=num_requests, duration_s=duration_s, **kw)
+
+    def requests_at(self, rate: float) -> int:
+        return self.num_requests or max(1, round(rate * self.duration_s))
+
+
+def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ...]]]:
+    """(role, extra worker options) of each process of ``mode``."""
+    if mode == "disagg":
+        return [("prefill", ()), ("decode", ())]
+    if mode == "colocated-prefill-first":
+        return [("colocated", ("--policy", "prefill_first"))] * 2
+    if mode == "colocated-chunked":
+        return [("colocated", ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens)))] * 2
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+class Running(Protocol):
+    def stop(self) -> None: ...
+
+
+class Launcher(Protocol):
+    def __call__(self, workers: list[tuple[str, tuple[str, ...]]], *, model: str, redis_url: str, cluster: str,
+                 kv_cache_mb: int, log_dir: Path) -> Running:
+        """Start the worker processes (one torch thread each) and return once all have
+        registered; raise ``BenchError`` if one fails."""
+
+
+# -- the request list -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    at_s: float            # arrival, seconds after the rate's start
+    kind: str              # "short" | "long"
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Planned]:
+    """The seeded request list of one rate: the same for every mode."""
+    w = settings.workload
+    rng = random.Random(f"{settings.seed}/{rate}/{salt}")
+    at, out = 0.0, []
+    for _ in range(count):
+        kind = "long" if rng.random() < w.long_fraction else "short"
+        prompt_range, output_range = w.ranges(kind)
+        prompt = tuple(rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*prompt_range)))
+        out.append(Planned(at, kind, prompt, rng.randint(*output_range)))
+        at += rng.expovariate(rate)
+    return out
+
+
+def warmup_requests(settings: Settings) -> list[Planned]:
+    """``settings.warmup`` requests at once, long and short in turn (mid-range lengths)."""
+    w, out = settings.workload, []
+    for i in range(settings.warmup):
+        kind = "long" if i % 2 == 0 else "short"
+        prompt_range, output_range = w.ranges(kind)
+        num_prompt = sum(prompt_range) // 2
+        out.append(Planned(0.0, kind, tuple(3 + (i * 7919 + j) % (w.vocab_size - 3) for j in range(num_prompt)),
+                           sum(output_range) // 2))
+    return out
+
+
+# -- one request, on the client -----------------------------------------------------------
+
+@dataclass(slots=True)
+class Record:
+    planned: Planned
+    submitted: float = 0.0                          # perf_counter
+    token_times: list[float] = field(default_factory=list)
+    token_entry_ms: list[int] = field(default_factory=list)
+    finished: float | None = None
+    completion: object | None = None
+    error: str | None = None
+
+
+async def _one(client, planned: Planned, seed: int, record: Record) -> Record:
+    record.submitted = time.perf_counter()
+    try:
+        handle = await client.submit(prompt_ids=planned.prompt_ids, max_tokens=planned.max_tokens,
+                                     temperature=0.0, seed=seed, ignore_eos=True)
+        async for event in handle.stream():
+            now = time.perf_counter()
+            for _ in event.token_ids or (0,):
+                record.token_times.append(now)
+                record.token_entry_ms.append(entry_id_ms(event.entry_id))
+        record.finished = time.perf_counter()
+        record.completion = handle.completion
+    except Exception as exc:   # a failed request is a result, not a crash of the bench
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+async def run_requests(client, plan: list[Planned], drain_timeout_s: float,
+                       on_done: Callable[[], None] = lambda: None) -> list[Record]:
+    """Submit ``plan`` at its arrival times; wait for every answer (at most
+    ``drain_timeout_s`` after the last arrival); unfinished ones keep ``finished`` None."""
+    start = time.perf_counter()
+    records = [Record(p) for p in plan]
+    tasks = []
+    for i, (planned, record) in enumerate(zip(plan, records)):
+        delay = start + planned.at_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(_one(client, planned, i, record))
+        task.add_done_callback(lambda _t: on_done())
+        tasks.append(task)
+    _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    for record in records:
+        if record.finished is None and record.error is None:
+            record.error = f"unfinished after {drain_timeout_s:.0f}s"
+    return records
+
+
+def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dict, dict]:
+    """(figures of one mode at one rate, raw values for the plots)."""
+    ok = [r for r in records if r.finished is not None and r.token_times]
+    ttft = [(r.token_times[0] - r.submitted) * 1e3 for r in ok]
+    per_request_gaps = [[g * 1e3 for g in gaps(r.token_times)] for r in ok]
+    tbt = [g for request in per_request_gaps for g in request]
+    tbt_server = [g for r in ok for g in gaps(r.token_entry_ms)]
+    met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
+    span = (max(r.finished for r in ok) - min(r.submitted for r in records)) if ok else math.inf
+    prefill_ms = [r.completion.prefill_ms for r in ok]
+    figures = {
+        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "ttft_ms": summary(ttft), "tbt_ms": summary(tbt), "tbt_server_ms": summary(tbt_server),
+        "e2e_ms": summary((r.finished - r.submitted) * 1e3 for r in ok),
+        "ttft_long_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "long"),
+        "ttft_short_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "short"),
+        "throughput_tok_s": sum(len(r.token_times) for r in ok) / span,
+        "slo_attainment": met / len(records) if records else 0.0,
+        "goodput_rps": rate * met / len(records) if records else 0.0,
+        "queue_overhead_ms": summary(t - p for t, p in zip(ttft, prefill_ms)),
+        "queue_ms": summary(r.completion.queue_ms for r in ok),
+        "prefill_ms": summary(prefill_ms),
+        "transfer_ms": summary(r.completion.transfer_ms for r in ok if r.completion.transfer_path not in ("", "local")),
+    }
+    figures["tbt_p99_over_p50"] = figures["tbt_ms"]["p99"] / figures["tbt_ms"]["p50"] if tbt else None
+    return figures, {"ttft_ms": ttft, "tbt_ms": tbt}
+
+
+# -- the whole bench ------------------------------------------------------------------------
+
+def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] = print,
+        log_dir: Path | None = None) -> dict:
+    """Every mode at every rate; returns the result object (see ``--json``)."""
+    import redis
+
+    from pdqueue.queue.redis_server import RedisServer
+
+    try:
+        server = RedisServer().start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise BenchError(f"cannot start a Redis server: {exc}") from None
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdq-bench-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = {"bench": "serve", "model": settings.model, "rates": list(settings.rates),
+              "slo": {"ttft_ms": settings.slo_ttft_ms, "tbt_ms": settings.slo_tbt_ms},
+              "workload": _workload_dict(settings), "log_dir": str(log_dir), "modes": {}, "raw": {}}
+    try:
+        for index, mode in enumerate(settings.modes):
+            with redis.Redis.from_url(server.url) as r:
+                r.flushall()
+            progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model})")
+            running = launcher(mode_workers(mode, settings), model=settings.model, redis_url=server.url,
+                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode)
+            try:
+                by_rate, raw = asyncio.run(_run_mode(settings, mode, server.url, f"bench{index}", progress))
+            finally:
+                progress(f"{mode}: stopping workers")
+                running.stop()
+            result["modes"][mode] = _pool_rates(by_rate, raw, settings)
+            result["raw"][mode] = raw
+    finally:
+        server.stop()
+    result["claim"] = claim(result)
+    return result
+
+
+async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progress) -> tuple[dict, dict]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pdqueue.client import AsyncClient
+
+    by_rate, raw = {}, {}
+    async with AsyncClient(url, cluster) as client:
+        if settings.warmup:
+            progress(f"{mode}: {settings.warmup} warm-up requests")
+            await run_requests(client, warmup_requests(settings), settings.drain_timeout_s)
+        idle = []
+        for i in range(settings.probes):
+            planned = Planned(0.0, "probe", tuple(3 + (i + j) % 200 for j in range(24)), 1)
+            record = await _one(client, planned, i, Record(planned))
+            if record.finished is not None and record.token_times:
+                idle.append((record.token_times[0] - record.submitted) * 1e3 - record.completion.prefill_ms)
+        by_rate["idle_overhead_ms"] = summary(idle)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True)) as bar:
+            for rate in settings.rates:
+                plan = plan_requests(settings, rate, settings.requests_at(rate))
+                task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
+                records = await run_requests(client, plan, settings.drain_timeout_s,
+                                             on_done=lambda: bar.advance(task))
+                by_rate[_key(rate)], raw[_key(rate)] = metrics(records, rate, settings)
+                by_rate[_key(rate)]["records"] = records
+    return by_rate, raw
+
+
+def _key(rate: float) -> str:
+    return f"{rate:g}"
+
+
+def _pool_rates(by_rate: dict, raw: dict, settings: Settings) -> dict:
+    """Mode-level figures pool the requests of every rate; ``by_rate`` keeps each rate."""
+    idle = by_rate.pop("idle_overhead_ms")
+    records = [r for figures in by_rate.values() for r in figures.pop("records")]
+    mean_rate = sum(settings.rates) / len(settings.rates)
+    pooled, _ = metrics(records, mean_rate, settings)
+    pooled["goodput_rps"] = sum(f["goodput_rps"] for f in by_rate.values()) / len(by_rate)
+    pooled["idle_overhead_ms"] = idle
+    pooled["by_rate"] = by_rate
+    return pooled
+
+
+def claim(result: dict) -> dict:
+    """The seeds' claim, per rate: disaggregation keeps p99 TBT near its p50 while colocated
+    p99 TBT grows with the prefills in its batches. "holds": disagg's p99/p50 is below 2 and
+    below every colocated mode's; "partly": below every colocated mode's but not below 2."""
+    out = {}
+    for rate in map(_key, result["rates"]):
+        ratios = {m: result["modes"][m]["by_rate"][rate]["tbt_p99_over_p50"] for m in result["modes"]}
+        entry = {f"{m}_tbt_p99_over_p50": v for m, v in ratios.items()}
+        d = ratios.get("disagg")
+        others = [v for m, v in ratios.items() if m != "disagg" and v is not None]
+        if d is not None and others:
+            entry["verdict"] = ("holds" if d < 2.0 else "partly") if all(d < v for v in others) else "does not hold"
+        out[rate] = entry
+    return out
+
+
+def _workload_dict(settings: Settings) -> dict:
+    w = settings.workload
+    return {"short_prompt": w.short_prompt, "short_output": w.short_output, "long_prompt": w.long_prompt,
+            "long_output": w.long_output, "long_fraction": w.long_fraction, "seed": settings.seed,
+            "requests_per_rate": {_key(r): settings.requests_at(r) for r in settings.rates},
+            "warmup": settings.warmup, "chunk_tokens": settings.chunk_tokens, "threads_per_worker": 1,
+            "sampling": "greedy, ignore_eos"}
+
+
+def format_table(result: dict) -> str:
+    slo = result["slo"]
+    lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
+             f"workload {result['workload']}",
+             f"{'mode':<25}{'rate':>6}{'done':>6}  {'TTFT p50/p90/p99 ms':>24}  {'TBT p50/p90/p99 ms':>22}"
+             f"{'tok/s':>8}{'goodput':>9}{'attain':>8}  {'queue ovh p50/p99':>18}"]
+    for mode, pooled in result["modes"].items():
+        for rate, f in pooled["by_rate"].items():
+            t, b, q = f["ttft_ms"], f["tbt_ms"], f["queue_overhead_ms"]
+            lines.append(f"{mode:<25}{rate:>6}{f['completed']:>3}/{f['requests']:<2}  "
+                         f"{t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f}  "
+                         f"{b['p50']:>6.0f} {b['p90']:>6.0f} {b['p99']:>7.0f}"
+                         f"{f['throughput_tok_s']:>8.1f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}  "
+                         f"{q['p50']:>8.1f} {q['p99']:>8.1f}")
+    for rate, entry in result["claim"].items():
+        ratios = ", ".join(f"{k.removesuffix('_tbt_p99_over_p50')} {v:.1f}x" for k, v in entry.items()
+                           if k != "verdict" and v is not None)
+        lines.append(f"claim at {rate} req/s (TBT p99/p50: {ratios}): {entry.get('verdict', 'n/a')}")
+    idle = {m: p["idle_overhead_ms"] for m, p in result["modes"].items()}
+    lines.append("queue overhead with idle workers (client TTFT - prefill_ms), p50/p99 ms: "
+                 + ", ".join(f"{m} {v['p50']:.1f}/{v['p99']:.1f}" for m, v in idle.items()))
+    return "\n".join(lines)

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 # shared-memory segment header). Change log:
 #   1  first version: ticket fields below; ops acquire/release/fetch; header frame + raw
 #      frames of whole planes or block ranges (at most max_frame_bytes each).
-TRANSFER_VERSION = 1
+#   2  a fetch reply is a header message, then one message [data_tag, frame] per frame (not
+#      one multipart message), or an error reply in place of a frame; header field
+#      ``frames`` names the frame plan ("staged": blocks.plan_frames, as in 1).
+TRANSFER_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

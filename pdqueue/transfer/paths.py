@@ -6,9 +6,11 @@ caller owns throughout and must treat as garbage if ``fetch`` raises.
   (at most MAX_MAPPINGS, least recently used dropped; mappings whose segment was unlinked
   are dropped too, so a departed sender's memory is returned). acquire -> copy -> release;
   a release that reports the lease lost raises LEASE_LOST.
-- zmq: one ``fetch`` round trip; the reply is validated completely (header, frame count,
-  every frame's size) before a byte is copied; then a fire-and-forget release (the sender
-  staged the bytes under a held lease, so the copy is good whatever the release says).
+- zmq: one ``fetch`` request; the reply header is validated (request, blocks, shape, dtype,
+  frame plan and count) before a byte is copied, then each data frame as it arrives (its
+  size against the plan) and copied while the next one is on the wire; then a
+  fire-and-forget release (the sender staged every frame under a held lease, or sent an
+  error in its place, so the copy is good whatever the release says).
 Imports torch, zmq (through transfer.zmq).
 """
 
@@ -98,7 +100,7 @@ class ZmqTransport(Transport):
         return bool(ticket.endpoint)
 
     def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
-        header, frames = self.ctx.control.call(ticket, "fetch")
+        header, frames = self.ctx.control.fetch(ticket)
         layout = self.ctx.layout
         num_blocks, num_planes = len(ticket.block_ids), 2 * layout.num_layers
         expected_shape = [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
@@ -109,18 +111,20 @@ class ZmqTransport(Transport):
         max_frame_bytes = header.get("max_frame_bytes")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
             raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", False, FailureCode.BAD_REPLY)
+        if header.get("frames") != "staged":
+            raise TransferError(f"unknown frame plan {header.get('frames')!r}", False, FailureCode.BAD_REPLY)
         plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
-        if header.get("num_frames") != len(plan) or len(frames) != len(plan):
-            raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}, "
-                                f"got {len(frames)}", False, FailureCode.BAD_REPLY)
-        for (p0, p1, b0, b1), frame in zip(plan, frames):
-            if len(frame) != (p1 - p0) * (b1 - b0) * layout.block_nbytes:
-                raise TransferError(f"data frame of {len(frame)} bytes, expected "
-                                    f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", False, FailureCode.BAD_REPLY)
+        if header.get("num_frames") != len(plan):
+            raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
+                                False, FailureCode.BAD_REPLY)
         dst = planes(self.ctx.pool)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for (p0, p1, b0, b1), frame in zip(plan, frames):
+                if len(frame) != (p1 - p0) * (b1 - b0) * layout.block_nbytes:
+                    self.ctx.control.forget(ticket.endpoint)   # the rest of the reply is still queued
+                    raise TransferError(f"data frame of {len(frame)} bytes, expected "
+                                        f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", False, FailureCode.BAD_REPLY)
                 src = torch.frombuffer(frame.buffer, dtype=layout.torch_dtype).view(p1 - p0, b1 - b0, -1)
                 copy_blocks(src, range(b1 - b0), dst[p0:p1], dst_block_ids[b0:b1])
         self.ctx.control.release_nowait(ticket)

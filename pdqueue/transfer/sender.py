@@ -2,13 +2,17 @@
 
 Lifecycle of an exported request: ``export`` leases its blocks and returns a Ticket ->
 a receiver ``acquire``s (shm path: it then copies straight out of the shared segment) or
-``fetch``es (zmq path: this thread copies the blocks into a staging buffer under the lease
-and sends them) -> the receiver ``release``s -> ``poll_freeable`` hands the blocks back to
-the engine thread, which frees them. Leases that are never released expire.
+``fetch``es (zmq path: this thread sends a header, then gathers the blocks frame by frame
+into a staging buffer under the lease and sends each frame as its own message as soon as it
+is staged, so that staging, the wire and the receiver's copying overlap) -> the receiver
+``release``s -> ``poll_freeable`` hands the blocks back to the engine thread, which frees
+them. Leases that are never released expire.
 
 Who owns what: the engine owns the pool and writes only blocks it owns; leased blocks are
-read-only for everyone until ``poll_freeable`` returns them (see leases.py). The serving
-thread owns the ROUTER socket, its zmq context and the staging buffer; ``close()`` stops the
+read-only for everyone until ``poll_freeable`` returns them (see leases.py); a lease lost
+while its frames are being staged turns the rest of the reply into an error. The serving
+thread owns the ROUTER socket, its zmq context and the staging buffer (zmq may still send
+from it after ``_fetch`` returns: a busy buffer is never reused); ``close()`` stops the
 thread and frees them. Requests are answered for tickets of this incarnation and segment
 nonce only. CURVE encryption is not done yet (TODO: server keys here, the public key in
 the ticket, client keys in ControlClient); bind to a private interface meanwhile.
@@ -62,6 +66,7 @@ class KVSender:
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, 0)   # a ROUTER drops at its high-water mark: never
         try:
             self._sock.bind(endpoint)
         except zmq.ZMQError:
@@ -130,32 +135,24 @@ class KVSender:
                 if not self._sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
                 frames = self._sock.recv_multipart()
-                reply = self._handle(frames[-1])
+                reply = self._handle(frames[0], frames[-1])
                 if reply:
-                    self._send(frames[0], reply)
+                    self._sock.send_multipart([frames[0], *reply])
             except Exception:   # never let one bad request stop the server
                 log.exception("KV sender %s: failed to serve a request", self.worker_id)
 
-    def _send(self, identity: bytes, reply: list) -> None:
-        if len(reply) == 1:
-            self._sock.send_multipart([identity, reply[0]])
-            return
-        data = [zmq.Frame(buf, track=True) for buf in reply[1:]]
-        self._sock.send_multipart([identity, reply[0], *data], copy=False)
-        self._staging_tracker = zmq.MessageTracker(*data)
-
-    def _handle(self, raw: bytes) -> list:
+    def _handle(self, identity: bytes, raw: bytes) -> list:
         try:
             msg = wire.unpack(raw)
         except Exception as exc:
             return [wire.error_reply(None, FailureCode.BAD_REPLY, f"undecodable request: {exc}")]
         try:
-            return self._dispatch(msg)
+            return self._dispatch(identity, msg)
         except Exception as exc:   # answer rather than let the receiver time out
             log.exception("KV sender %s: %s of %r failed", self.worker_id, msg.get("op"), msg.get("request_id"))
             return [wire.error_reply(msg.get("seq"), FailureCode.BAD_REPLY, f"sender failed: {exc!r}")]
 
-    def _dispatch(self, msg: dict) -> list:
+    def _dispatch(self, identity: bytes, msg: dict) -> list:
         seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
         if msg.get("v") != TRANSFER_VERSION:
             return [wire.error_reply(seq, FailureCode.VERSION_MISMATCH,
@@ -174,7 +171,7 @@ class KVSender:
             valid = self.leases.release(request_id)
             return [] if msg.get("noreply") else [wire.ok_reply(seq, valid=valid)]
         if op == "fetch":
-            return self._fetch(seq, request_id)
+            return self._fetch(identity, seq, request_id)
         return [wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")]
 
     def _lease_error(self, seq, request_id) -> bytes:
@@ -185,30 +182,42 @@ class KVSender:
             return wire.error_reply(seq, FailureCode.LEASE_EXPIRED, f"lease of {request_id!r} expired")
         return wire.error_reply(seq, FailureCode.UNKNOWN_REQUEST, f"lease of {request_id!r} was already released")
 
-    def _fetch(self, seq, request_id) -> list:
-        """Copy the leased blocks into staging (acquired, so they cannot be reused meanwhile),
-        then send them as frames of at most max_frame_bytes."""
+    def _fetch(self, identity: bytes, seq, request_id) -> list:
+        """Send the header, then each frame as its own message ``[data_tag, bytes]``, staged
+        (gathered from the leased blocks) just before it is sent. Returns an error reply,
+        or [] once everything is queued on the socket."""
         if not self.leases.acquire(request_id):
             return [self._lease_error(seq, request_id)]
-        block_ids = self.leases.get(request_id).block_ids
-        num_planes, block_nbytes = self._planes.shape[0], self.layout.block_nbytes
-        nbytes = num_planes * len(block_ids) * block_nbytes
-        staging = self._staging_buffer(nbytes)
-        staged = staging.view(self.layout.torch_dtype).view(num_planes, len(block_ids), -1)
-        copy_blocks(self._planes, block_ids, staged, range(len(block_ids)))
-        if not self.leases.is_held(request_id):
-            return [wire.error_reply(seq, FailureCode.LEASE_LOST, f"lease of {request_id!r} lost while staging")]
-        flat = memoryview(staging.numpy())
-        frames = []
-        for p0, p1, b0, b1 in plan_frames(num_planes, len(block_ids), block_nbytes, self.max_frame_bytes):
-            start = (p0 * len(block_ids) + b0) * block_nbytes
-            frames.append(flat[start:start + (p1 - p0) * (b1 - b0) * block_nbytes])
+        lease = self.leases.get(request_id)
+        if lease is None:
+            return [self._lease_lost(seq, request_id)]
+        block_ids, layout = lease.block_ids, self.layout
+        num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), layout.block_nbytes
+        plan = plan_frames(num_planes, num_blocks, block_nbytes, self.max_frame_bytes)
+        staging = self._staging_buffer(num_planes * num_blocks * block_nbytes)
+        staged_bytes = staging.view(num_planes, num_blocks, block_nbytes)
+        staged = staging.view(layout.torch_dtype).view(num_planes, num_blocks, -1)
         header = wire.ok_reply(seq, request_id=request_id, block_ids=list(block_ids),
-                               shape=[self.layout.num_layers, 2, len(block_ids), self.layout.block_size,
-                                      self.layout.num_kv_heads, self.layout.head_dim],
-                               dtype=self.layout.dtype, num_frames=len(frames),
-                               max_frame_bytes=self.max_frame_bytes)
-        return [header, *frames]
+                               shape=[layout.num_layers, 2, num_blocks, layout.block_size,
+                                      layout.num_kv_heads, layout.head_dim],
+                               dtype=layout.dtype, num_frames=len(plan), max_frame_bytes=self.max_frame_bytes,
+                               frames="staged")
+        self._sock.send_multipart([identity, header])
+        sent = []
+        try:
+            for index, (p0, p1, b0, b1) in enumerate(plan):
+                copy_blocks(self._planes[p0:p1], block_ids[b0:b1], staged[p0:p1], range(b0, b1))
+                if not self.leases.is_held(request_id):
+                    return [self._lease_lost(seq, request_id)]
+                frame = zmq.Frame(staged_bytes[p0:p1, b0:b1].reshape(-1).numpy(), track=True)
+                self._sock.send_multipart([identity, wire.data_tag(seq, index), frame], copy=False)
+                sent.append(frame)
+        finally:
+            self._staging_tracker = zmq.MessageTracker(*sent) if sent else None
+        return []
+
+    def _lease_lost(self, seq, request_id) -> bytes:
+        return wire.error_reply(seq, FailureCode.LEASE_LOST, f"lease of {request_id!r} lost while staging")
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         """A pre-faulted byte buffer of ``nbytes``; a new one while zmq still sends the old."""

@@ -3,9 +3,14 @@
 Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce}`` with
 ``op`` one of ``acquire``, ``release`` (``noreply`` for fire-and-forget) or ``fetch``. A reply
 is a msgpack header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a
-``fetch`` reply adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes`` and
-is followed by ``num_frames`` raw frames cut by ``blocks.plan_frames``. The version is
-``base.TRANSFER_VERSION`` (change log there).
+``fetch`` reply adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes,
+frames`` (``"staged"``) and is followed by ``num_frames`` messages ``[data_tag {v, seq, i},
+raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather than one multipart
+message: the sender stages frame i+1 while frame i is on the wire, the receiver copies
+frame i meanwhile and frees its buffer (a multipart message keeps all of them alive, so a
+big transfer lands in freshly mapped memory). A sender that fails midway sends an error
+reply instead of the next data message. The version is ``base.TRANSFER_VERSION`` (change
+log there).
 
 ``ControlClient`` is the receiver's end: one DEALER per sender endpoint, every receive bounded
 by a timeout, after which the socket is dropped (linger 0) so a late reply cannot be taken
@@ -19,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import msgpack
 import zmq
@@ -49,6 +54,10 @@ def unpack(raw: bytes) -> dict:
 def request(op: str, seq: int, ticket: "Ticket", **extra) -> bytes:
     return pack({"v": TRANSFER_VERSION, "op": op, "seq": seq, "request_id": ticket.request_id,
                  "incarnation": ticket.incarnation, "nonce": ticket.nonce, **extra})
+
+
+def data_tag(seq: int, index: int) -> bytes:
+    return pack({"v": TRANSFER_VERSION, "seq": seq, "i": index})
 
 
 def error_reply(seq, code: FailureCode, reason: str, retryable: bool = False) -> bytes:
@@ -85,7 +94,45 @@ class ControlClient:
             pass
 
     def call(self, ticket: "Ticket", op: str) -> tuple[dict, list[zmq.Frame]]:
-        """Send one request; return the reply header and its data frames (zero-copy)."""
+        """Send one request; return the reply header and any frames in its message (zero-copy)."""
+        header, frames, _ = self._call(ticket, op)
+        return header, frames
+
+    def fetch(self, ticket: "Ticket") -> tuple[dict, Iterator[zmq.Frame]]:
+        """Send a fetch; return the reply header and an iterator over the ``num_frames`` data
+        frames that follow it (zero-copy), each awaited at most ``timeout_s``. The iterator
+        raises TransferError on a timeout, an error reply or a message out of order, and
+        then drops the socket."""
+        header, _, seq = self._call(ticket, "fetch")
+        count = header.get("num_frames")
+        if not isinstance(count, int) or count < 0:
+            raise TransferError(f"bad num_frames {count!r}", False, FailureCode.BAD_REPLY)
+        return header, self._data_frames(ticket.endpoint, seq, count)
+
+    def _data_frames(self, endpoint: str, seq: int, count: int) -> Iterator[zmq.Frame]:
+        sock = self._socket(endpoint)
+        for index in range(count):
+            if not sock.poll(self.timeout_s * 1000, zmq.POLLIN):
+                self.forget(endpoint)
+                raise TransferError(f"data frame {index} of {count} from {endpoint} did not come within "
+                                    f"{self.timeout_s}s (sender dead or stuck)", False, FailureCode.PEER_TIMEOUT)
+            parts = sock.recv_multipart(copy=False)
+            try:
+                tag = unpack(parts[0].bytes)
+            except Exception as exc:
+                self.forget(endpoint)
+                raise TransferError(f"undecodable data tag from {endpoint}: {exc}", False,
+                                    FailureCode.BAD_REPLY) from None
+            if len(parts) == 1 and tag.get("seq") == seq:
+                self.forget(endpoint)
+                self._check(endpoint, "fetch", tag)   # an error reply: raises
+            if len(parts) != 2 or tag.get("seq") != seq or tag.get("i") != index:
+                self.forget(endpoint)
+                raise TransferError(f"expected data frame {index} of fetch {seq} from {endpoint}, got "
+                                    f"{len(parts)} parts tagged {tag}", False, FailureCode.BAD_REPLY)
+            yield parts[1]
+
+    def _call(self, ticket: "Ticket", op: str) -> tuple[dict, list[zmq.Frame], int]:
         endpoint = ticket.endpoint
         sock = self._socket(endpoint)
         seq = next(self._seq)
@@ -109,6 +156,12 @@ class ControlClient:
                 raise TransferError(f"undecodable reply from {endpoint}: {exc}", False, FailureCode.BAD_REPLY) from None
             if header.get("seq") == seq:
                 break   # anything else is a late reply to an earlier request
+        self._check(endpoint, op, header)
+        return header, frames[1:], seq
+
+    @staticmethod
+    def _check(endpoint: str, op: str, header: dict) -> None:
+        """Raise TransferError unless ``header`` is a successful reply of our version."""
         if header.get("v") != TRANSFER_VERSION:
             raise TransferError(f"{endpoint} speaks transfer version {header.get('v')}, "
                                 f"expected {TRANSFER_VERSION}", False, FailureCode.VERSION_MISMATCH)
@@ -118,7 +171,6 @@ class ControlClient:
             except ValueError:
                 code = FailureCode.BAD_REPLY
             raise TransferError(f"{endpoint}: {header.get('reason')}", bool(header.get("retryable")), code)
-        return header, frames[1:]
 
     def forget(self, endpoint: str) -> None:
         sock = self._sockets.pop(endpoint, None)
