@@ -70,13 +70,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     num_queries, num_heads, head_dim = q.shape
     num_ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
+    # 4-D inputs: on CPU, SDPA then runs its fused flash kernel, ~2.5x faster than the
+    # composite math path it takes for 3-D inputs.
     if num_queries == 1:
         # Decode: the one query sees the whole context, so no mask; fold the query heads
         # that share a kv head into the query axis instead of repeating K/V.
         out = F.scaled_dot_product_attention(
-            q.reshape(num_kv_heads, group, head_dim), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
+            q.reshape(1, num_kv_heads, group, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            scale=scale)
         return out.reshape(1, num_heads, head_dim)
-    q_t, k_t, v_t = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    q_t, k_t, v_t = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if num_queries == num_ctx:
         out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
@@ -84,7 +87,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         query_pos = torch.arange(num_ctx - num_queries, num_ctx, device=q.device)
         mask = torch.arange(num_ctx, device=q.device)[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
