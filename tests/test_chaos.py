@@ -11,7 +11,6 @@ import statistics
 import threading
 import time
 
-import pytest
 import redis
 
 from pdqueue.client import Client

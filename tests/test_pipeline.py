@@ -5,7 +5,6 @@ return its tokens, token for token."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess

@@ -64,6 +64,7 @@ class WorkerBase:
         self.backoff = Backoff()
         self.heartbeat = None
         self._last_reclaim = 0.0
+        self._last_touch = 0.0
 
     # ---- intake --------------------------------------------------------------------------
     def intake(self, engine, stream: str, entry_id: str, fields: dict, ops: list) -> Intake | None:
@@ -218,6 +219,34 @@ class WorkerBase:
             return streams.read_own_pending(self.r, group, self.worker_id, stream_names)
         except redis.ResponseError:
             return []
+
+    def admit(self, engine, entries, inflight: dict) -> None:
+        """Intake request entries into ``engine`` (admitted ones into ``inflight`` by request
+        id); the answers of those that cannot run go out in one unit."""
+        ops: list = []
+        for stream, entry_id, fields in entries:
+            intake = self.intake(engine, stream, entry_id, fields, ops)
+            if intake:
+                inflight[intake.request.id] = intake
+        if ops:
+            self.publisher.submit(ops)
+
+    def keep_ownership(self, held: dict[str, tuple[str, str]], group: str) -> list[str]:
+        """Every ``reclaim_idle_ms / 3``: keep the entries in hand (request id -> (stream,
+        entry id)) from looking idle to other workers. Returns the request ids another
+        worker took over meanwhile: the caller drops them without answering."""
+        now = time.monotonic()
+        if now - self._last_touch < self.config.reclaim_idle_ms / 3000:
+            return []
+        self._last_touch = now
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in held.values():
+            by_stream.setdefault(stream, []).append(entry_id)
+        lost = self.touch(by_stream, group)
+        gone = [rid for rid, (_, entry_id) in held.items() if entry_id in lost]
+        for rid in gone:
+            log.warning("%s was taken over by another worker; dropping it here", rid)
+        return gone
 
     def touch(self, stream_entries: dict[str, list[str]], group: str) -> set[str]:
         """Keep owned entries from looking idle; returns entry ids this worker lost."""

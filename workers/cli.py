@@ -6,7 +6,6 @@ PDQ_CLUSTER, PDQ_MODEL). User errors print one red line on stderr and exit 1.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 

@@ -29,12 +29,13 @@ class ColocatedWorker(WorkerBase):
         self.engine = LLMEngine(loaded, config.engine)
         self.inflight: dict[str, Intake] = {}
         self._last_check = 0.0
-        self._last_touch = 0.0
 
     def run(self) -> None:
         self.ensure_groups()
         self.start_heartbeat(load=self.load())
         self.publisher = self.make_publisher()
+        # A restart under the same worker id picks up what the previous process had taken.
+        self.admit(self.engine, self.own_pending(K.PREFILL_GROUP, self.keys.request_streams), self.inflight)
         log.info("colocated worker %s ready", self.worker_id)
         try:
             self.loop(self.iteration)
@@ -78,16 +79,10 @@ class ColocatedWorker(WorkerBase):
             self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, self.done_writes(c))
         if ops:
             self.publisher.submit(ops)
-        if now - self._last_touch > self.config.reclaim_idle_ms / 3000:
-            self._last_touch = now
-            by_stream: dict[str, list[str]] = {}
-            for it in self.inflight.values():
-                by_stream.setdefault(it.stream, []).append(it.entry_id)
-            lost = self.touch(by_stream, K.PREFILL_GROUP)
-            for rid in [rid for rid, it in self.inflight.items() if it.entry_id in lost]:
-                log.warning("%s was taken over by another worker; dropping it here", rid)
-                self.engine.abort(rid)
-                del self.inflight[rid]
+        for rid in self.keep_ownership({rid: (it.stream, it.entry_id) for rid, it in self.inflight.items()},
+                                       K.PREFILL_GROUP):
+            self.engine.abort(rid)
+            del self.inflight[rid]
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
@@ -99,15 +94,7 @@ class ColocatedWorker(WorkerBase):
         entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, room)
         if not entries:
             entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, room, block_ms)
-        if not entries:
-            return
-        ops: list = []
-        for stream, entry_id, fields in entries:
-            intake = self.intake(self.engine, stream, entry_id, fields, ops)
-            if intake:
-                self.inflight[intake.request.id] = intake
-        if ops:
-            self.publisher.submit(ops)
+        self.admit(self.engine, entries, self.inflight)
 
     def publish(self, outputs) -> None:
         ops: list = []

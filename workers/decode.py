@@ -67,7 +67,6 @@ class DecodeWorker(WorkerBase):
         self._fetched: queue.Queue = queue.Queue()
         self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-fetch", daemon=True)
         self._last_check = 0.0
-        self._last_touch = 0.0
 
     def handoff_streams(self) -> list[str]:
         return [self.keys.handoff_node(self.node), self.keys.handoff]
@@ -280,16 +279,10 @@ class DecodeWorker(WorkerBase):
                 stopped[rid] = FinishReason.EXPIRED
         for rid, reason in stopped.items():
             self.finish_now(rid, reason)
-        if now - self._last_touch > self.config.reclaim_idle_ms / 3000:
-            self._last_touch = now
-            by_stream: dict[str, list[str]] = {}
-            for job in self.jobs.values():
-                by_stream.setdefault(job.stream, []).append(job.entry_id)
-            lost = self.touch(by_stream, K.DECODE_GROUP)
-            for rid in [rid for rid, job in self.jobs.items() if job.entry_id in lost]:
-                log.warning("%s was taken over by another worker; dropping it here", rid)
-                self.engine.abort(rid)
-                del self.jobs[rid]
+        held = {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
+        for rid in self.keep_ownership(held, K.DECODE_GROUP):
+            self.engine.abort(rid)
+            del self.jobs[rid]
 
     def finish_now(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (cancelled, expired): blocks freed, a done entry published."""

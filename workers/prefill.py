@@ -56,7 +56,6 @@ class PrefillWorker(WorkerBase):
         self.inflight: dict[str, Intake] = {}
         self._decode_nodes: set[str] = set()
         self._decode_nodes_at = 0.0
-        self._last_touch = 0.0
 
     def _segment_owner_alive(self, worker_id: str, incarnation: str) -> bool:
         try:
@@ -70,7 +69,8 @@ class PrefillWorker(WorkerBase):
         self.ensure_groups()
         self.start_heartbeat(node=self.node, endpoints={"kv": self.sender.endpoint}, load=self.load())
         self.publisher = self.make_publisher()
-        self.resume_own_pending()
+        # A restart under the same worker id picks up what the previous process had taken.
+        self.admit(self.engine, self.own_pending(K.PREFILL_GROUP, self.keys.request_streams), self.inflight)
         log.info("prefill worker %s ready (node %s, kv %s, segment %s)", self.worker_id, self.node,
                  self.sender.endpoint, self.pool.name if self.pool else None)
         try:
@@ -81,7 +81,10 @@ class PrefillWorker(WorkerBase):
 
     def iteration(self) -> bool:
         self.free_released()
-        self.keep_ownership()
+        for rid in self.keep_ownership({rid: (it.stream, it.entry_id) for rid, it in self.inflight.items()},
+                                       K.PREFILL_GROUP):
+            self.engine.abort(rid)
+            del self.inflight[rid]
         busy = self.engine.has_unfinished
         if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
             self.take_requests(block_ms=0 if busy else 100)
@@ -93,22 +96,6 @@ class PrefillWorker(WorkerBase):
             return False
         self.heartbeat.update(**self.load())
         return True
-
-    def keep_ownership(self) -> None:
-        """Requests waiting in a busy engine must not look abandoned to other prefill
-        workers; those another worker took over anyway are dropped here."""
-        now = time.monotonic()
-        if now - self._last_touch < self.config.reclaim_idle_ms / 3000:
-            return
-        self._last_touch = now
-        by_stream: dict[str, list[str]] = {}
-        for it in self.inflight.values():
-            by_stream.setdefault(it.stream, []).append(it.entry_id)
-        lost = self.touch(by_stream, K.PREFILL_GROUP)
-        for rid in [rid for rid, it in self.inflight.items() if it.entry_id in lost]:
-            log.warning("%s was taken over by another worker; dropping it here", rid)
-            self.engine.abort(rid)
-            del self.inflight[rid]
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
@@ -132,26 +119,7 @@ class PrefillWorker(WorkerBase):
         entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, limit)
         if not entries:
             entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, limit, block_ms)
-        if not entries:
-            return
-        ops: list = []
-        for stream, entry_id, fields in entries:
-            intake = self.intake(self.engine, stream, entry_id, fields, ops)
-            if intake:
-                self.inflight[intake.request.id] = intake
-        if ops:
-            self.publisher.submit(ops)
-
-    def resume_own_pending(self) -> None:
-        """A restart under the same worker id picks up what the previous process had taken."""
-        entries = self.own_pending(K.PREFILL_GROUP, self.keys.request_streams)
-        ops: list = []
-        for stream, entry_id, fields in entries:
-            intake = self.intake(self.engine, stream, entry_id, fields, ops)
-            if intake:
-                self.inflight[intake.request.id] = intake
-        if ops:
-            self.publisher.submit(ops)
+        self.admit(self.engine, entries, self.inflight)
 
     def handoff_stream(self) -> str:
         """This node's handoff stream when a decode worker lives on this node, else the global one."""
