@@ -280,7 +280,11 @@ _register_more()
 
 
 def main():
-    cli(prog_name="pdqueue")
+    try:
+        cli(prog_name="pdqueue")
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler
+        click.secho("interrupted", fg="red", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
