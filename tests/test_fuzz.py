@@ -49,7 +49,7 @@ def fuzz_cluster(redis_server, tmp_path_factory):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(batch=st.lists(entries, min_size=1, max_size=20))
+@given(batch=st.lists(entries, min_size=3, max_size=20))
 def test_fuzz_requests(fuzz_cluster, batch):
     r = redis.Redis.from_url(fuzz_cluster.redis_url)
     keys = Keys()
@@ -67,7 +67,7 @@ def test_fuzz_requests(fuzz_cluster, batch):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(batch=st.lists(handoff_bodies, min_size=1, max_size=20))
+@given(batch=st.lists(handoff_bodies, min_size=5, max_size=20))
 def test_fuzz_handoffs(fuzz_cluster, batch):
     r = redis.Redis.from_url(fuzz_cluster.redis_url)
     with r.pipeline(transaction=False) as pipe:
