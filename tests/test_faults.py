@@ -37,8 +37,9 @@ def cluster(redis_url, tmp_path):
 
 def submit(cluster, tiny, n: int, max_tokens: int, seed: int = 0):
     prompts = mixed_prompts(n, seed)
-    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i}
-              for i in range(n)]
+    # Long requests run to max_tokens, so that a fault lands mid-generation.
+    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i,
+               "ignore_eos": max_tokens >= 100} for i in range(n)]
     prompt_ids, expected, sampling = oracle(tiny, prompts, params)
     client = Client(cluster.redis_url)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])

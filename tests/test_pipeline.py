@@ -51,7 +51,8 @@ def oracle(loaded, prompts: list[str], params: list[dict]):
     engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
     ids = [loaded.tokenizer.encode(p) for p in prompts]
     sp = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
-                         top_k=p.get("top_k", 0), seed=p["seed"]) for p in params]
+                         top_k=p.get("top_k", 0), seed=p["seed"], ignore_eos=p.get("ignore_eos", False))
+          for p in params]
     return ids, engine.generate(ids, sp), sp
 
 
