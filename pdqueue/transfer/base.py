@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 #   2  a fetch reply is a header message, then one message [data_tag, frame] per frame (not
 #      one multipart message), or an error reply in place of a frame; header field
 #      ``frames`` names the frame plan ("staged": blocks.plan_frames, as in 1).
-TRANSFER_VERSION = 2
+#   3  op ``release_copied``: the shm path copies without acquiring first, then asks once
+#      whether the lease held throughout (one round trip instead of two).
+TRANSFER_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)

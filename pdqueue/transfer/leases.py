@@ -90,6 +90,23 @@ class LeaseTable:
             lease.state = LeaseState.RELEASED
             return True
 
+    def release_copied(self, request_id: str, now: float | None = None) -> bool:
+        """A receiver copied the blocks without acquiring the lease first (the shm path):
+        True iff the copy is good, i.e. the lease is still within its deadline (or was
+        acquired) and so its blocks were never handed back; then it is released. A lease
+        past its deadline is expired now and the copy must be discarded."""
+        with self._lock:
+            now = self.clock() if now is None else now
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state not in (LeaseState.LEASED, LeaseState.ACQUIRED):
+                return False
+            if lease.state == LeaseState.LEASED and now > lease.deadline:
+                self._expire_one(lease)
+                return False
+            lease.state = LeaseState.RELEASED
+            self._freeable.append(request_id)
+            return True
+
     def is_held(self, request_id: str) -> bool:
         """The blocks are still under the lease (not yet handed back to the engine)."""
         with self._lock:

@@ -4,8 +4,9 @@ Both copy the ticket's blocks into the destination blocks of the receiver's pool
 caller owns throughout and must treat as garbage if ``fetch`` raises.
 - shm: maps the sender's segment read-only once per (segment, nonce) and keeps the mapping
   (at most MAX_MAPPINGS, least recently used dropped; mappings whose segment was unlinked
-  are dropped too, so a departed sender's memory is returned). acquire -> copy -> release;
-  a release that reports the lease lost raises LEASE_LOST.
+  are dropped too, so a departed sender's memory is returned). copy -> ``release_copied``
+  (one round trip): the sender confirms the lease held throughout, else the copy is
+  discarded (LEASE_EXPIRED, or UNKNOWN_REQUEST once the lease is gone).
 - zmq: one ``fetch`` request; the reply header is validated (request, blocks, shape, dtype,
   frame plan and count) before a byte is copied, then each data frame as it arrives (its
   size against the plan) and copied while the next one is on the wire; then a
@@ -59,11 +60,10 @@ class ShmTransport(Transport):
 
     def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
         segment = self._mapping(ticket)
-        self.ctx.control.acquire(ticket)
+        # Copy first, then one round trip confirms the lease held throughout (its blocks were
+        # never handed back, so never rewritten); otherwise the copy is discarded (raises).
         copy_blocks(planes(segment.tensor), ticket.block_ids, planes(self.ctx.pool), dst_block_ids)
-        if not self.ctx.control.release(ticket):
-            raise TransferError(f"lease of {ticket.request_id!r} was lost during the copy", False,
-                                FailureCode.LEASE_LOST)
+        self.ctx.control.release_copied(ticket)
         return len(ticket.block_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
 
     def forget(self, ticket: Ticket) -> None:

@@ -170,6 +170,10 @@ class KVSender:
         if op == "release":
             valid = self.leases.release(request_id)
             return [] if msg.get("noreply") else [wire.ok_reply(seq, valid=valid)]
+        if op == "release_copied":
+            if not self.leases.release_copied(request_id):
+                return [self._lease_error(seq, request_id)]
+            return [wire.ok_reply(seq)]
         if op == "fetch":
             return self._fetch(identity, seq, request_id)
         return [wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")]

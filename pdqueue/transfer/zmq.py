@@ -86,6 +86,11 @@ class ControlClient:
         header, _ = self.call(ticket, "release")
         return bool(header.get("valid"))
 
+    def release_copied(self, ticket: "Ticket") -> None:
+        """After copying without ``acquire``: raises TransferError (lease_expired, ...) unless
+        the lease held throughout, so the copied bytes are good."""
+        self.call(ticket, "release_copied")
+
     def release_nowait(self, ticket: "Ticket") -> None:
         """Release without waiting: a lost message only lets the lease run to its deadline."""
         try:
