@@ -40,8 +40,6 @@ class Intake:
     params: SamplingParams
     read_ms: float
     token_times_ms: list[float] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
 
 
 def connect(url: str) -> redis.Redis:
@@ -328,22 +326,6 @@ class WorkerBase:
                     raise
                 self.backoff.sleep(self.stop.cold)
 
-    # ---- redis with retries --------------------------------------------------------------
-    def execute(self, build) -> list | None:
-        """Run ``build(pipe)`` as one MULTI/EXEC, retrying connection errors with capped
-        backoff until it goes through or a cold stop is asked for."""
-        while not self.stop.cold.is_set():
-            try:
-                with self.r.pipeline(transaction=True) as pipe:
-                    build(pipe)
-                    result = pipe.execute()
-                self.backoff.reset()
-                return result
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                self.backoff.sleep(self.stop.cold)
-        return None
-
     def ensure_groups(self) -> None:
         for stream in self.keys.request_streams:
             streams.ensure_group(self.r, stream, K.PREFILL_GROUP)
@@ -360,9 +342,3 @@ def tbt_stats(times_ms: list[float]) -> tuple[float, float]:
         return 0.0, 0.0
     return gaps[len(gaps) // 2], gaps[-1]
 
-
-def sleep_briefly(stop: StopFlag, seconds: float) -> None:
-    stop.cold.wait(seconds)
-
-
-__all__ = ["WorkerBase", "Intake", "tbt_stats", "connect", "time"]

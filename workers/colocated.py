@@ -71,8 +71,7 @@ class ColocatedWorker(WorkerBase):
         ops: list = []
         for rid, reason in stopped.items():
             it = self.inflight.pop(rid)
-            seq = self.engine.abort(rid, reason.value)
-            output = seq.output_ids if seq else it.output_ids
+            output = self.engine.abort(rid, reason.value).output_ids
             c = Completion(rid, self.tokenizer.decode(output), tuple(output), reason,
                            num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
                            prefill_worker=self.worker_id, decode_worker=self.worker_id, transfer_path="local")
@@ -102,7 +101,6 @@ class ColocatedWorker(WorkerBase):
         for out in outputs:
             it = self.inflight[out.request_id]
             it.token_times_ms.append(t)
-            it.output_ids.append(out.token_id)
             self.add_token(ops, out.request_id, out.index, out.token_id, out.text)
             if out.finished:
                 del self.inflight[out.request_id]
@@ -110,7 +108,7 @@ class ColocatedWorker(WorkerBase):
                 p50, pmax = tbt_stats(it.token_times_ms)
                 first = it.token_times_ms[0]
                 self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, self.done_writes(Completion(
-                    req.id, out.full_text or "", tuple(it.output_ids), out.finish_reason,
+                    req.id, out.full_text or "", tuple(out.seq.output_ids), out.finish_reason,
                     num_prompt_tokens=len(it.prompt_ids), ttft_ms=first - req.enqueued_ms,
                     queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
                     decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
