@@ -336,6 +336,37 @@ class WorkerBase:
         return [self.keys.handoff]
 
 
+class RequestWorker(WorkerBase):
+    """A worker that reads the request streams (prefill and colocated): the loop they
+    share. Subclasses set ``engine`` and ``inflight`` (request id -> Intake) and provide
+    ``housekeeping``, ``publish`` and ``load``."""
+
+    def iteration(self) -> bool:
+        self.housekeeping()
+        busy = self.engine.has_unfinished
+        if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
+            self.take_requests(block_ms=0 if busy else 100)
+        elif not busy:
+            return False
+        if self.engine.has_unfinished:
+            self.publish(self.engine.step())
+        elif self.config.burst and not self.inflight:
+            return False
+        self.heartbeat.update(**self.load())
+        return True
+
+    def read_limit(self) -> int:
+        """How many request entries to take at once."""
+        return self.config.max_batch_requests
+
+    def take_requests(self, block_ms: int) -> None:
+        limit = self.read_limit()
+        entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, limit)
+        if not entries:
+            entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, limit, block_ms)
+        self.admit(self.engine, entries, self.inflight)
+
+
 def tbt_stats(times_ms: list[float]) -> tuple[float, float]:
     gaps = sorted(b - a for a, b in zip(times_ms, times_ms[1:]))
     if not gaps:

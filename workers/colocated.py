@@ -15,13 +15,13 @@ import time
 from pdqueue import keys as K
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, FinishReason
-from workers.base import Intake, WorkerBase, tbt_stats
+from workers.base import Intake, RequestWorker, tbt_stats
 from workers.common import WorkerConfig, now_ms
 
 log = logging.getLogger("pdqueue.colocated")
 
 
-class ColocatedWorker(WorkerBase):
+class ColocatedWorker(RequestWorker):
     role = "colocated"
 
     def __init__(self, config: WorkerConfig, loaded):
@@ -41,20 +41,6 @@ class ColocatedWorker(WorkerBase):
             self.loop(self.iteration)
         finally:
             self.teardown()
-
-    def iteration(self) -> bool:
-        busy = self.engine.has_unfinished
-        if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
-            self.take_requests(block_ms=0 if busy else 100)
-        elif not busy:
-            return False
-        self.housekeeping()
-        if self.engine.has_unfinished:
-            self.publish(self.engine.step())
-        elif self.config.burst and not self.inflight:
-            return False
-        self.heartbeat.update(**self.load())
-        return True
 
     def housekeeping(self) -> None:
         """Every ~100 ms: end cancelled and expired requests (blocks freed, done published);
@@ -88,12 +74,9 @@ class ColocatedWorker(WorkerBase):
                 "kv_free": self.engine.block_manager.num_free_blocks,
                 "kv_total": self.engine.layout.num_blocks}
 
-    def take_requests(self, block_ms: int) -> None:
-        room = min(self.config.engine.max_num_seqs - self.engine.num_running, self.config.max_batch_requests)
-        entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, room)
-        if not entries:
-            entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, room, block_ms)
-        self.admit(self.engine, entries, self.inflight)
+    def read_limit(self) -> int:
+        """No more than the free batch slots: the rest stays in Redis for other workers."""
+        return min(self.config.engine.max_num_seqs - self.engine.num_running, self.config.max_batch_requests)
 
     def publish(self, outputs) -> None:
         ops: list = []

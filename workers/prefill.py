@@ -26,13 +26,13 @@ from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.node import node_id
 from pdqueue.transfer.sender import KVSender
 from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool, cleanup_segments
-from workers.base import Intake, WorkerBase
+from workers.base import Intake, RequestWorker
 from workers.common import WorkerConfig, now_ms
 
 log = logging.getLogger("pdqueue.prefill")
 
 
-class PrefillWorker(WorkerBase):
+class PrefillWorker(RequestWorker):
     role = "prefill"
 
     def __init__(self, config: WorkerConfig, loaded):
@@ -79,23 +79,14 @@ class PrefillWorker(WorkerBase):
         finally:
             self.teardown()
 
-    def iteration(self) -> bool:
+    def housekeeping(self) -> None:
+        """Blocks of ended leases back to the engine; requests waiting in a busy engine kept
+        from looking abandoned (those another worker took over anyway are dropped)."""
         self.free_released()
         for rid in self.keep_ownership({rid: (it.stream, it.entry_id) for rid, it in self.inflight.items()},
                                        K.PREFILL_GROUP):
             self.engine.abort(rid)
             del self.inflight[rid]
-        busy = self.engine.has_unfinished
-        if not self.stop.warm.is_set() and self.engine.num_waiting == 0:
-            self.take_requests(block_ms=0 if busy else 100)
-        elif not busy:
-            return False
-        if self.engine.has_unfinished:
-            self.publish(self.engine.step())
-        elif self.config.burst and not self.inflight:
-            return False
-        self.heartbeat.update(**self.load())
-        return True
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
@@ -113,13 +104,6 @@ class PrefillWorker(WorkerBase):
             self.free_released()
             time.sleep(0.02)
         self.free_released()
-
-    def take_requests(self, block_ms: int) -> None:
-        limit = self.config.max_batch_requests
-        entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, limit)
-        if not entries:
-            entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, limit, block_ms)
-        self.admit(self.engine, entries, self.inflight)
 
     def handoff_stream(self) -> str:
         """This node's handoff stream when a decode worker lives on this node, else the global one."""
