@@ -107,15 +107,12 @@ class Cluster:
 
 
 def owner_alive(segment_path: str) -> bool:
-    from pdqueue.transfer.shm import read_segment_info
+    from pdqueue.transfer.shm import pid_alive, read_segment_info
 
     try:
-        os.kill(read_segment_info(segment_path).pid, 0)
-    except ProcessLookupError:
-        return False
+        return pid_alive(read_segment_info(segment_path).pid)
     except FileNotFoundError:
         return True
-    return True
 
 
 def _quote(s: str) -> str:

@@ -61,6 +61,8 @@ def state_path() -> Path:
 
 
 def pid_alive(pid: int) -> bool:
+    # The same as pdqueue.transfer.shm.pid_alive, not imported: pdqueue.transfer loads torch,
+    # and `pdqueue submit`/`status` read the state file without it.
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -78,6 +78,11 @@ class KVCacheLayout:
     def from_dict(cls, data: dict) -> "KVCacheLayout":
         return cls(**{k: data[k] for k in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")})
 
+    def check_pool(self, pool: torch.Tensor) -> None:
+        """ValueError unless ``pool`` is a pool tensor of exactly this layout."""
+        if tuple(pool.shape) != self.shape or pool.dtype != self.torch_dtype:
+            raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} does not match {self}")
+
     def allocate(self, buffer=None, device: str | torch.device = "cpu") -> torch.Tensor:
         """A zeroed pool tensor, or a view over ``buffer`` (writable, >= nbytes, not zeroed).
 

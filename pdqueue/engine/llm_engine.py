@@ -24,7 +24,7 @@ import torch
 
 from pdqueue.engine.block_manager import BlockManager
 from pdqueue.engine.config import EngineConfig
-from pdqueue.engine.kv_cache import KVCacheLayout, dtype_from_name
+from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.engine.model_runner import ModelRunner
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams, sample
@@ -86,8 +86,8 @@ class LLMEngine:
         self.layout = kv_layout_for(loaded.config, config)
         if kv_cache is None:
             kv_cache = self.layout.allocate(device=config.device)
-        elif tuple(kv_cache.shape) != self.layout.shape or kv_cache.dtype != dtype_from_name(config.dtype):
-            raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} != layout {self.layout.shape}")
+        else:
+            self.layout.check_pool(kv_cache)
         self.kv_cache = kv_cache
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)

@@ -42,8 +42,7 @@ class KVReceiver:
         rejects tickets of replaced senders without any I/O."""
         if mode != "auto" and mode not in TRANSPORTS:
             raise ValueError(f"unknown transfer mode {mode!r}; expected auto or one of {sorted(TRANSPORTS)}")
-        if tuple(pool_tensor.shape) != layout.shape or pool_tensor.dtype != layout.torch_dtype:
-            raise ValueError(f"pool {tuple(pool_tensor.shape)} {pool_tensor.dtype} does not match {layout}")
+        layout.check_pool(pool_tensor)
         self.layout = layout
         self.node = node
         self.mode = mode

@@ -49,8 +49,7 @@ class KVSender:
         """``endpoint``: bind address; ``advertise``: the address put in tickets (default: the
         bound one, which is wrong for wildcard hosts such as 0.0.0.0); a trailing ``:*`` in
         it stands for the port actually bound (``tcp://10.0.0.5:*``)."""
-        if tuple(pool_tensor.shape) != layout.shape or pool_tensor.dtype != layout.torch_dtype:
-            raise ValueError(f"pool {tuple(pool_tensor.shape)} {pool_tensor.dtype} does not match {layout}")
+        layout.check_pool(pool_tensor)
         self.layout = layout
         self.worker_id = worker_id
         self.incarnation = incarnation

@@ -242,7 +242,7 @@ def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAUL
             info = read_segment_info(entry.path)
             # Dead only if both say so: the registry (this cluster's view; containers that
             # share IPC but not a pid namespace) and the pid (other clusters on this host).
-            dead = not alive(info.worker_id, info.incarnation) and not _pid_alive(info.pid)
+            dead = not alive(info.worker_id, info.incarnation) and not pid_alive(info.pid)
         except TransferError:
             try:
                 dead = time.time() - entry.stat().st_mtime > grace_s
@@ -258,7 +258,8 @@ def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAUL
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists on this host (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
