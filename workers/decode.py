@@ -198,14 +198,13 @@ class DecodeWorker(WorkerBase):
                 return
             self.backlog.pop(0)
             self.jobs[h.request.id] = job
-            if h.request.expired(now_ms()) or self.cancelled([h.request.id]):
-                self.jobs.pop(h.request.id)
-                reason = FinishReason.EXPIRED if h.request.expired(now_ms()) else FinishReason.CANCELLED
-                seq = Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids)
-                c = self.completion(job, seq, now_ms(), self.tokenizer.decode(h.output_ids), reason)
-                ops: list = []
-                self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
-                self.publisher.submit(ops)
+            if h.request.expired(now_ms()):
+                self.finish_early(job, Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids),
+                                  FinishReason.EXPIRED)
+                continue
+            if self.cancelled([h.request.id]):
+                self.finish_early(job, Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids),
+                                  FinishReason.CANCELLED)
                 continue
             if h.ticket is None:
                 self.recompute(job, "no KV ticket")
@@ -288,11 +287,12 @@ class DecodeWorker(WorkerBase):
         """End a request early (cancelled, expired): blocks freed, a done entry published."""
         if request_id not in self.engine.request_ids():
             return  # still fetching: handled when the fetch completes
-        seq = self.engine.abort(request_id, reason.value)
-        job = self.jobs.pop(request_id)
-        t = now_ms()
-        text = self.tokenizer.decode(seq.output_ids)
-        c = self.completion(job, seq, t, text=text, reason=reason)
+        self.finish_early(self.jobs[request_id], self.engine.abort(request_id, reason.value), reason)
+
+    def finish_early(self, job: Job, seq: Sequence, reason: FinishReason) -> None:
+        """Publish the done entry of a request stopped before its end (the handoff acked)."""
+        del self.jobs[job.handoff.request.id]
+        c = self.completion(job, seq, now_ms(), text=self.tokenizer.decode(seq.output_ids), reason=reason)
         ops: list = []
         self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
         self.publisher.submit(ops)
