@@ -13,7 +13,7 @@ XREAD BLOCK from ``out:<id>``, continuing from the last entry seen, reconnecting
 capped backoff if Redis goes away. Token entries carry their index: one a retried worker
 publishes twice is yielded once.
 
-Imports redis, msgpack and pdqueue's keys/protocol/config/queue.streams; never torch.
+Imports redis, msgpack and pdqueue's keys/protocol/config/retry/queue.streams; never torch.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from pdqueue.protocol import (
     validate_request,
 )
 from pdqueue.queue.streams import parse_read_reply
+from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ __all__ = ["AsyncClient", "AsyncRequestHandle", "Client", "RequestError", "Reque
            "RequestHandle"]
 
 _READ_COUNT = 256
-_BACKOFF_INITIAL_S = 0.05
 
 
 class RequestFailed(Exception):
@@ -136,8 +136,9 @@ def _block_ms(deadline: float | None, max_block_ms: int) -> int:
     return max(1, min(max_block_ms, int(remaining * 1000)))  # never 0: BLOCK 0 is forever
 
 
-def _backoff_s(failures: int, deadline: float | None, max_s: float) -> float:
-    delay = min(max_s, _BACKOFF_INITIAL_S * 2 ** failures)
+def _backoff_s(failures: int, deadline: float | None, initial_s: float, max_s: float) -> float:
+    """The reconnect delay, never past ``deadline`` (the caller's timeout stays exact)."""
+    delay = backoff_delay(failures, initial_s, max_s)
     remaining = _remaining_s(deadline)
     return delay if remaining is None else max(0.0, min(delay, remaining))
 
@@ -172,7 +173,8 @@ class RequestHandle:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 if failures == 0:
                     log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
-                time.sleep(_backoff_s(failures, deadline, self.client.backoff_max_s))
+                time.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
+                                      self.client.backoff_max_s))
                 failures += 1
                 continue
             for _, entry_id, fields in parse_read_reply(reply):
@@ -208,6 +210,7 @@ class Client:
         self._own_redis = redis_client is None
         self.redis = redis_client or redis.Redis.from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
+        self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
         self.cancel_ttl_s = cancel_ttl_s
 
@@ -284,7 +287,8 @@ class AsyncRequestHandle:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 if failures == 0:
                     log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
-                await asyncio.sleep(_backoff_s(failures, deadline, self.client.backoff_max_s))
+                await asyncio.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
+                                               self.client.backoff_max_s))
                 failures += 1
                 continue
             for _, entry_id, fields in parse_read_reply(reply):
@@ -317,6 +321,7 @@ class AsyncClient:
         self._own_redis = redis_client is None
         self.redis = redis_client or redis.asyncio.Redis.from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
+        self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
         self.cancel_ttl_s = cancel_ttl_s
 

@@ -25,7 +25,8 @@ from pdqueue.queue import streams
 from pdqueue.queue.ownership import Write, ack_and_write, touch_owned
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.registry import Heartbeat
-from workers.common import Backoff, StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
+from pdqueue.retry import Backoff
+from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -59,7 +60,7 @@ class WorkerBase:
         self.keys = Keys(config.cluster)
         self.r = connect(config.redis_url)
         self.stop = StopFlag()
-        self.backoff = Backoff()
+        self.backoff = Backoff(jitter=True)  # jitter: workers cut off together come back spread out
         self.heartbeat = None
         self._last_reclaim = 0.0
         self._last_touch = 0.0

@@ -1,5 +1,5 @@
-"""What every worker process shares: its identity, its configuration, stopping on signals,
-and retrying Redis with capped backoff.
+"""What every worker process shares: its identity, its configuration, stopping on signals.
+(Retrying Redis with capped backoff is ``pdqueue.retry.Backoff``.)
 
 A first SIGTERM/SIGINT asks for a warm stop (finish what is in hand, take nothing new); a
 second one asks for a cold stop (leave now; unfinished work stays pending in Redis and is
@@ -66,26 +66,6 @@ class StopFlag:
         else:
             log.warning("signal %s: finishing work in hand, then stopping (again to stop now)", signum)
             self.warm.set()
-
-
-class Backoff:
-    """Capped exponential backoff with jitter for reconnecting."""
-
-    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0):
-        self.base_s = base_s
-        self.cap_s = cap_s
-        self.attempt = 0
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-    def sleep(self, stop: threading.Event | None = None) -> None:
-        delay = min(self.cap_s, self.base_s * 2 ** self.attempt) * (0.5 + secrets.randbelow(1000) / 2000)
-        self.attempt += 1
-        if stop is not None:
-            stop.wait(delay)
-        else:
-            time.sleep(delay)
 
 
 def now_ms() -> float:

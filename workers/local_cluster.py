@@ -16,7 +16,7 @@ worker left in /dev/shm are unlinked, and the state file and a temporary log dir
 are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not leave
 workers or the server behind.
 
-Imports redis and pdqueue.queue/keys (never torch).
+Imports redis and pdqueue.queue/keys/procs (never torch).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Callable
 import redis
 
 from pdqueue.keys import Keys
+from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
 from pdqueue.queue.registry import list_workers
 
@@ -58,18 +59,6 @@ def state_path() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     root = Path(runtime) / "pdqueue" if runtime else Path.home() / ".cache" / "pdqueue"
     return root / "up.json"
-
-
-def pid_alive(pid: int) -> bool:
-    # The same as pdqueue.transfer.shm.pid_alive, not imported: pdqueue.transfer loads torch,
-    # and `pdqueue submit`/`status` read the state file without it.
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_state(path: Path | None = None) -> dict | None:

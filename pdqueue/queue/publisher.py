@@ -18,7 +18,7 @@ order. Failures:
 - A command failing inside EXEC (e.g. WRONGTYPE) is counted; the others were applied.
 Every drop calls ``on_error(exc, ops)`` if given.
 
-Imports redis only.
+Imports redis and pdqueue.retry only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import redis
+
+from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +184,7 @@ class Publisher:
                         self.dropped += len(batch)
                         log.error("publisher closing: dropped %d unpublished units (%s)", len(batch), exc)
                         return
-                    delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** attempt)
+                    delay = backoff_delay(attempt, self._backoff_initial_s, self._backoff_max_s)
                     attempt += 1
                     self.retries += 1
                     if attempt == 1:

@@ -10,7 +10,7 @@ worker to report its own death; ``remove()`` on a clean stop only makes it quick
 ``incarnation`` is random per process start: tickets name it, and a ticket from an
 earlier incarnation of the same worker id is rejected (DESIGN, principle 3).
 
-Imports redis and pdqueue.keys only.
+Imports redis and pdqueue.keys/retry only.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from typing import Any
 import redis
 
 from pdqueue.keys import HEARTBEAT_TTL_S, Keys
+from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
 _TOP_LEVEL = ("role", "node", "endpoints", "model")
 _JSON_FIELDS = ("endpoints", "load")
 _INT_FIELDS = ("pid", "started_ms", "beat_ms")
+_RETRY_INITIAL_S = 0.05
 
 
 def _now_ms() -> int:
@@ -115,7 +117,9 @@ class Heartbeat:
                 self.failures += 1
                 if self.failures == 1:
                     log.warning("heartbeat %s: redis unavailable (%s); retrying", self.worker_id, exc)
-                delay = min(interval, self._backoff_max_s, 0.05 * 2 ** self.failures)
+                # never slower than the beat itself, so a TTL is not missed for waiting
+                delay = backoff_delay(self.failures, _RETRY_INITIAL_S,
+                                      min(interval, self._backoff_max_s))
             except Exception:
                 log.exception("heartbeat %s: beat failed", self.worker_id)
                 delay = interval
