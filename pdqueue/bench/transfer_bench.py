@@ -6,8 +6,10 @@ handler and a bytes message: what one would write without pdqueue) and through R
 (pickle, SET). This process plays the decode side: for every size it times, from the
 ticket (or request) to the blocks in its own pool,
 - ``memcpy``: a plain torch copy of the same number of bytes in one process (the shm limit);
-- ``shm`` and ``zmq``: ``KVReceiver.fetch`` forced to each path;
-- ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the zmq limit);
+- ``shm``, ``tcp`` and ``zmq``: ``KVReceiver.fetch`` forced to each path (tcp: ZeroMQ's
+  fallback's sibling, the TCP data wire that auto mode prefers across hosts);
+- ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the limit
+  of the network paths);
 - ``grpc``: gather + ``tobytes`` on the sender, one unary call, ``frombuffer`` + scatter;
 - ``redis_pickle``: pickle + SET on the sender, GET + unpickle + scatter here.
 Each path gets warm-up runs (the first one is checked bit for bit), then the repeats run
@@ -40,13 +42,13 @@ from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import KVReceiver, KVSender, SharedKVPool, Ticket, node_id
 from pdqueue.transfer.blocks import copy_blocks, planes
 
-PATHS = ("memcpy", "shm", "zmq", "raw_socket", "grpc", "redis_pickle")
+PATHS = ("memcpy", "shm", "tcp", "zmq", "raw_socket", "grpc", "redis_pickle")
 SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")   # 45 KiB/token
 SYNTHETIC = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32")  # 256 KiB/token
 FULL_CASES = {"smollm2": (128, 256, 512, 1024, 2048, 4096), "synthetic": (256, 512, 1024)}   # up to 189/256 MiB
 QUICK_CASES = {"smollm2": (128, 512)}
 RATIO_AT = ("smollm2", 512)
-TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0}
+TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0, "tcp_vs_raw_socket": 0.8}
 _GRPC_METHOD = "/pdq.bench.KV/Fetch"
 _GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
@@ -82,8 +84,8 @@ def _peer_main(conn, cfg: dict) -> None:
         while True:
             cmd, *args = conn.recv()
             if cmd == "export":
+                _wait_for_blocks(sender)   # the previous fetch's release is fire-and-forget
                 conn.send(sender.export(*args).to_dict())
-                sender.poll_freeable()   # released leases: the blocks are "free" again
             elif cmd == "redis_put":
                 key, ids = args
                 r.set(key, pickle.dumps(src_planes[:, ids]))
@@ -96,6 +98,16 @@ def _peer_main(conn, cfg: dict) -> None:
     finally:
         pool.close()
         conn.send("closed")
+
+
+def _wait_for_blocks(sender: KVSender) -> None:
+    """Hand back released leases, so that the same blocks can be exported again (the engine
+    would free them and allocate them to the next request)."""
+    deadline = time.monotonic() + 10
+    while len(sender.leases) and time.monotonic() < deadline:
+        sender.poll_freeable()
+        if len(sender.leases):
+            time.sleep(0.0005)
 
 
 def _serve_raw(listener: socket.socket, pool: torch.Tensor) -> None:
@@ -191,7 +203,7 @@ class DecodeSide:
         self.pool.fill_(0)   # touch every page now, not inside a timed run
         self.planes = planes(self.pool)
         self.flat = self.pool.view(-1).view(torch.uint8)
-        self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60) for m in ("shm", "zmq")}
+        self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60) for m in ("shm", "tcp", "zmq")}
         self.source = SharedKVPool.attach(peer.info["segment"], peer.info["nonce"])   # for checks only
         self.raw = socket.create_connection(("127.0.0.1", peer.info["raw_port"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -368,7 +380,8 @@ def ratios_of(row: dict) -> dict:
         return p[a]["gb_s"] / p[b]["gb_s"] if a in p and b in p else None
 
     return {"shm_vs_memcpy": ratio("shm", "memcpy"), "zmq_vs_raw_socket": ratio("zmq", "raw_socket"),
-            "zmq_vs_grpc": ratio("zmq", "grpc"), "shm_vs_grpc": ratio("shm", "grpc"),
+            "zmq_vs_grpc": ratio("zmq", "grpc"), "tcp_vs_raw_socket": ratio("tcp", "raw_socket"),
+            "tcp_vs_grpc": ratio("tcp", "grpc"), "tcp_vs_zmq": ratio("tcp", "zmq"), "shm_vs_grpc": ratio("shm", "grpc"),
             "zmq_vs_redis_pickle": ratio("zmq", "redis_pickle"), "shm_vs_zmq": ratio("shm", "zmq")}
 
 

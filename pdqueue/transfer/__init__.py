@@ -1,7 +1,7 @@
 """KV-cache transport between prefill (sender) and decode (receiver) workers.
 
 - ``KVSender`` (prefill): ``export`` leases blocks and returns a ``Ticket``; a ZeroMQ ROUTER
-  thread serves acquire/release/fetch; ``poll_freeable`` hands blocks back to the engine.
+  thread serves fetch and release; ``poll_freeable`` hands blocks back to the engine.
 - ``KVReceiver`` (decode): ``fetch(ticket, dst_block_ids)`` copies over shared memory (same
   ``node_id()``) or ZeroMQ; backends are pluggable through ``register_transport``.
 - ``SharedKVPool``: the prefill pool in a named shm segment; ``cleanup_segments`` removes

@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 #      ``frames`` names the frame plan ("staged": blocks.plan_frames, as in 1).
 #   3  op ``release_copied``: the shm path copies without acquiring first, then asks once
 #      whether the lease held throughout (one round trip instead of two).
-TRANSFER_VERSION = 3
+#   4  ticket field ``block_epochs`` (shm segment version 2 keeps an epoch per block): the shm
+#      path validates its copy against them and releases fire-and-forget (no round trip);
+#      ops ``acquire`` and ``release_copied`` are gone. Ticket field ``data_endpoint``: the
+#      TCP data wire (transfer.tcp), which speaks this version too.
+TRANSFER_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +58,12 @@ class Ticket:
     layout: dict                 # KVCacheLayout.to_dict() of the sender's pool
     endpoint: str                # the sender's ZeroMQ ROUTER address
     lease_deadline: float        # wall clock (time.time()); informative, the sender decides
+    block_epochs: tuple[int, ...] = ()   # the segment's epochs of block_ids at export; () without one
+    data_endpoint: str = ""      # the sender's TCP data server (transfer.tcp); "" without one
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "version", "request_id", "worker_id", "incarnation", "node", "segment", "nonce",
-        "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline")
+        "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline", "block_epochs", "data_endpoint")
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -66,6 +72,7 @@ class Ticket:
     def to_dict(self) -> dict:
         data = {name: getattr(self, name) for name in self.FIELDS}
         data["block_ids"] = list(self.block_ids)
+        data["block_epochs"] = list(self.block_epochs)
         data["layout"] = dict(self.layout)
         return data
 
@@ -77,6 +84,7 @@ class Ticket:
             raise ValueError(f"ticket lacks fields {missing}")
         values = {name: data[name] for name in cls.FIELDS}
         values["block_ids"] = tuple(int(b) for b in data["block_ids"])
+        values["block_epochs"] = tuple(int(e) for e in data["block_epochs"])
         values["layout"] = dict(data["layout"])
         values["version"] = int(data["version"])
         values["num_tokens"] = int(data["num_tokens"])
@@ -106,7 +114,7 @@ class ReceiveContext:
     layout: KVCacheLayout
     node: str
     timeout_s: float
-    control: "ControlClient"     # acquire/release (and zmq fetch) to the sender's endpoint
+    control: "ControlClient"     # fetch and release to the sender's endpoint
     extra: dict = field(default_factory=dict)
 
 
@@ -114,9 +122,9 @@ class Transport(ABC):
     """A receiver-side way to move a ticket's blocks into the local pool.
 
     ``fetch`` copies ``ticket.block_ids`` into ``dst_block_ids`` and returns the bytes moved,
-    holding the sender's lease for the whole copy (acquire before, release after; a release
-    that reports the lease lost must raise LEASE_LOST). It raises ``TransferError`` on any
-    failure. Calls are serialised by ``KVReceiver``; a backend needs no locking of its own.
+    only if it can tell that the sender's lease held for the whole copy (the sender read
+    the blocks under the lease, or the block epochs did not move); a copy it cannot vouch
+    for raises LEASE_LOST. It raises ``TransferError`` on any failure. Calls are serialised by ``KVReceiver``; a backend needs no locking of its own.
     """
 
     name: ClassVar[str]

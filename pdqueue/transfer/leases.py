@@ -3,10 +3,14 @@
 Ownership, the rule every caller follows:
 - ``add`` (called by ``KVSender.export``) hands the blocks to the table: from then on the
   engine must neither free nor write them.
-- A receiver ``acquire``s before copying (refused once the deadline has passed; a success
-  extends the deadline by the lease length) and ``release``s after; ``release`` answers
-  True iff the blocks had not yet been handed back to the engine, i.e. the bytes the
-  receiver copied were intact. A receiver that gets False must discard its copy.
+- The sender ``acquire``s before reading the blocks for a receiver (refused once the
+  deadline has passed; a success extends the deadline by the lease length); a receiver
+  ``release``s after copying; ``release`` answers True iff the blocks had not yet been
+  handed back to the engine, i.e. the bytes the receiver copied were intact. (The shm path
+  checks that itself with the segment's block epochs and releases without waiting.)
+- ``hold_until(request_id, done)``: the blocks are still being read by someone else (ZeroMQ
+  sends straight out of the pool), so the lease is not handed back, even when released or
+  expired, until ``done()`` is true.
 - ``poll_freeable`` hands each released or expired lease back exactly once; from then on its
   blocks belong to the engine again (free or reuse them). ``revoke`` hands back a lease early
   (the ticket was never published).
@@ -44,6 +48,7 @@ class Lease:
     lease_s: float
     deadline: float
     state: LeaseState = LeaseState.LEASED
+    hold: Callable[[], bool] | None = None   # see hold_until
 
 
 class LeaseTable:
@@ -52,17 +57,23 @@ class LeaseTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._leased_blocks: set[int] = set()   # blocks of every lease not yet handed back
         self._freeable: list[str] = []   # request ids in RELEASED/EXPIRED, not yet handed back
         self._recent: OrderedDict[str, LeaseState] = OrderedDict()   # final states of handed-back leases
 
     def add(self, request_id: str, block_ids, num_tokens: int, lease_s: float | None = None) -> float:
-        """Lease the blocks; returns the deadline. A request id may hold one lease at a time."""
+        """Lease the blocks; returns the deadline. A request id may hold one lease at a time, and
+        a block belongs to one lease at a time."""
         lease_s = self.lease_s if lease_s is None else lease_s
+        block_ids = tuple(block_ids)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
+            if not self._leased_blocks.isdisjoint(block_ids):
+                raise ValueError(f"blocks {sorted(self._leased_blocks.intersection(block_ids))} are already leased")
             deadline = self.clock() + lease_s
-            self._leases[request_id] = Lease(request_id, tuple(block_ids), num_tokens, lease_s, deadline)
+            self._leases[request_id] = Lease(request_id, block_ids, num_tokens, lease_s, deadline)
+            self._leased_blocks.update(block_ids)
             return deadline
 
     def acquire(self, request_id: str, now: float | None = None) -> bool:
@@ -90,22 +101,12 @@ class LeaseTable:
             lease.state = LeaseState.RELEASED
             return True
 
-    def release_copied(self, request_id: str, now: float | None = None) -> bool:
-        """A receiver copied the blocks without acquiring the lease first (the shm path):
-        True iff the copy is good, i.e. the lease is still within its deadline (or was
-        acquired) and so its blocks were never handed back; then it is released. A lease
-        past its deadline is expired now and the copy must be discarded."""
+    def hold_until(self, request_id: str, done: Callable[[], bool]) -> None:
+        """Do not hand the lease back before ``done()`` is true (see the module docstring)."""
         with self._lock:
-            now = self.clock() if now is None else now
             lease = self._leases.get(request_id)
-            if lease is None or lease.state not in (LeaseState.LEASED, LeaseState.ACQUIRED):
-                return False
-            if lease.state == LeaseState.LEASED and now > lease.deadline:
-                self._expire_one(lease)
-                return False
-            lease.state = LeaseState.RELEASED
-            self._freeable.append(request_id)
-            return True
+            if lease is not None:
+                lease.hold = done
 
     def is_held(self, request_id: str) -> bool:
         """The blocks are still under the lease (not yet handed back to the engine)."""
@@ -141,12 +142,17 @@ class LeaseTable:
         """Expire what is due, then hand back (once) every released or expired lease's blocks."""
         self.expire(now)
         with self._lock:
-            handed = []
+            handed, held = [], []
             for rid in self._freeable:
-                lease = self._leases.pop(rid)
+                lease = self._leases[rid]
+                if lease.hold is not None and not lease.hold():
+                    held.append(rid)
+                    continue
+                del self._leases[rid]
+                self._leased_blocks.difference_update(lease.block_ids)
                 handed.append((rid, lease.block_ids))
                 self._recent[rid] = lease.state
-            self._freeable.clear()
+            self._freeable = held
             while len(self._recent) > _RECENT:
                 self._recent.popitem(last=False)
             return handed
@@ -159,7 +165,7 @@ class LeaseTable:
 
     def num_held_blocks(self) -> int:
         with self._lock:
-            return sum(len(lease.block_ids) for lease in self._leases.values())
+            return len(self._leased_blocks)
 
     def __len__(self) -> int:
         with self._lock:

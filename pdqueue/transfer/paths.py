@@ -1,22 +1,30 @@
-"""The receiver-side backends: ``shm`` (same shared-memory domain) and ``zmq`` (any host).
+"""The receiver-side backends: ``shm`` (same shared-memory domain), ``tcp`` and ``zmq`` (any host).
 
 Both copy the ticket's blocks into the destination blocks of the receiver's pool, which the
 caller owns throughout and must treat as garbage if ``fetch`` raises.
 - shm: maps the sender's segment read-only once per (segment, nonce) and keeps the mapping
   (at most MAX_MAPPINGS, least recently used dropped; mappings whose segment was unlinked
-  are dropped too, so a departed sender's memory is returned). copy -> ``release_copied``
-  (one round trip): the sender confirms the lease held throughout, else the copy is
-  discarded (LEASE_EXPIRED, or UNKNOWN_REQUEST once the lease is gone).
+  are dropped too, so a departed sender's memory is returned). Check the ticket's block
+  epochs (LEASE_EXPIRED if the blocks went back to the sender's engine already) -> copy ->
+  check them again (LEASE_LOST: they went back while we copied; the copy is discarded) ->
+  a fire-and-forget release. No round trip: the epochs say what the sender would.
+- tcp: one connection per sender data endpoint (tcp.py); a ``fetch`` request, the reply
+  header validated like zmq's, then ``recvmsg_into`` straight into the destination blocks,
+  one buffer per run of consecutive (source, destination) blocks per plane; then a
+  fire-and-forget release. Any failure closes the connection. Chosen before zmq in auto
+  mode when the ticket names a data endpoint; a data endpoint that refuses connections
+  lets auto mode fall back to zmq.
 - zmq: one ``fetch`` request; the reply header is validated (request, blocks, shape, dtype,
   frame plan and count) before a byte is copied, then each data frame as it arrives (its
   size against the plan) and copied while the next one is on the wire; then a
-  fire-and-forget release (the sender staged every frame under a held lease, or sent an
+  fire-and-forget release (the sender read every frame under a held lease, or sent an
   error in its place, so the copy is good whatever the release says).
-Imports torch, zmq (through transfer.zmq).
+Imports torch, zmq (through transfer.zmq), socket (through transfer.tcp).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import warnings
@@ -24,11 +32,14 @@ from collections import OrderedDict
 
 import torch
 
+from pdqueue.transfer import zmq as wire
 from pdqueue.transfer.base import ReceiveContext, Ticket, Transport, register_transport
 from pdqueue.transfer.blocks import copy_blocks, plan_frames, planes
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR
 from pdqueue.transfer.shm import SharedKVPool
+from pdqueue.transfer.tcp import DataClient, recv_control, recv_views, send_control, stream_pieces
+from pdqueue.transfer.zmq import ControlClient
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +71,18 @@ class ShmTransport(Transport):
 
     def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
         segment = self._mapping(ticket)
-        # Copy first, then one round trip confirms the lease held throughout (its blocks were
-        # never handed back, so never rewritten); otherwise the copy is discarded (raises).
+        expected = list(ticket.block_epochs)
+        if len(expected) != len(ticket.block_ids):
+            raise TransferError(f"ticket has {len(expected)} block epochs for {len(ticket.block_ids)} blocks",
+                                False, FailureCode.BAD_TICKET)
+        if segment.epochs_of(ticket.block_ids) != expected:
+            raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
+                                "(lease released or expired)", False, FailureCode.LEASE_EXPIRED)
         copy_blocks(planes(segment.tensor), ticket.block_ids, planes(self.ctx.pool), dst_block_ids)
-        self.ctx.control.release_copied(ticket)
+        if segment.epochs_of(ticket.block_ids) != expected:
+            raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
+                                "while they were copied", False, FailureCode.LEASE_LOST)
+        self.ctx.control.release_nowait(ticket)
         return len(ticket.block_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
 
     def forget(self, ticket: Ticket) -> None:
@@ -102,17 +121,14 @@ class ZmqTransport(Transport):
     def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
         header, frames = self.ctx.control.fetch(ticket)
         layout = self.ctx.layout
-        num_blocks, num_planes = len(ticket.block_ids), 2 * layout.num_layers
-        expected_shape = [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim]
-        if (header.get("request_id") != ticket.request_id or header.get("block_ids") != list(ticket.block_ids)
-                or header.get("shape") != expected_shape or header.get("dtype") != layout.dtype):
-            raise TransferError(f"fetch reply for {ticket.request_id!r} describes other data: {header}",
-                                False, FailureCode.BAD_REPLY)
+        num_planes = 2 * layout.num_layers
+        check_reply_describes(ticket, header, layout)
         max_frame_bytes = header.get("max_frame_bytes")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
             raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", False, FailureCode.BAD_REPLY)
         if header.get("frames") != "staged":
             raise TransferError(f"unknown frame plan {header.get('frames')!r}", False, FailureCode.BAD_REPLY)
+        num_blocks = len(ticket.block_ids)
         plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
         if header.get("num_frames") != len(plan):
             raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
@@ -134,5 +150,76 @@ class ZmqTransport(Transport):
         self.ctx.control.forget(ticket.endpoint)
 
 
+class TcpTransport(Transport):
+    """The TCP data wire (tcp.py): bytes land straight in the destination blocks."""
+
+    name = "tcp"
+
+    def __init__(self, ctx: ReceiveContext):
+        super().__init__(ctx)
+        self.client = DataClient(ctx.timeout_s)
+        self._seq = itertools.count(1)
+        on_host = ctx.pool.device.type == "cpu"
+        self._pool_bytes = memoryview(ctx.pool.view(-1).view(torch.uint8).numpy()) if on_host else None
+
+    def can_fetch(self, ticket: Ticket) -> bool:
+        return bool(ticket.data_endpoint) and self._pool_bytes is not None
+
+    def check(self, ticket: Ticket) -> None:
+        self.client.connect(ticket.data_endpoint)
+
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
+        endpoint, layout = ticket.data_endpoint, self.ctx.layout
+        num_planes, block_nbytes = 2 * layout.num_layers, layout.block_nbytes
+        plane_nbytes = layout.num_blocks * block_nbytes
+        expected = num_planes * len(ticket.block_ids) * block_nbytes
+        conn = self.client.connect(endpoint)
+        try:
+            send_control(conn, wire.request("fetch", next(self._seq), ticket))
+            header = recv_control(conn)
+            if header is None:
+                raise ConnectionError("the sender closed the connection")
+            ControlClient.check_reply(endpoint, "fetch", header)   # an error reply raises here
+            check_reply_describes(ticket, header, layout)
+            if header.get("nbytes") != expected:
+                raise TransferError(f"fetch reply announces {header.get('nbytes')} bytes, expected {expected}",
+                                    False, FailureCode.BAD_REPLY)
+            recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
+                              for p, _s, d, n in stream_pieces(num_planes, ticket.block_ids, dst_block_ids)
+                              for start in (p * plane_nbytes + d * block_nbytes,)])
+        except TransferError:
+            self.client.forget(endpoint)   # data may still be on its way: start afresh
+            raise
+        except (OSError, ValueError) as exc:   # socket.timeout is an OSError
+            self.client.forget(endpoint)
+            timed_out = isinstance(exc, TimeoutError)
+            raise TransferError(f"fetch from {endpoint} failed: {exc!r}" + (
+                f" (nothing for {self.ctx.timeout_s}s: sender dead or stuck)" if timed_out else ""),
+                False, FailureCode.PEER_TIMEOUT if timed_out or isinstance(exc, ConnectionError)
+                else FailureCode.BAD_REPLY) from None
+        try:
+            send_control(conn, wire.request("release", 0, ticket, noreply=True))
+        except OSError:
+            self.client.forget(endpoint)   # the lease runs to its deadline instead
+        return expected
+
+    def forget(self, ticket: Ticket) -> None:
+        self.client.forget(ticket.data_endpoint)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def check_reply_describes(ticket: Ticket, header: dict, layout) -> None:
+    """A fetch reply must describe exactly the ticket's blocks in the receiver's layout."""
+    expected_shape = [layout.num_layers, 2, len(ticket.block_ids), layout.block_size, layout.num_kv_heads,
+                      layout.head_dim]
+    if (header.get("request_id") != ticket.request_id or header.get("block_ids") != list(ticket.block_ids)
+            or header.get("shape") != expected_shape or header.get("dtype") != layout.dtype):
+        raise TransferError(f"fetch reply for {ticket.request_id!r} describes other data: {header}",
+                            False, FailureCode.BAD_REPLY)
+
+
 register_transport(ShmTransport, auto_rank=0)
-register_transport(ZmqTransport, auto_rank=1)
+register_transport(TcpTransport, auto_rank=1)
+register_transport(ZmqTransport, auto_rank=2)

@@ -1,9 +1,19 @@
 """A paged KV pool inside a named POSIX shared-memory segment.
 
 Segment ``<shm_dir>/<prefix>-<worker_id>-<incarnation>`` (mode 0600) holds a page-aligned
-header (magic, version, pool offset, random nonce, msgpack metadata: layout and owner
-pid/worker/incarnation) and then the pool tensor. The magic is written last, so a segment
-without it is still being created (or its creator died doing so).
+header (magic, version, epochs offset, pool offset, random nonce, msgpack metadata: layout
+and owner pid/worker/incarnation), then one uint64 **epoch** per block, then the pool
+tensor. The magic is written last, so a segment without it is still being created (or its
+creator died doing so).
+
+Block epochs let a reader validate a copy without asking the owner (a seqlock per block):
+the owner bumps a block's epoch every time the block leaves a lease and goes back to its
+engine (``bump_epochs``, before the engine may write it again); a ticket carries the epochs
+of its blocks at export; a reader copies, then re-reads the epochs: unchanged means the
+blocks were never handed back, so never rewritten, while it copied. This relies on the
+owner's epoch store being visible before its later KV stores, and the reader's copy loads
+completing before its epoch loads: x86's memory order guarantees both; on weaker orders the
+margin is that handed-back blocks are rewritten only by a later prefill step.
 
 Who frees what:
 - The owner (``SharedKVPool.create``, the prefill worker) unmaps and unlinks the segment on
@@ -34,9 +44,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgpack
+import numpy as np
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.procs import pid_alive
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR
 
@@ -44,8 +56,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "pdq-kv"
 SEGMENT_MAGIC = b"PDQKVSEG"
-SEGMENT_VERSION = 1
-_HEADER = struct.Struct("<8sII16sI")   # magic, version, pool offset, nonce, metadata length
+SEGMENT_VERSION = 2   # 2: block epochs between the metadata and the pool
+_HEADER = struct.Struct("<8sIII16sI")   # magic, version, epochs offset, pool offset, nonce, metadata length
 _PREFAULT_CHUNK = 64 << 20
 
 
@@ -64,6 +76,7 @@ def _round_up(n: int, multiple: int) -> int:
 class SegmentInfo:
     name: str
     nonce: str
+    epochs_offset: int
     pool_offset: int
     size: int
     layout: KVCacheLayout
@@ -90,7 +103,7 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
     head = os.pread(fd, mmap.PAGESIZE, 0)
     if len(head) < _HEADER.size:
         raise TransferError(f"segment {path} is too short for a header", True, FailureCode.SEGMENT_UNAVAILABLE)
-    magic, version, pool_offset, nonce, meta_len = _HEADER.unpack_from(head)
+    magic, version, epochs_offset, pool_offset, nonce, meta_len = _HEADER.unpack_from(head)
     if magic != SEGMENT_MAGIC:
         raise TransferError(f"{path} is not a complete pdqueue KV segment", True, FailureCode.SEGMENT_UNAVAILABLE)
     if version != SEGMENT_VERSION:
@@ -101,12 +114,13 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
     try:
         meta = msgpack.unpackb(head[_HEADER.size:_HEADER.size + meta_len], raw=False)
         layout = KVCacheLayout.from_dict(meta["layout"])
-        info = SegmentInfo(os.path.basename(path), nonce.hex(), pool_offset, size, layout,
+        info = SegmentInfo(os.path.basename(path), nonce.hex(), epochs_offset, pool_offset, size, layout,
                            int(meta["pid"]), str(meta["worker_id"]), str(meta["incarnation"]),
                            os.fstat(fd).st_ino)
     except Exception as exc:
         raise TransferError(f"segment {path} has a corrupt header: {exc}", False, FailureCode.SEGMENT_UNAVAILABLE) from None
-    if pool_offset % mmap.PAGESIZE or size < pool_offset + layout.nbytes:
+    if (pool_offset % mmap.PAGESIZE or size < pool_offset + layout.nbytes or epochs_offset % 8
+            or not _HEADER.size + meta_len <= epochs_offset <= pool_offset - 8 * layout.num_blocks):
         raise TransferError(f"segment {path} is truncated or misaligned", False, FailureCode.SEGMENT_UNAVAILABLE)
     return info
 
@@ -120,6 +134,8 @@ class SharedKVPool:
         self.is_owner = is_owner
         self._mm = mm
         self._view = memoryview(mm)[info.pool_offset:info.pool_offset + info.layout.nbytes]
+        # Epochs as numpy: reading a read-only mapping needs no copy and raises no warning.
+        self._epochs = np.frombuffer(mm, dtype=np.uint64, count=info.layout.num_blocks, offset=info.epochs_offset)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             self._tensor: torch.Tensor | None = info.layout.allocate(buffer=self._view)
@@ -144,7 +160,8 @@ class SharedKVPool:
         path = os.path.join(shm_dir, name)
         meta = msgpack.packb({"layout": layout.to_dict(), "pid": os.getpid(), "worker_id": worker_id,
                               "incarnation": incarnation, "created_at": time.time()}, use_bin_type=True)
-        pool_offset = _round_up(_HEADER.size + len(meta), mmap.PAGESIZE)
+        epochs_offset = _round_up(_HEADER.size + len(meta), 8)
+        pool_offset = _round_up(epochs_offset + 8 * layout.num_blocks, mmap.PAGESIZE)
         size = pool_offset + _round_up(layout.nbytes, mmap.PAGESIZE)
         nonce = secrets.token_bytes(16)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -157,11 +174,12 @@ class SharedKVPool:
             raise
         finally:
             os.close(fd)
-        mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, SEGMENT_VERSION, pool_offset, nonce, len(meta))
+        mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, SEGMENT_VERSION, epochs_offset, pool_offset, nonce, len(meta))
         mm[_HEADER.size:_HEADER.size + len(meta)] = meta
         _prefault(mm, pool_offset, size)
         mm[:len(SEGMENT_MAGIC)] = SEGMENT_MAGIC
-        info = SegmentInfo(name, nonce.hex(), pool_offset, size, layout, os.getpid(), worker_id, incarnation, inode)
+        info = SegmentInfo(name, nonce.hex(), epochs_offset, pool_offset, size, layout, os.getpid(), worker_id,
+                           incarnation, inode)
         log.info("created KV segment %s (%.1f MiB)", path, size / 2**20)
         return cls(path, info, mm, is_owner=True)
 
@@ -183,10 +201,24 @@ class SharedKVPool:
             os.close(fd)
         return cls(path, info, mm, is_owner=False)
 
+    def epochs_of(self, block_ids) -> list[int]:
+        """The current epochs of ``block_ids`` (see the module docstring)."""
+        if self._tensor is None:
+            raise TransferError(f"segment {self.name} is closed", False, FailureCode.CLOSED)
+        return self._epochs[list(block_ids)].tolist()
+
+    def bump_epochs(self, block_ids) -> None:
+        """Owner only, before ``block_ids`` go back to its engine: copies of them that a
+        reader validates afterwards are refused."""
+        if not self.is_owner:
+            raise PermissionError("only the segment's owner bumps epochs")
+        self._epochs[list(block_ids)] += np.uint64(1)
+
     def close(self, unlink: bool | None = None) -> None:
         """Unmap (deferred while tensors view it); the owner also unlinks unless unlink=False."""
         if self._tensor is not None:
             self._tensor = None
+            self._epochs = None
             try:
                 self._view.release()
                 self._mm.close()
@@ -256,14 +288,3 @@ def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAUL
             except (FileNotFoundError, PermissionError):
                 pass
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """A process with this pid exists on this host (one we may not signal counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,12 +1,12 @@
 """The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER).
 
 Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce}`` with
-``op`` one of ``acquire``, ``release`` (``noreply`` for fire-and-forget) or ``fetch``. A reply
-is a msgpack header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a
-``fetch`` reply adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes,
-frames`` (``"staged"``) and is followed by ``num_frames`` messages ``[data_tag {v, seq, i},
-raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather than one multipart
-message: the sender stages frame i+1 while frame i is on the wire, the receiver copies
+``op`` one of ``fetch`` or ``release`` (``noreply`` for fire-and-forget). A reply is a msgpack
+header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a ``fetch`` reply
+adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes, frames``
+(``"staged"``) and is followed by ``num_frames`` messages
+``[data_tag {v, seq, i}, raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather
+than one multipart message: the sender stages frame i+1 while frame i is on the wire, the receiver copies
 frame i meanwhile and frees its buffer (a multipart message keeps all of them alive, so a
 big transfer lands in freshly mapped memory). A sender that fails midway sends an error
 reply instead of the next data message. The version is ``base.TRANSFER_VERSION`` (change
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 MAX_ACCEPTED_FRAME_BYTES = 64 << 20   # a receiver drops a peer that sends a bigger frame
 MAX_REQUEST_BYTES = 64 << 10          # a sender drops a peer that sends a bigger request
 MAX_SOCKETS = 64                      # DEALERs kept open (one per sender endpoint), LRU
+CLOSE_LINGER_MS = 200                 # how long close() lets queued fire-and-forget releases leave
 
 
 def pack(message: dict) -> bytes:
@@ -78,30 +79,12 @@ class ControlClient:
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._seq = itertools.count(1)
 
-    def acquire(self, ticket: "Ticket") -> None:
-        self.call(ticket, "acquire")
-
-    def release(self, ticket: "Ticket") -> bool:
-        """True iff the lease was still held when released (the copied bytes are good)."""
-        header, _ = self.call(ticket, "release")
-        return bool(header.get("valid"))
-
-    def release_copied(self, ticket: "Ticket") -> None:
-        """After copying without ``acquire``: raises TransferError (lease_expired, ...) unless
-        the lease held throughout, so the copied bytes are good."""
-        self.call(ticket, "release_copied")
-
     def release_nowait(self, ticket: "Ticket") -> None:
         """Release without waiting: a lost message only lets the lease run to its deadline."""
         try:
             self._socket(ticket.endpoint).send(request("release", 0, ticket, noreply=True), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-
-    def call(self, ticket: "Ticket", op: str) -> tuple[dict, list[zmq.Frame]]:
-        """Send one request; return the reply header and any frames in its message (zero-copy)."""
-        header, frames, _ = self._call(ticket, op)
-        return header, frames
 
     def fetch(self, ticket: "Ticket") -> tuple[dict, Iterator[zmq.Frame]]:
         """Send a fetch; return the reply header and an iterator over the ``num_frames`` data
@@ -117,11 +100,12 @@ class ControlClient:
     def _data_frames(self, endpoint: str, seq: int, count: int) -> Iterator[zmq.Frame]:
         sock = self._socket(endpoint)
         for index in range(count):
-            if not sock.poll(self.timeout_s * 1000, zmq.POLLIN):
+            try:
+                parts = sock.recv_multipart(copy=False)   # bounded by RCVTIMEO (no poll per frame)
+            except zmq.Again:
                 self.forget(endpoint)
                 raise TransferError(f"data frame {index} of {count} from {endpoint} did not come within "
-                                    f"{self.timeout_s}s (sender dead or stuck)", False, FailureCode.PEER_TIMEOUT)
-            parts = sock.recv_multipart(copy=False)
+                                    f"{self.timeout_s}s (sender dead or stuck)", False, FailureCode.PEER_TIMEOUT) from None
             try:
                 tag = unpack(parts[0].bytes)
             except Exception as exc:
@@ -130,7 +114,7 @@ class ControlClient:
                                     FailureCode.BAD_REPLY) from None
             if len(parts) == 1 and tag.get("seq") == seq:
                 self.forget(endpoint)
-                self._check(endpoint, "fetch", tag)   # an error reply: raises
+                self.check_reply(endpoint, "fetch", tag)   # an error reply: raises
             if len(parts) != 2 or tag.get("seq") != seq or tag.get("i") != index:
                 self.forget(endpoint)
                 raise TransferError(f"expected data frame {index} of fetch {seq} from {endpoint}, got "
@@ -161,11 +145,11 @@ class ControlClient:
                 raise TransferError(f"undecodable reply from {endpoint}: {exc}", False, FailureCode.BAD_REPLY) from None
             if header.get("seq") == seq:
                 break   # anything else is a late reply to an earlier request
-        self._check(endpoint, op, header)
+        self.check_reply(endpoint, op, header)
         return header, frames[1:], seq
 
     @staticmethod
-    def _check(endpoint: str, op: str, header: dict) -> None:
+    def check_reply(endpoint: str, op: str, header: dict) -> None:
         """Raise TransferError unless ``header`` is a successful reply of our version."""
         if header.get("v") != TRANSFER_VERSION:
             raise TransferError(f"{endpoint} speaks transfer version {header.get('v')}, "
@@ -177,14 +161,16 @@ class ControlClient:
                 code = FailureCode.BAD_REPLY
             raise TransferError(f"{endpoint}: {header.get('reason')}", bool(header.get("retryable")), code)
 
-    def forget(self, endpoint: str) -> None:
+    def forget(self, endpoint: str, linger_ms: int = 0) -> None:
         sock = self._sockets.pop(endpoint, None)
         if sock is not None:
-            sock.close(linger=0)
+            sock.close(linger=linger_ms)
 
     def close(self) -> None:
+        """Close every socket; releases still queued get a moment to leave (else their leases
+        run to their deadlines)."""
         for endpoint in list(self._sockets):
-            self.forget(endpoint)
+            self.forget(endpoint, linger_ms=CLOSE_LINGER_MS)
         self._context.term()
 
     def _socket(self, endpoint: str) -> zmq.Socket:
@@ -197,6 +183,7 @@ class ControlClient:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_ACCEPTED_FRAME_BYTES)
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
         sock.connect(endpoint)
         self._sockets[endpoint] = sock
         return sock

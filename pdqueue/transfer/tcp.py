@@ -1,0 +1,268 @@
+"""The TCP data wire: KV bytes from the sender's pool straight into the receiver's pool.
+
+Why beside ZeroMQ: a ZeroMQ fetch costs two copies a plain socket does not make (the
+sender gathers blocks into frames; libzmq receives into its own buffers, which the receiver
+then copies into its pool), and sending frames straight from the pool instead costs a
+wakeup of pyzmq's garbage-collector thread per frame (measured slower still). Over this
+wire the sender writes its pool's block runs with gathering ``sendmsg`` and the receiver
+reads them with scattering ``recvmsg_into`` straight into its destination blocks: the same
+work as a raw socket, so a fetch runs at raw-socket speed, scattered blocks included. ZeroMQ stays the fallback path (``mode="zmq"``, tickets without a data
+endpoint).
+
+Messages on one connection (one request at a time, the receiver asks, the sender answers):
+- a control message: 4-byte little-endian length + msgpack map. A request is
+  ``{v, op, seq, request_id, incarnation, nonce}`` (op ``fetch``, or ``release`` which gets no
+  answer); a reply is the ZeroMQ wire's reply header (``ok``; on error ``code, reason,
+  retryable``; a fetch reply adds ``request_id, block_ids, shape, dtype, nbytes``);
+- after a successful fetch reply, exactly ``nbytes`` raw bytes: for each plane of the pool,
+  the ticket's blocks in sequence order (``stream_pieces``).
+A sender that fails after its reply closes the connection: the receiver sees the stream end
+early and fails the fetch. Anything unexpected closes the connection on either side.
+
+``DataServer`` (sender side) accepts connections on its own thread and serves each on a
+thread of its own (at most MAX_CONNECTIONS), so a slow receiver stalls only itself; every
+socket has a timeout, after which it is closed. ``DataClient`` (receiver side) keeps one
+connection per sender endpoint (LRU, at most MAX_CONNECTIONS) and is not thread-safe
+(``KVReceiver`` serialises calls). Each owns its sockets and threads and frees them on
+``close()``. Imports the standard library and msgpack (through transfer.zmq's pack/unpack).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from typing import Callable, Iterator, Sequence
+
+from pdqueue.transfer.blocks import position_runs
+from pdqueue.transfer.errors import FailureCode, TransferError
+from pdqueue.transfer.zmq import pack, unpack
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 64
+MAX_CONTROL_BYTES = 64 << 10
+_LENGTH = struct.Struct("<I")
+
+
+def stream_pieces(num_planes: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
+    """The data stream's order, cut where either side's blocks stop being consecutive:
+    (plane, src_start, dst_start, num_blocks). The sender may write coarser pieces (its own
+    runs); the bytes are the same."""
+    runs = _joint_runs(src_ids, dst_ids)
+    for p in range(num_planes):
+        for s, d, n in runs:
+            yield p, s, d, n
+
+
+def _joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def source_pieces(num_planes: int, src_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """The sender's pieces of the stream: (plane, first source block, num_blocks)."""
+    runs = [(src_ids[b0], b1 - b0) for b0, b1 in position_runs(src_ids)]
+    for p in range(num_planes):
+        for first, n in runs:
+            yield p, first, n
+
+
+def send_control(sock: socket.socket, message: dict | bytes) -> None:
+    raw = message if isinstance(message, bytes) else pack(message)
+    sock.sendall(_LENGTH.pack(len(raw)) + raw)
+
+
+def recv_control(sock: socket.socket) -> dict | None:
+    """One control message; None if the peer closed cleanly before it. Raises ValueError on
+    a malformed one, OSError (socket.timeout included) on the socket's failures."""
+    head = _recv_exactly(sock, _LENGTH.size, eof_ok=True)
+    if head is None:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_CONTROL_BYTES:
+        raise ValueError(f"control message of {length} bytes (at most {MAX_CONTROL_BYTES})")
+    return unpack(_recv_exactly(sock, length))
+
+
+_IOV_MAX = 1024   # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Write the buffers in order with gathering ``sendmsg`` calls (scattered blocks cost one
+    system call per ~1024 pieces, not one each)."""
+    pending = [v for v in views if len(v)]
+    while pending:
+        sent = sock.sendmsg(pending[:_IOV_MAX])
+        pending = _advance(pending, sent)
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill the buffers in order with scattering ``recvmsg_into`` calls; ConnectionError if
+    the stream ends first."""
+    pending = [v for v in views if len(v)]
+    total, got = sum(len(v) for v in pending), 0
+    while pending:
+        n = sock.recvmsg_into(pending[:_IOV_MAX])[0]
+        if not n:
+            raise ConnectionError(f"stream ended after {got} of {total} bytes")
+        got += n
+        pending = _advance(pending, n)
+
+
+def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """Drop the first ``nbytes`` bytes from a list of buffers."""
+    i = 0
+    while nbytes and nbytes >= len(views[i]):
+        nbytes -= len(views[i])
+        i += 1
+    views = views[i:]
+    if nbytes:
+        views[0] = views[0][nbytes:]
+    return views
+
+
+def _recv_exactly(sock: socket.socket, size: int, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if not n:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionError(f"stream ended after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
+
+
+def _tune(sock: socket.socket, timeout_s: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(timeout_s)
+
+
+class DataServer:
+    """The sender's listening socket and connection threads (see the module docstring).
+
+    ``handle(conn, message)`` serves one request on ``conn`` (control reply and data) and
+    returns False to close the connection."""
+
+    def __init__(self, host: str, port: int, handle: Callable[[socket.socket, dict], bool],
+                 timeout_s: float = 30.0, name: str = "kv-data"):
+        self._handle = handle
+        self.timeout_s = timeout_s
+        self._listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
+        self._listener.settimeout(0.2)   # how often the accept loop checks for close()
+        self.address = self._listener.getsockname()[:2]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._name = name
+        self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("%s: accept failed", self._name)
+                continue
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS or self._stop.is_set():
+                    log.warning("%s: refusing %s: %d connections open", self._name, peer, len(self._conns))
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            _tune(conn, self.timeout_s)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    message = recv_control(conn)
+                except socket.timeout:
+                    continue   # an idle receiver: keep its connection
+                if message is None or not self._handle(conn, message):
+                    return
+        except (OSError, ValueError) as exc:
+            if not self._stop.is_set():
+                log.info("%s: dropping a connection: %r", self._name, exc)
+        except Exception:
+            log.exception("%s: failed to serve a connection", self._name)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stop accepting and close every connection (their threads end on their own)."""
+        self._stop.set()
+        self._thread.join()
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
+class DataClient:
+    """The receiver's connections, one per sender data endpoint ``tcp://host:port``."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._conns: OrderedDict[str, socket.socket] = OrderedDict()
+
+    def connect(self, endpoint: str) -> socket.socket:
+        """The open connection to ``endpoint``, made if needed; TransferError (retryable: another
+        path may work) if it cannot be made."""
+        conn = self._conns.get(endpoint)
+        if conn is not None:
+            self._conns.move_to_end(endpoint)
+            return conn
+        host, port = parse_endpoint(endpoint)
+        try:
+            conn = socket.create_connection((host, port), timeout=self.timeout_s)
+        except OSError as exc:
+            # Retryable: mode "auto" then tries ZeroMQ (e.g. a firewall that lets only it through).
+            raise TransferError(f"cannot connect to KV data endpoint {endpoint}: {exc}", True,
+                                FailureCode.PEER_TIMEOUT) from None
+        _tune(conn, self.timeout_s)
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self.forget(next(iter(self._conns)))
+        self._conns[endpoint] = conn
+        return conn
+
+    def forget(self, endpoint: str) -> None:
+        conn = self._conns.pop(endpoint, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for endpoint in list(self._conns):
+            self.forget(endpoint)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit():
+        raise TransferError(f"bad KV data endpoint {endpoint!r} (expected tcp://host:port)", False,
+                            FailureCode.BAD_TICKET)
+    return host.strip("[]"), int(port)
