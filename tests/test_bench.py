@@ -23,12 +23,12 @@ def pdqueue(*args: str, timeout: float = 150) -> dict:
 
 def test_transfer_quick_json_has_the_ratios():
     result = pdqueue("bench", "transfer", "--quick", "--json", "--repeats", "2")
-    assert {"shm_vs_memcpy", "zmq_vs_raw_socket", "zmq_vs_grpc"} <= set(result["ratios"])
+    assert {"shm_vs_memcpy", "zmq_vs_raw_socket", "zmq_vs_grpc", "tcp_vs_raw_socket"} <= set(result["ratios"])
     assert result["ratios_at"] == {"layout": "smollm2", "tokens": 512, "bytes": 512 // 16 * 60 * 16 * 3 * 64 * 4}
     for row in result["sizes"]:
-        assert {"memcpy", "shm", "zmq", "raw_socket"} <= set(row["paths"])
+        assert {"memcpy", "shm", "tcp", "zmq", "raw_socket"} <= set(row["paths"])
         assert all(p["gb_s"] > 0 for p in row["paths"].values())
-    assert result["ratios"]["shm_vs_memcpy"] > 0 and result["ratios"]["zmq_vs_raw_socket"] > 0
+    assert all(result["ratios"][name] > 0 for name in ("shm_vs_memcpy", "zmq_vs_raw_socket", "tcp_vs_raw_socket"))
 
 
 def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):

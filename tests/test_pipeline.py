@@ -103,8 +103,10 @@ def cluster(redis_url, tmp_path):
 
 @pytest.mark.parametrize("num_prefill,num_decode,transfer,path", [
     (1, 1, "auto", "shm"),
+    (1, 1, "tcp", "tcp"),
     (1, 1, "zmq", "zmq"),
     (2, 2, "auto", "shm"),
+    (2, 2, "tcp", "tcp"),
     (2, 2, "zmq", "zmq"),
 ])
 def test_pipeline_matches_colocated_engine(cluster, tiny, num_prefill, num_decode, transfer, path):
@@ -120,7 +122,8 @@ def test_pipeline_matches_colocated_engine(cluster, tiny, num_prefill, num_decod
 
 def test_cross_host_path_is_chosen_by_itself(cluster, tiny):
     """A decode worker with a private /dev/shm (its own mount namespace) is another
-    shared-memory domain: the ZeroMQ path is chosen automatically and tokens still match."""
+    shared-memory domain: the network path (the TCP data wire) is chosen automatically and
+    tokens still match."""
     probe = ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"]
     if not shutil.which("unshare") or subprocess.run(probe, capture_output=True).returncode != 0:
         pytest.skip("needs unshare and the right to mount a private /dev/shm (root or CAP_SYS_ADMIN)")
@@ -130,7 +133,7 @@ def test_cross_host_path_is_chosen_by_itself(cluster, tiny):
                           "mount -t tmpfs -o size=256m tmpfs /dev/shm && exec {cmd}"])
     nodes = {name: w["node"] for name, w in cluster.workers().items()}
     assert nodes["prefillA"] != nodes["decodeB"]
-    run_and_compare(cluster, tiny, n=8, expect_path="zmq")
+    run_and_compare(cluster, tiny, n=8, expect_path="tcp")
     wait_pools_free(cluster)
 
 

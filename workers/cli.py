@@ -197,9 +197,14 @@ ROLES = ("prefill", "decode", "colocated")
               show_default=True, help="Colocated scheduling policy.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--transfer", type=click.Choice(["auto", "shm", "zmq"]), default="auto", show_default=True,
-              help="How KV reaches the decode side (auto: shm on the same node, else zmq).")
-@click.option("--bind", default="tcp://127.0.0.1:*", show_default=True, help="Prefill: KV server bind address.")
+@click.option("--transfer", type=click.Choice(["auto", "shm", "tcp", "zmq"]), default="auto", show_default=True,
+              help="How KV reaches the decode side (auto: shm on the same node, else the TCP data wire, "
+                   "else zmq).")
+@click.option("--bind", default="tcp://127.0.0.1:*", show_default=True,
+              help="Prefill: KV server (ZeroMQ) bind address.")
+@click.option("--data-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
+              help="Prefill: port of the TCP data server for KV on the --bind host (0: any free port; "
+                   "-1: none, decode workers on other nodes then use ZeroMQ).")
 @click.option("--advertise-host", envvar="PDQ_ADVERTISE_HOST", default=None,
               help="Prefill: the host decode workers reach the KV server at (tickets carry it with the "
                    "bound port); 'auto' is the address this machine's hostname resolves to (a container's "
@@ -215,7 +220,7 @@ ROLES = ("prefill", "decode", "colocated")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, policy, max_num_seqs,
-           max_batched_tokens, transfer, bind, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
+           max_batched_tokens, transfer, bind, data_port, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
            reclaim_idle_ms, worker_id, burst, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from pdqueue.engine.config import EngineConfig
@@ -227,6 +232,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
                           policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
     config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, bind=bind,
+                          data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
                           reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst)

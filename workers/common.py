@@ -27,8 +27,9 @@ class WorkerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     cluster: str = "default"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: str = "auto"          # auto | shm | zmq: how KV reaches the decode side
+    transfer: str = "auto"          # auto | shm | tcp | zmq: how KV reaches the decode side
     bind: str = "tcp://127.0.0.1:*"  # the prefill worker's KV server (zmq ROUTER)
+    data_port: int | None = 0       # its TCP data server on the same host (0: any free port; None: none)
     advertise: str | None = None    # the KV server address put in tickets (":*": the bound port)
     lease_s: float = 30.0           # exported KV is held at most this long for the decode side
     fetch_timeout_s: float = 10.0

@@ -45,7 +45,8 @@ class PrefillWorker(RequestWorker):
             self.pool = SharedKVPool.create(layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
             self.engine = LLMEngine(loaded, config.engine, kv_cache=self.pool.tensor, prefill_only=True)
             self.sender = KVSender.for_shared_pool(self.pool, self.node, endpoint=config.bind,
-                                                   advertise=config.advertise, lease_s=config.lease_s)
+                                                   advertise=config.advertise, lease_s=config.lease_s,
+                                                   data_port=config.data_port)
         else:
             # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ.
             self.pool = None
@@ -67,12 +68,13 @@ class PrefillWorker(RequestWorker):
 
     def run(self) -> None:
         self.ensure_groups()
-        self.start_heartbeat(node=self.node, endpoints={"kv": self.sender.endpoint}, load=self.load())
+        endpoints = {"kv": self.sender.endpoint, "kv_data": self.sender.data_endpoint}
+        self.start_heartbeat(node=self.node, endpoints={k: v for k, v in endpoints.items() if v}, load=self.load())
         self.publisher = self.make_publisher()
         # A restart under the same worker id picks up what the previous process had taken.
         self.admit(self.engine, self.own_pending(K.PREFILL_GROUP, self.keys.request_streams), self.inflight)
-        log.info("prefill worker %s ready (node %s, kv %s, segment %s)", self.worker_id, self.node,
-                 self.sender.endpoint, self.pool.name if self.pool else None)
+        log.info("prefill worker %s ready (node %s, kv %s, data %s, segment %s)", self.worker_id, self.node,
+                 self.sender.endpoint, self.sender.data_endpoint or "-", self.pool.name if self.pool else None)
         try:
             self.loop(self.iteration)
             self.drain_leases()
