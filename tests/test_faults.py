@@ -86,19 +86,41 @@ def test_prefill_killed_mid_batch(cluster, tiny):
 
 
 def test_prefill_killed_after_handoff_before_fetch(cluster, tiny):
+    """The KV of a SIGKILLed prefill worker outlives it in its segment: nobody can rewrite
+    those blocks any more (the epochs still match the tickets), so a decode worker on the
+    node copies them and does not recompute."""
     cluster.start("prefill", *FAST, worker_id="p0")
     client, handles, ids, expected = submit(cluster, tiny, 8, 10)
     r = redis.Redis.from_url(cluster.redis_url)
     wait_for(lambda: r.xlen(Keys().handoff) == 8, what="8 handoffs")
     cluster.signal("p0", signal.SIGKILL)
     cluster.procs["p0"].wait()
-    cluster.start("decode", *FAST, worker_id="d0")  # its fetches fail: recompute
+    cluster.start("decode", *FAST, worker_id="d0")
     results = check_all(cluster, tiny, client, handles, ids, expected)
-    assert {res.transfer_path for res in results} == {"recompute"}
+    assert {res.transfer_path for res in results} == {"shm"}
     # A SIGKILLed owner cannot unlink its segment; the next prefill start on this node removes
     # it (or any other pdqueue prefill starting on this host, whatever its Redis).
     cluster.start("prefill", *FAST, worker_id="p1")
     assert not cluster.segments(["p0"])
+    wait_pools_free(cluster)
+
+
+def test_prefill_killed_and_its_segment_removed_before_fetch(cluster, tiny):
+    """Once the dead worker's segment is removed, its tickets cannot be served by any path
+    (no segment, a refused TCP connection, a silent ZeroMQ endpoint): every request is
+    recomputed by the decode worker and still gives the colocated engine's tokens."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    client, handles, ids, expected = submit(cluster, tiny, 4, 10)
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: r.xlen(Keys().handoff) == 4, what="4 handoffs")
+    cluster.signal("p0", signal.SIGKILL)
+    cluster.procs["p0"].wait()
+    wait_for(lambda: "p0" not in cluster.workers(), what="p0's heartbeat to expire")
+    cluster.start("prefill", *FAST, worker_id="p1")   # its start removes p0's segment
+    assert not cluster.segments(["p0"])
+    cluster.start("decode", *FAST, worker_id="d0")
+    results = check_all(cluster, tiny, client, handles, ids, expected)
+    assert {res.transfer_path for res in results} == {"recompute"}
     wait_pools_free(cluster)
 
 

@@ -115,7 +115,7 @@ class PrefillWorker(RequestWorker):
                 self._decode_nodes_at = time.monotonic()
             except Exception:
                 pass
-        if self.config.transfer != "zmq" and self.node in self._decode_nodes:
+        if self.config.transfer in ("auto", "shm") and self.node in self._decode_nodes:
             return self.keys.handoff_node(self.node)
         return self.keys.handoff
 
