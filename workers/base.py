@@ -77,14 +77,15 @@ class WorkerBase:
                 ops.append(lambda p: streams.ack_into(p, stream, K.PREFILL_GROUP, entry_id))
                 return None
             req = parse_request(entry_id, fields)
-            if not streams.claim_request_id(self.r, self.keys, req.id, entry_id):
+            may_run, cancelled = streams.claim_request(self.r, self.keys, req.id, entry_id)   # one round trip
+            if not may_run:
                 self.reject(ops, stream, entry_id, fields, None,
                             f"request id {req.id!r} was already taken by another entry", ErrorCode.DUPLICATE)
                 return None
             if req.expired(read_ms):
                 self.finish_early(ops, stream, entry_id, req, FinishReason.EXPIRED)
                 return None
-            if self.r.exists(self.keys.cancel(req.id)):
+            if cancelled:
                 self.finish_early(ops, stream, entry_id, req, FinishReason.CANCELLED)
                 return None
             prompt_ids = self.tokenize(req)

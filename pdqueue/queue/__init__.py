@@ -11,6 +11,7 @@ from pdqueue.queue.streams import (
     Claimed,
     ack_into,
     autoclaim,
+    claim_request,
     claim_request_id,
     dead_letter,
     ensure_group,
@@ -23,7 +24,7 @@ from pdqueue.queue.streams import (
 
 __all__ = [
     "Claimed", "Heartbeat", "Publisher", "RedisServer", "Registry", "XAdd", "ack_into",
-    "autoclaim", "claim_request_id", "dead_letter", "ensure_group",
+    "autoclaim", "claim_request", "claim_request_id", "dead_letter", "ensure_group",
     "find_redis_server_binary", "list_workers", "read_group", "read_own_pending", "touch",
     "xadd_expiring", "xadd_into",
 ]

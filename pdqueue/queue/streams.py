@@ -74,20 +74,19 @@ def read_group(r: redis.Redis, group: str, consumer: str, streams: Iterable[str]
     ``streams`` is in priority order. One non-blocking XREADGROUP per stream in order, each
     asking only for what is still missing, so a lower stream is never read while a higher
     one can fill the batch. Only if all are empty and ``block_ms`` is set does it block on
-    all of them at once, for one entry (two streams that get data in the same instant may
-    give one each, so a wake-up can exceed ``count`` by up to ``len(streams) - 1``), then
-    tops the batch up without blocking.
+    all of them at once and return what that one call brings: at most ``count //
+    len(streams)`` (at least 1) per stream, so ``max(count, len(streams))`` in all. (No
+    top-up reads after the wake: they cost two round trips on every idle worker's first
+    request, and the next call reads the higher streams first anyway.)
     """
     streams = list(streams)
     result = _read_pass(r, group, consumer, streams, count)
     if result or not block_ms:
         return result
-    reply = r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=1, block=block_ms)
-    result = parse_read_reply(reply)
-    if result and len(result) < count:
-        result.extend(_read_pass(r, group, consumer, streams, count - len(result)))
+    per_stream = max(1, count // len(streams))
+    reply = r.xreadgroup(group, consumer, {s: ">" for s in streams}, count=per_stream, block=block_ms)
     order = {s: i for i, s in enumerate(streams)}
-    return sorted(result, key=lambda e: order.get(e[0], len(order)))  # stable: FIFO per stream
+    return sorted(parse_read_reply(reply), key=lambda e: order.get(e[0], len(order)))  # stable: FIFO per stream
 
 
 def _read_pass(r: redis.Redis, group: str, consumer: str, streams: list[str],
@@ -146,11 +145,20 @@ def claim_request_id(r: redis.Redis, keys: Keys, request_id: str, entry_id: str,
     new, or this is a redelivery of the very entry that first carried it), False if
     another entry already took the id (a duplicate: acknowledge it, answer nothing on
     ``out:<id>``, which belongs to the first one)."""
+    return claim_request(r, keys, request_id, entry_id, ttl_s)[0]
+
+
+def claim_request(r: redis.Redis, keys: Keys, request_id: str, entry_id: str,
+                  ttl_s: int = SEEN_TTL_S) -> tuple[bool, bool]:
+    """``claim_request_id`` and whether the request was cancelled, in one round trip:
+    (may_run, cancelled)."""
     key = keys.seen(request_id)
-    if r.set(key, entry_id, nx=True, ex=ttl_s):
-        return True
-    current = r.get(key)
-    return current is None or _str(current) == _str(entry_id)
+    pipe = r.pipeline(transaction=False)
+    pipe.set(key, entry_id, nx=True, ex=ttl_s)
+    pipe.get(key)   # ours if the SET took, else the entry that took the id first
+    pipe.exists(keys.cancel(request_id))
+    _, current, cancelled = pipe.execute()
+    return current is None or _str(current) == _str(entry_id), bool(cancelled)
 
 
 def touch(r: redis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
