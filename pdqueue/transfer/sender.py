@@ -1,13 +1,14 @@
-"""The sender half (prefill worker): exports tickets and serves them over a ZeroMQ ROUTER.
+"""The sender half (prefill worker): exports tickets and serves them over a TCP data server
+and a ZeroMQ ROUTER.
 
 Lifecycle of an exported request: ``export`` leases its blocks and returns a Ticket (with
 the blocks' epochs when the pool is a shared segment) -> a receiver on this node copies
 straight out of the segment and validates the copy against the epochs, with no round trip;
 a receiver elsewhere fetches over the TCP data wire (a connection thread of ``DataServer``
-writes the blocks straight from the pool; the lease is held until ``sendall`` returns) or
-over ZeroMQ (this thread sends a header, then gathers the blocks frame by frame into a
-staging buffer under the lease and sends each frame as its own message as soon as it is
-staged, so that staging, the wire and the receiver's copying overlap) -> the receiver
+writes the blocks straight from the pool; the lease is held until its ``sendmsg`` calls
+return) or over ZeroMQ (this thread sends a header, then gathers the blocks frame by frame
+into a staging buffer under the lease and sends each frame as its own message as soon as
+it is staged, so that staging, the wire and the receiver's copying overlap) -> the receiver
 ``release``s (fire-and-forget) -> ``poll_freeable`` bumps the blocks' epochs and hands them
 back to the engine thread, which frees them. Leases that are never released expire.
 
@@ -15,11 +16,12 @@ Who owns what: the engine owns the pool and writes only blocks it owns; leased b
 read-only for everyone until ``poll_freeable`` returns them (see leases.py); a lease lost
 while its frames are being staged turns the rest of the reply into an error. The serving
 thread owns the ROUTER socket, its zmq context and the staging buffer (zmq may still send
-from it after ``_fetch`` returns: a busy buffer is never reused); ``close()`` stops the
-thread and frees them. Requests are answered for tickets of this incarnation and segment
-nonce only. CURVE encryption is not done yet (TODO: server keys here, the public key in
-the ticket, client keys in ControlClient); bind to a private interface meanwhile.
-Imports torch, zmq, msgpack.
+from it after ``_fetch`` returns: a busy buffer is never reused); the ``DataServer`` owns
+its listener, connections and their threads; ``close()`` stops both and frees them.
+Requests are answered for tickets of this incarnation and segment nonce only (the nonce,
+random and known only from tickets, is what a peer must show). Encryption is not done yet
+(TODO: CURVE here and in ControlClient, TLS on the data wire); bind to a private interface
+meanwhile. Imports torch, zmq, msgpack, socket (through transfer.tcp).
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ class KVSender:
         self._shared = shared_pool
         self.leases = LeaseTable(lease_s)
         self._planes = planes(pool_tensor)
-        self._plane_bytes = self._planes.view(torch.uint8)   # [planes, blocks, block bytes]
         self._staging: torch.Tensor | None = None     # flat uint8, pre-faulted, reused
         self._staging_tracker: zmq.MessageTracker | None = None
         self._context = zmq.Context()
