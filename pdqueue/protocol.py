@@ -372,7 +372,7 @@ class Completion:
                                 # handoff + transfer + first_step
     prefill_worker: str = ""
     decode_worker: str = ""
-    transfer_path: str = ""     # "shm", "zmq", "local", "recompute", ...
+    transfer_path: str = ""     # "shm", "tcp", "zmq", "local", "recompute", ...
 
     @property
     def num_tokens(self) -> int:
