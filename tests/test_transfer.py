@@ -44,7 +44,7 @@ def _sender_main(conn, cfg: dict) -> None:
     pool = SharedKVPool.create(layout, cfg["prefix"], cfg["worker_id"], cfg["incarnation"], shm_dir=SHM_DIR)
     pool.tensor.copy_(pool_values(layout, cfg["seed"]))
     sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=cfg["lease_s"],
-                                      max_frame_bytes=cfg["max_frame_bytes"])
+                                      max_frame_bytes=cfg["max_frame_bytes"], data_port=cfg["data_port"])
     conn.send({"endpoint": sender.endpoint, "segment": pool.name, "nonce": pool.nonce, "pid": os.getpid(),
                "data_endpoint": sender.data_endpoint})
     freed = []   # handed back while waiting for blocks to export, reported by the next poll
@@ -77,14 +77,14 @@ class SenderProcess:
     """A prefill-side sender in a spawned child process."""
 
     def __init__(self, layout: KVCacheLayout = SMALL, *, seed: int = 1, lease_s: float = 10.0,
-                 max_frame_bytes: int = 1024, incarnation: str | None = None):
+                 max_frame_bytes: int = 1024, incarnation: str | None = None, data_port: int = 0):
         self.layout = layout
         self.seed = seed
         self.worker_id = f"w{uuid.uuid4().hex[:6]}"
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         cfg = {"layout": layout.to_dict(), "prefix": PREFIX, "worker_id": self.worker_id,
                "incarnation": self.incarnation, "node": NODE, "seed": seed, "lease_s": lease_s,
-               "max_frame_bytes": max_frame_bytes}
+               "max_frame_bytes": max_frame_bytes, "data_port": data_port}
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
@@ -339,6 +339,19 @@ def test_killed_sender_fails_fast_and_its_segment_is_cleaned_up(sender, local_po
     removed = cleanup_segments(lambda worker, inc: (worker, inc) in live, name_prefix=PREFIX)
     assert removed == [victim.info["segment"]]
     assert own_segments() == [sender.info["segment"]]
+
+
+def test_tcp_reconnects_once_to_a_sender_restarted_on_a_pinned_port(local_pool):
+    port = free_port()
+    with KVReceiver(local_pool, SMALL, "another-node", mode="tcp", timeout_s=5) as receiver:
+        for seed in (5, 6):   # the second sender takes over the port; the kept connection is dead
+            proc = SenderProcess(seed=seed, data_port=port)
+            try:
+                assert proc.info["data_endpoint"] == f"tcp://127.0.0.1:{port}"
+                assert receiver.fetch(proc.export(rid(), [4, 5]), [0, 1]).path == "tcp"
+                assert torch.equal(local_pool[:, :, [0, 1]], proc.expected()[:, :, [4, 5]])
+            finally:
+                proc.close()
 
 
 def test_bf16_pool_and_clean_close_leaves_no_segment(local_pool):

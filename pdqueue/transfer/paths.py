@@ -173,12 +173,8 @@ class TcpTransport(Transport):
         num_planes, block_nbytes = 2 * layout.num_layers, layout.block_nbytes
         plane_nbytes = layout.num_blocks * block_nbytes
         expected = num_planes * len(ticket.block_ids) * block_nbytes
-        conn = self.client.connect(endpoint)
         try:
-            send_control(conn, wire.request("fetch", next(self._seq), ticket))
-            header = recv_control(conn)
-            if header is None:
-                raise ConnectionError("the sender closed the connection")
+            conn, header = self._ask(endpoint, ticket)
             ControlClient.check_reply(endpoint, "fetch", header)   # an error reply raises here
             check_reply_describes(ticket, header, layout)
             if header.get("nbytes") != expected:
@@ -202,6 +198,25 @@ class TcpTransport(Transport):
         except OSError:
             self.client.forget(endpoint)   # the lease runs to its deadline instead
         return expected
+
+    def _ask(self, endpoint: str, ticket: Ticket):
+        """Send the fetch request and read the reply header: (connection, header). A kept
+        connection that turns out dead before any reply (the sender restarted on a pinned
+        port, a middlebox dropped it) is replaced once by a new one."""
+        for attempt in range(2):
+            conn, reused = self.client.connect(endpoint)
+            try:
+                send_control(conn, wire.request("fetch", next(self._seq), ticket))
+                header = recv_control(conn)
+                if header is None:
+                    raise ConnectionError("the sender closed the connection")
+                return conn, header
+            except ConnectionError:
+                self.client.forget(endpoint)
+                if not reused or attempt:
+                    raise
+                log.info("kept connection to %s was dead; reconnecting once", endpoint)
+        raise AssertionError("unreachable")
 
     def forget(self, ticket: Ticket) -> None:
         self.client.forget(ticket.data_endpoint)

@@ -229,13 +229,13 @@ class DataClient:
         self.timeout_s = timeout_s
         self._conns: OrderedDict[str, socket.socket] = OrderedDict()
 
-    def connect(self, endpoint: str) -> socket.socket:
-        """The open connection to ``endpoint``, made if needed; TransferError (retryable: another
-        path may work) if it cannot be made."""
+    def connect(self, endpoint: str) -> tuple[socket.socket, bool]:
+        """(the open connection to ``endpoint``, whether it was kept from before), made if
+        needed; TransferError (retryable: another path may work) if it cannot be made."""
         conn = self._conns.get(endpoint)
         if conn is not None:
             self._conns.move_to_end(endpoint)
-            return conn
+            return conn, True
         host, port = parse_endpoint(endpoint)
         try:
             conn = socket.create_connection((host, port), timeout=self.timeout_s)
@@ -247,7 +247,7 @@ class DataClient:
         if len(self._conns) >= MAX_CONNECTIONS:
             self.forget(next(iter(self._conns)))
         self._conns[endpoint] = conn
-        return conn
+        return conn, False
 
     def forget(self, endpoint: str) -> None:
         conn = self._conns.pop(endpoint, None)
