@@ -23,7 +23,10 @@ import torch
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import (FailureCode, KVReceiver, KVSender, LeaseTable, SharedKVPool, Ticket, TransferError,
                               cleanup_segments, node_id)
+from pdqueue.transfer import zmq as wire
+from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.blocks import plan_frames
+from pdqueue.transfer.tcp import recv_control, send_control
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -352,6 +355,60 @@ def test_tcp_reconnects_once_to_a_sender_restarted_on_a_pinned_port(local_pool):
                 assert torch.equal(local_pool[:, :, [0, 1]], proc.expected()[:, :, [4, 5]])
             finally:
                 proc.close()
+
+
+def _bad_data_server(behaviour: str) -> tuple[socket.socket, threading.Thread]:
+    """A TCP data server that misbehaves once: answers a fetch the way ``behaviour`` says."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            request = recv_control(conn)
+            nbytes = 2 * SMALL.num_layers * SMALL.block_nbytes
+            header = {"v": TRANSFER_VERSION, "seq": request["seq"], "ok": True, "request_id": request["request_id"],
+                      "block_ids": [60], "shape": [SMALL.num_layers, 2, 1, SMALL.block_size, SMALL.num_kv_heads,
+                                                   SMALL.head_dim], "dtype": SMALL.dtype, "nbytes": nbytes}
+            if behaviour == "wrong_size":
+                send_control(conn, {**header, "nbytes": nbytes + 4})
+            elif behaviour == "other_blocks":
+                send_control(conn, {**header, "block_ids": [61]})
+            elif behaviour == "short_stream":
+                send_control(conn, header)
+                conn.sendall(b"\0" * (nbytes // 2))
+            elif behaviour == "huge_control":
+                conn.sendall((1 << 30).to_bytes(4, "little"))
+            elif behaviour == "not_a_map":
+                send_control(conn, wire.pack([1, 2, 3]))
+            elif behaviour == "silent":
+                time.sleep(2)
+            conn.recv(1)   # wait for the receiver to give up
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize("behaviour,code", [
+    ("wrong_size", FailureCode.BAD_REPLY), ("other_blocks", FailureCode.BAD_REPLY),
+    ("short_stream", FailureCode.PEER_TIMEOUT), ("huge_control", FailureCode.BAD_REPLY),
+    ("not_a_map", FailureCode.BAD_REPLY), ("silent", FailureCode.PEER_TIMEOUT),
+])
+def test_tcp_receiver_refuses_a_misbehaving_sender(sender, local_pool, behaviour, code):
+    """Whatever comes back, the fetch fails fast with a clear code and does not hang."""
+    listener, thread = _bad_data_server(behaviour)
+    ticket = dataclasses.replace(sender.export(rid(), [60], lease_s=0.2),
+                                 data_endpoint=f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        with KVReceiver(local_pool, SMALL, "another-node", mode="tcp", timeout_s=0.5) as receiver:
+            start = time.monotonic()
+            with pytest.raises(TransferError) as err:
+                receiver.fetch(ticket, [0])
+            assert time.monotonic() - start < 2.0
+        assert err.value.code == code, err.value
+    finally:
+        listener.close()
+        thread.join(5)
 
 
 def test_bf16_pool_and_clean_close_leaves_no_segment(local_pool):
