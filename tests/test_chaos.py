@@ -55,7 +55,13 @@ def test_chaos_kill_and_restart(redis_url, tmp_path):
     killer = threading.Thread(target=chaos, daemon=True)
     try:
         handles = []
-        for i in range(0, NUM_REQUESTS, 20):  # arrivals spread over time
+        num_batches = NUM_REQUESTS // 20
+        for j, i in enumerate(range(0, NUM_REQUESTS, 20)):  # arrivals spread over time
+            # Paced by the kills, not only by the clock: by the last batch at least 3 workers
+            # have died with work in hand, however fast the cluster gets through it.
+            deadline = time.monotonic() + 60
+            while len(kills) < 3 * j // (num_batches - 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
             handles += client.submit_many([dict(prompt=p, **kw) for p, kw in
                                            zip(prompts[i:i + 20], params[i:i + 20])])
             if i == 0:
