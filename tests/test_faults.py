@@ -85,16 +85,23 @@ def test_prefill_killed_mid_batch(cluster, tiny):
     wait_pools_free(cluster)
 
 
+def kill_prefill_after_handoffs(cluster, tiny, n: int):
+    """Start prefill p0, submit ``n`` requests, SIGKILL p0 once all their handoffs are out
+    (no decode worker runs yet, so none was fetched). Returns what ``check_all`` needs."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    client, handles, ids, expected = submit(cluster, tiny, n, 10)
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: r.xlen(Keys().handoff) == n, what=f"{n} handoffs")
+    cluster.signal("p0", signal.SIGKILL)
+    cluster.procs["p0"].wait()
+    return client, handles, ids, expected
+
+
 def test_prefill_killed_after_handoff_before_fetch(cluster, tiny):
     """The KV of a SIGKILLed prefill worker outlives it in its segment: nobody can rewrite
     those blocks any more (the epochs still match the tickets), so a decode worker on the
     node copies them and does not recompute."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    client, handles, ids, expected = submit(cluster, tiny, 8, 10)
-    r = redis.Redis.from_url(cluster.redis_url)
-    wait_for(lambda: r.xlen(Keys().handoff) == 8, what="8 handoffs")
-    cluster.signal("p0", signal.SIGKILL)
-    cluster.procs["p0"].wait()
+    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 8)
     cluster.start("decode", *FAST, worker_id="d0")
     results = check_all(cluster, tiny, client, handles, ids, expected)
     assert {res.transfer_path for res in results} == {"shm"}
@@ -109,12 +116,7 @@ def test_prefill_killed_and_its_segment_removed_before_fetch(cluster, tiny):
     """Once the dead worker's segment is removed, its tickets cannot be served by any path
     (no segment, a refused TCP connection, a silent ZeroMQ endpoint): every request is
     recomputed by the decode worker and still gives the colocated engine's tokens."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    client, handles, ids, expected = submit(cluster, tiny, 4, 10)
-    r = redis.Redis.from_url(cluster.redis_url)
-    wait_for(lambda: r.xlen(Keys().handoff) == 4, what="4 handoffs")
-    cluster.signal("p0", signal.SIGKILL)
-    cluster.procs["p0"].wait()
+    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4)
     wait_for(lambda: "p0" not in cluster.workers(), what="p0's heartbeat to expire")
     cluster.start("prefill", *FAST, worker_id="p1")   # its start removes p0's segment
     assert not cluster.segments(["p0"])

@@ -83,14 +83,18 @@ def test_read_group_reads_high_priority_first(r):
             pipe.xadd(KEYS.requests_high, {"n": "h"})
             pipe.execute()
 
-    threading.Timer(0.05, burst).start()
+    timer = threading.Timer(0.05, burst)
+    timer.start()
     got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3, block_ms=2000)
+    timer.join(5)
     assert [f[b"n"] for _, _, f in got] in ([b"n0"], [b"h", b"n0"])   # Redis 7.0 / 7.2+ serve wakes differently
     rest = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3, block_ms=2000)
     assert [f[b"n"] for _, _, f in got + rest] in ([b"n0", b"h", b"n1", b"n2"], [b"h", b"n0", b"n1", b"n2"])
     # A wake never brings more than max(count, number of streams).
-    threading.Timer(0.05, burst).start()
+    timer = threading.Timer(0.05, burst)
+    timer.start()
     assert len(read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=1, block_ms=2000)) <= 2
+    timer.join(5)   # its transaction's reply is read after the wake: let it finish before teardown
 
 
 def test_autoclaim_takes_over_a_dead_consumers_entries(r):

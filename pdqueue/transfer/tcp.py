@@ -36,7 +36,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
-from pdqueue.transfer.blocks import position_runs
+from pdqueue.transfer.blocks import block_runs, position_runs
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.zmq import pack, unpack
 
@@ -51,20 +51,10 @@ def stream_pieces(num_planes: int, src_ids: Sequence[int], dst_ids: Sequence[int
     """The data stream's order, cut where either side's blocks stop being consecutive:
     (plane, src_start, dst_start, num_blocks). The sender may write coarser pieces (its own
     runs); the bytes are the same."""
-    runs = _joint_runs(src_ids, dst_ids)
+    runs = block_runs(src_ids, dst_ids)
     for p in range(num_planes):
         for s, d, n in runs:
             yield p, s, d, n
-
-
-def _joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def source_pieces(num_planes: int, src_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
