@@ -57,7 +57,7 @@ def _sender_main(conn, cfg: dict) -> None:
             # Like an engine, export a block only once its last lease came back (a release
             # is fire-and-forget, so it may still be on its way).
             deadline = time.monotonic() + 5
-            while set(args[1]) & {b for lease in sender.leases._leases.values() for b in lease.block_ids}:
+            while set(args[1]) & sender.leases.held_blocks():
                 freed += sender.poll_freeable()
                 if time.monotonic() > deadline:
                     break   # export raises: the test leaked a lease
@@ -453,6 +453,25 @@ def test_lease_table_hands_blocks_back_exactly_once():
     assert table.poll_freeable() == [("b", (3,))]
     assert not table.release("b")      # too late: the engine may already reuse block 3
     assert len(table) == 0 and table.num_held_blocks() == 0
+
+
+def test_lease_table_refuses_leased_blocks_and_holds_while_sending():
+    now = [0.0]
+    table = LeaseTable(lease_s=10, clock=lambda: now[0])
+    table.add("a", [1, 2], 5)
+    with pytest.raises(ValueError):
+        table.add("b", [2, 3], 5)      # block 2 belongs to a's lease
+    assert table.held_blocks() == {1, 2}
+    sending = [True]
+    table.hold_until("a", lambda: not sending[0])
+    assert table.release("a")
+    assert table.poll_freeable() == []   # released, but still being read
+    now[0] = 100.0
+    assert table.poll_freeable() == []   # not even expiry hands it back meanwhile
+    sending[0] = False
+    assert table.poll_freeable() == [("a", (1, 2))]
+    assert table.held_blocks() == set()
+    table.add("b", [2, 3], 5)          # free again
 
 
 def test_node_id_is_shared_created_once_and_overridable(tmp_path, monkeypatch):

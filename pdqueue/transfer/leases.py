@@ -167,6 +167,11 @@ class LeaseTable:
         with self._lock:
             return len(self._leased_blocks)
 
+    def held_blocks(self) -> set[int]:
+        """The blocks under a lease now (a copy): the engine may not free or write them."""
+        with self._lock:
+            return set(self._leased_blocks)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
