@@ -172,6 +172,37 @@ def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
         server.stop()
 
 
+def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
+    """An XREADGROUP whose reply dies with the connection leaves the entry in the worker's
+    pending list, unknown to it, and nobody reclaims a live worker's own entries. After a
+    Redis error the worker compares its pending list with what it holds and takes the rest
+    in again. Simulated exactly: a transaction delivers a request to p0's consumer name
+    (so p0's blocked read never sees it), then Redis restarts."""
+    server = RedisServer(appendonly=True).start()
+    try:
+        c = Cluster(server.url, tmp_path)
+        c.start("prefill", *FAST, worker_id="p0")
+        c.start("decode", *FAST, worker_id="d0")
+        prompt_ids, expected, sampling = oracle(tiny, ["lost and found"], [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
+        r = redis.Redis.from_url(server.url)
+        with r.pipeline(transaction=True) as pipe:
+            pipe.xadd(Keys().requests, {"id": "lost-1", "prompt": "lost and found", "max_tokens": "12",
+                                        "temperature": "0", "seed": "1"})
+            pipe.xreadgroup("prefill", c.id("p0"), {Keys().requests: ">"}, count=1)
+            _, delivered = pipe.execute()
+        assert delivered, "the transaction should have delivered the entry to p0's name"
+        time.sleep(0.5)
+        assert out_len(c, "lost-1") == 0   # p0 does not know it has it
+        server.restart()
+        client = Client(server.url)
+        check_all(c, tiny, client, [client.handle("lost-1")], prompt_ids, (expected, sampling), timeout=60)
+        assert "taking in again 1 entries" in c.log("p0")
+        codes = c.stop_all()
+        assert all(code == 0 for code in codes.values()), {w: c.log(w) for w in codes}
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
 def test_cancel_and_deadline_stop_the_work_and_free_blocks(cluster, layout):
     if layout == "disaggregated":

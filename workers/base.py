@@ -64,6 +64,9 @@ class WorkerBase:
         self.heartbeat = None
         self._last_reclaim = 0.0
         self._last_touch = 0.0
+        # A Redis error may have cut off a reply that delivered entries to us (XREADGROUP,
+        # XCLAIM): they sit in our pending list, unknown to us; ``redelivered`` finds them.
+        self._resync = False
 
     # ---- intake --------------------------------------------------------------------------
     def intake(self, engine, stream: str, entry_id: str, fields: dict, ops: list) -> Intake | None:
@@ -101,6 +104,8 @@ class WorkerBase:
         except RequestError as exc:
             rid = exc.request_id
             self.reject(ops, stream, entry_id, fields, rid, exc.reason, exc.code)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # not the request's fault: it stays pending and is taken in again (redelivered)
         except Exception as exc:  # a bug must not kill the worker or lose the entry's answer
             log.exception("intake of %s failed", entry_id)
             self.reject(ops, stream, entry_id, fields or {}, None, f"internal error: {exc}", ErrorCode.INTERNAL)
@@ -208,6 +213,7 @@ class WorkerBase:
                             claimed.append((stream, entry_id.decode(), fields))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("reclaim: redis unavailable (%s)", exc)
+            self._resync = True
         if claimed:
             log.warning("reclaimed %d entries of dead or hung workers: %s", len(claimed),
                         [e[1] for e in claimed])
@@ -219,6 +225,24 @@ class WorkerBase:
             return streams.read_own_pending(self.r, group, self.worker_id, stream_names)
         except redis.ResponseError:
             return []
+
+    def redelivered(self, group: str, stream_names, held_entry_ids: set[str]) -> list:
+        """After a Redis error: the entries of our pending list that we do not hold (their
+        delivery's reply was lost with the connection), to be taken in again. Checked only
+        once the publisher has nothing queued, so no entry is between being dropped from
+        hand and being acknowledged; call it from the loop's thread, before taking more."""
+        if not self._resync or self.publisher.pending:
+            return []
+        try:
+            entries = self.own_pending(group, stream_names)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return []
+        self._resync = False
+        lost = [e for e in entries if e[1] not in held_entry_ids]
+        if lost:
+            log.warning("taking in again %d entries delivered to us while Redis failed: %s",
+                        len(lost), [e[1] for e in lost])
+        return lost
 
     def admit(self, engine, entries, inflight: dict) -> None:
         """Intake request entries into ``engine`` (admitted ones into ``inflight`` by request
@@ -283,6 +307,7 @@ class WorkerBase:
             return entries
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("redis unavailable (%s); retrying", exc)
+            self._resync = True
             self.backoff.sleep(self.stop.cold)
             return []
         except redis.ResponseError as exc:
@@ -320,6 +345,7 @@ class WorkerBase:
                 failures = 0
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("redis unavailable (%s); retrying", exc)
+                self._resync = True
                 self.backoff.sleep(self.stop.cold)
             except Exception:
                 failures += 1
@@ -363,6 +389,11 @@ class RequestWorker(WorkerBase):
 
     def take_requests(self, block_ms: int) -> None:
         limit = self.read_limit()
+        entries = self.redelivered(K.PREFILL_GROUP, self.keys.request_streams,
+                                   {it.entry_id for it in self.inflight.values()})
+        if entries:
+            self.admit(self.engine, entries, self.inflight)
+            return
         entries = self.reclaim(K.PREFILL_GROUP, self.keys.request_streams, limit)
         if not entries:
             entries = self.read(K.PREFILL_GROUP, self.keys.request_streams, limit, block_ms)

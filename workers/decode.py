@@ -114,6 +114,11 @@ class DecodeWorker(WorkerBase):
 
     # ---- taking handoffs -------------------------------------------------------------
     def take_handoffs(self, block_ms: int) -> None:
+        held = {job.entry_id for job in self.jobs.values()} | {job.entry_id for job in self.backlog}
+        lost = self.redelivered(K.DECODE_GROUP, self.handoff_streams(), held)
+        if lost:
+            self.accept(lost, resumed=True)
+            return
         room = min(8, self.config.engine.max_num_seqs - len(self.jobs))
         entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), room)
         resumed = bool(entries)
