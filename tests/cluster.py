@@ -96,6 +96,17 @@ class Cluster:
                 proc.wait()
         return proc.returncode
 
+    def kill_all(self) -> None:
+        """SIGKILL whatever still runs (a failed test's cleanup: a warm stop may wait on a
+        Redis that is gone)."""
+        for wid, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    self.signal(wid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
     def stop_all(self) -> dict[str, int]:
         for wid, proc in self.procs.items():
             if proc.poll() is None:

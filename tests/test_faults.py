@@ -156,8 +156,8 @@ def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
 
 def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
     server = RedisServer(appendonly=True).start()
+    c = Cluster(server.url, tmp_path)
     try:
-        c = Cluster(server.url, tmp_path)
         c.start("prefill", *FAST, worker_id="p0")
         c.start("decode", *FAST, worker_id="d0")
         client, handles, ids, expected = submit(c, tiny, 12, 200)
@@ -169,6 +169,7 @@ def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
         codes = c.stop_all()
         assert all(code == 0 for code in codes.values()), {w: c.log(w) for w in codes}
     finally:
+        c.kill_all()   # only a failed test leaves any running
         server.stop()
 
 
@@ -179,8 +180,8 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
     in again. Simulated exactly: a transaction delivers a request to p0's consumer name
     (so p0's blocked read never sees it), then Redis restarts."""
     server = RedisServer(appendonly=True).start()
+    c = Cluster(server.url, tmp_path)
     try:
-        c = Cluster(server.url, tmp_path)
         c.start("prefill", *FAST, worker_id="p0")
         c.start("decode", *FAST, worker_id="d0")
         prompt_ids, expected, sampling = oracle(tiny, ["lost and found"], [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
@@ -200,6 +201,7 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
         codes = c.stop_all()
         assert all(code == 0 for code in codes.values()), {w: c.log(w) for w in codes}
     finally:
+        c.kill_all()   # only a failed test leaves any running
         server.stop()
 
 
