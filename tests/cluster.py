@@ -99,22 +99,21 @@ class Cluster:
     def kill_all(self) -> None:
         """SIGKILL whatever still runs (a failed test's cleanup: a warm stop may wait on a
         Redis that is gone)."""
-        for wid, proc in self.procs.items():
-            if proc.poll() is None:
-                try:
-                    self.signal(wid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        self._signal_running(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
 
     def stop_all(self) -> dict[str, int]:
+        self._signal_running(signal.SIGTERM)
+        return {wid: self.stop(wid, signalled=True) for wid in list(self.procs)}
+
+    def _signal_running(self, sig: int) -> None:
         for wid, proc in self.procs.items():
             if proc.poll() is None:
                 try:
-                    self.signal(wid, signal.SIGTERM)
+                    self.signal(wid, sig)
                 except ProcessLookupError:
                     pass
-        return {wid: self.stop(wid, signalled=True) for wid in list(self.procs)}
 
 
 def owner_alive(segment_path: str) -> bool:

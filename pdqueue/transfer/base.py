@@ -124,7 +124,8 @@ class Transport(ABC):
     ``fetch`` copies ``ticket.block_ids`` into ``dst_block_ids`` and returns the bytes moved,
     only if it can tell that the sender's lease held for the whole copy (the sender read
     the blocks under the lease, or the block epochs did not move); a copy it cannot vouch
-    for raises LEASE_LOST. It raises ``TransferError`` on any failure. Calls are serialised by ``KVReceiver``; a backend needs no locking of its own.
+    for raises LEASE_LOST. It raises ``TransferError`` on any failure. Calls are serialised
+    by ``KVReceiver``; a backend needs no locking of its own.
     """
 
     name: ClassVar[str]

@@ -8,9 +8,9 @@ Ownership, the rule every caller follows:
   ``release``s after copying; ``release`` answers True iff the blocks had not yet been
   handed back to the engine, i.e. the bytes the receiver copied were intact. (The shm path
   checks that itself with the segment's block epochs and releases without waiting.)
-- ``hold_until(request_id, done)``: the blocks are still being read by someone else (ZeroMQ
-  sends straight out of the pool), so the lease is not handed back, even when released or
-  expired, until ``done()`` is true.
+- ``hold_until(request_id, done)``: the blocks are still being read by someone else (the
+  TCP data server sends straight out of the pool), so the lease is not handed back, even
+  when released or expired, until ``done()`` is true.
 - ``poll_freeable`` hands each released or expired lease back exactly once; from then on its
   blocks belong to the engine again (free or reuse them). ``revoke`` hands back a lease early
   (the ticket was never published).

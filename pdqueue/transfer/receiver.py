@@ -23,7 +23,7 @@ import time
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import paths  # noqa: F401  (registers the shm and zmq backends)
+from pdqueue.transfer import paths  # noqa: F401  (registers the shm, tcp and zmq backends)
 from pdqueue.transfer.base import AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket, Transport
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR

@@ -268,22 +268,23 @@ class KVSender:
 
     # -- the TCP data server's connection threads ------------------------------------------
 
-    def _serve_data(self, conn, msg: dict) -> bool:
-        """Serve one request of the TCP data wire (see tcp.py); False closes the connection."""
+    def _serve_data(self, conn, msg: dict) -> None:
+        """Serve one request of the TCP data wire (see tcp.py); an exception closes the
+        connection."""
         seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
         refusal = self._refuse(msg)
         if refusal is not None:
             send_control(conn, refusal)
-            return True
+            return
         if op == "release":
             self.leases.release(request_id)   # never answered
-            return True
+            return
         if op != "fetch":
             send_control(conn, wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}"))
-            return True
+            return
         if not self.leases.acquire(request_id):
             send_control(conn, self._lease_error(seq, request_id))
-            return True
+            return
         sending = threading.Event()
         sending.set()
         self.leases.hold_until(request_id, lambda: not sending.is_set())
@@ -291,7 +292,7 @@ class KVSender:
             lease = self.leases.get(request_id)
             if lease is None:
                 send_control(conn, self._lease_lost(seq, request_id))
-                return True
+                return
             layout, block_ids = self.layout, lease.block_ids
             num_planes, block_nbytes = self._planes.shape[0], layout.block_nbytes
             plane_nbytes = self._planes.shape[1] * block_nbytes
@@ -303,7 +304,7 @@ class KVSender:
                      for p, first, n in source_pieces(num_planes, block_ids)
                      for start in (p * plane_nbytes + first * block_nbytes,)]
             send_views(conn, views)
-            return True
+            return
         finally:
             sending.clear()   # sent: the kernel holds copies, the blocks may go back
 

@@ -6,8 +6,8 @@ then copies into its pool), and sending frames straight from the pool instead co
 wakeup of pyzmq's garbage-collector thread per frame (measured slower still). Over this
 wire the sender writes its pool's block runs with gathering ``sendmsg`` and the receiver
 reads them with scattering ``recvmsg_into`` straight into its destination blocks: the same
-work as a raw socket, so a fetch runs at raw-socket speed, scattered blocks included. ZeroMQ stays the fallback path (``mode="zmq"``, tickets without a data
-endpoint).
+work as a raw socket, so a fetch runs at raw-socket speed, scattered blocks included.
+ZeroMQ stays the fallback path (``mode="zmq"``, tickets without a data endpoint).
 
 Messages on one connection (one request at a time, the receiver asks, the sender answers):
 - a control message: 4-byte little-endian length + msgpack map. A request is
@@ -47,7 +47,8 @@ MAX_CONTROL_BYTES = 64 << 10
 _LENGTH = struct.Struct("<I")
 
 
-def stream_pieces(num_planes: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
+def stream_pieces(num_planes: int, src_ids: Sequence[int],
+                  dst_ids: Sequence[int]) -> Iterator[tuple[int, int, int, int]]:
     """The data stream's order, cut where either side's blocks stop being consecutive:
     (plane, src_start, dst_start, num_blocks). The sender may write coarser pieces (its own
     runs); the bytes are the same."""
@@ -141,10 +142,10 @@ def _tune(sock: socket.socket, timeout_s: float) -> None:
 class DataServer:
     """The sender's listening socket and connection threads (see the module docstring).
 
-    ``handle(conn, message)`` serves one request on ``conn`` (control reply and data) and
-    returns False to close the connection."""
+    ``handle(conn, message)`` serves one request on ``conn`` (control reply and data); an
+    exception from it closes the connection."""
 
-    def __init__(self, host: str, port: int, handle: Callable[[socket.socket, dict], bool],
+    def __init__(self, host: str, port: int, handle: Callable[[socket.socket, dict], None],
                  timeout_s: float = 30.0, name: str = "kv-data"):
         self._handle = handle
         self.timeout_s = timeout_s
@@ -185,8 +186,9 @@ class DataServer:
                     message = recv_control(conn)
                 except socket.timeout:
                     continue   # an idle receiver: keep its connection
-                if message is None or not self._handle(conn, message):
+                if message is None:
                     return
+                self._handle(conn, message)
         except (OSError, ValueError) as exc:
             if not self._stop.is_set():
                 log.info("%s: dropping a connection: %r", self._name, exc)

@@ -6,8 +6,8 @@ header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a ``
 adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes, frames``
 (``"staged"``) and is followed by ``num_frames`` messages
 ``[data_tag {v, seq, i}, raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather
-than one multipart message: the sender stages frame i+1 while frame i is on the wire, the receiver copies
-frame i meanwhile and frees its buffer (a multipart message keeps all of them alive, so a
+than one multipart message: the sender stages frame i+1 while frame i is on the wire, the
+receiver copies frame i meanwhile and frees its buffer (a multipart message keeps all of them alive, so a
 big transfer lands in freshly mapped memory). A sender that fails midway sends an error
 reply instead of the next data message. The version is ``base.TRANSFER_VERSION`` (change
 log there).
@@ -105,7 +105,8 @@ class ControlClient:
             except zmq.Again:
                 self.forget(endpoint)
                 raise TransferError(f"data frame {index} of {count} from {endpoint} did not come within "
-                                    f"{self.timeout_s}s (sender dead or stuck)", False, FailureCode.PEER_TIMEOUT) from None
+                                    f"{self.timeout_s}s (sender dead or stuck)", False,
+                                    FailureCode.PEER_TIMEOUT) from None
             try:
                 tag = unpack(parts[0].bytes)
             except Exception as exc:
