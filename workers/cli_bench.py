@@ -4,6 +4,7 @@ print a table (or one JSON object with --json), write JSON and plots under --out
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -94,15 +95,25 @@ def register(bench) -> None:
     @click.option("--quick", is_flag=True, help="Two small SmolLM2 sizes, few repeats (a smoke run).")
     @click.option("--repeats", type=click.IntRange(min=1), default=None, help="Timed runs per path and size.")
     @click.option("--out", default=None, help="Directory for transfer.json and transfer.png.")
-    def bench_transfer(as_json, quick, repeats, out):
-        """Move real KV caches prefill -> decode process through shm and zmq, beside memcpy,
-        a raw TCP socket, gRPC and pickle-through-Redis measured in the same run."""
+    @click.option("--check", is_flag=True, help="Exit with status 3 when a ratio misses its target.")
+    def bench_transfer(as_json, quick, repeats, out, check):
+        """Move real KV caches prefill -> decode process through shm, the TCP data wire and
+        zmq, beside memcpy, a raw TCP socket, gRPC and pickle-through-Redis measured in the
+        same run.
+
+        Exit status: 0 when the benchmark ran (targets are reported, "met" or "NOT met", but
+        not enforced: these machines are shared and noisy); with --check, 3 when any ratio
+        missed its target."""
         from pdqueue.bench import plots, transfer_bench
         from pdqueue.bench.stats import round_floats
 
         result = round_floats(transfer_bench.run(quick=quick, repeats=repeats, progress=_progress))
         _write_out(out, "transfer", result, plots.plot_transfer)
         click.echo(json.dumps(result, indent=2) if as_json else transfer_bench.format_table(result))
+        missed = transfer_bench.missed_targets(result)
+        if check and missed:
+            click.secho(f"targets not met: {', '.join(missed)}", fg="red", err=True)
+            sys.exit(3)
 
     @bench.command("serve")
     @click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,

@@ -398,6 +398,13 @@ def _result(rows: list[dict], quick: bool, repeats: int, warmup: int, notes: lis
     }
 
 
+def missed_targets(result: dict) -> list[str]:
+    """Names of the ratios below their target (a ratio that could not be measured is not
+    counted as missed)."""
+    return [name for name, target in result["targets"].items()
+            if result["ratios"].get(name) is not None and result["ratios"][name] < target]
+
+
 def format_table(result: dict) -> str:
     paths = [p for p in PATHS if any(p in r["paths"] for r in result["sizes"])]
     lines = ["GB/s (median ms) per path; end to end: ticket/request -> blocks in the receiving pool",
