@@ -34,6 +34,8 @@ from workers.common import WorkerConfig, now_ms
 
 log = logging.getLogger("pdqueue.decode")
 
+READ_LIMIT = 16  # handoffs taken per step boundary at most (each still needs room to start)
+
 
 @dataclass(slots=True)
 class Job:
@@ -66,6 +68,8 @@ class DecodeWorker(WorkerBase):
         self._to_fetch: queue.Queue = queue.Queue()
         self._fetched: queue.Queue = queue.Queue()
         self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-fetch", daemon=True)
+        self._fetching = 0                   # jobs handed to the fetch thread, not yet admitted
+        self._step_s = 0.05                  # moving average of an engine step
         self._last_check = 0.0
 
     def handoff_streams(self) -> list[str]:
@@ -84,27 +88,42 @@ class DecodeWorker(WorkerBase):
             self.teardown()
 
     def iteration(self) -> bool:
+        """One step boundary. Admission runs here, between two engine steps: take every
+        handoff there is room for, reserve its blocks and start its fetch, then give the
+        fetches just started a short grace (``admit_grace_s``) so that fast ones (shm: a few
+        ms) join this very step; slower ones join at the next boundary while the step runs."""
         self.admit_fetched()
-        self.start_backlog()
         idle = not self.engine.has_unfinished and not self.jobs
         if not self.stop.warm.is_set():
             if not self.backlog and self.has_room():
                 self.take_handoffs(block_ms=100 if idle else 0)
-        elif idle:
+        elif idle and not self.backlog:
             return False
+        started = self.start_backlog()
+        if started and self.engine.has_unfinished:
+            self.admit_fetched(wait_s=self.admit_grace_s())
         self.housekeeping()
         if self.engine.has_unfinished:
-            self.publish(self.engine.step())
-        elif self.config.burst and not self.jobs:
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - t0)
+            self.publish(outputs)
+        elif self.config.burst and not self.jobs and not self.backlog:
             return False
-        elif self.jobs and not self.engine.has_unfinished:
-            self.stop.cold.wait(0.001)  # waiting for a fetch
+        elif self._fetching:
+            self.admit_fetched(wait_s=0.05)  # nothing to step: wait for a fetch to land
         self.heartbeat.update(**self.load())
         return True
 
+    def admit_grace_s(self) -> float:
+        """How long the running batch may wait at a step boundary for fetches just started:
+        a quarter of a recent step, between 2 and 25 ms (a new sequence that misses this
+        step waits a whole step more, while the batch pays this once)."""
+        return min(0.025, max(0.002, 0.25 * self._step_s))
+
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "fetching": len(self.jobs) - self.engine.num_running - self.engine.num_waiting,
+                "fetching": self._fetching, "backlog": len(self.backlog),
                 "kv_free": self.engine.block_manager.num_free_blocks,
                 "kv_total": self.engine.layout.num_blocks}
 
@@ -119,11 +138,11 @@ class DecodeWorker(WorkerBase):
         if lost:
             self.accept(lost, resumed=True)
             return
-        room = min(8, self.config.engine.max_num_seqs - len(self.jobs))
+        room = min(READ_LIMIT, self.config.engine.max_num_seqs - len(self.jobs))
         entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), room)
         resumed = bool(entries)
         if not entries:
-            entries = self.read(K.DECODE_GROUP, self.handoff_streams(), 1, block_ms)
+            entries = self.read(K.DECODE_GROUP, self.handoff_streams(), room, block_ms)
         self.accept(entries, resumed)
 
     def accept(self, entries, resumed: bool) -> None:
@@ -187,8 +206,10 @@ class DecodeWorker(WorkerBase):
             h.ticket = None  # the exported KV covers fewer tokens: recompute
         return True
 
-    def start_backlog(self) -> None:
-        """Reserve blocks for taken handoffs and queue their fetch, while there is room."""
+    def start_backlog(self) -> int:
+        """Reserve blocks for taken handoffs and queue their fetch, while there is room;
+        returns how many fetches it started."""
+        started = 0
         while self.backlog:
             job = self.backlog[0]
             h = job.handoff
@@ -200,7 +221,7 @@ class DecodeWorker(WorkerBase):
                 continue
             num_tokens = len(h.prompt_ids) + len(h.output_ids)
             if not self.engine.can_reserve(num_tokens + 1):
-                return
+                return started
             self.backlog.pop(0)
             self.jobs[h.request.id] = job
             if h.request.expired(now_ms()):
@@ -215,7 +236,10 @@ class DecodeWorker(WorkerBase):
                 self.recompute(job, "no KV ticket")
                 continue
             job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids)
+            self._fetching += 1
+            started += 1
             self._to_fetch.put(job)
+        return started
 
     def _fetch_loop(self) -> None:
         while True:
@@ -236,12 +260,20 @@ class DecodeWorker(WorkerBase):
                 job.error = f"internal: {exc}"
             self._fetched.put(job)
 
-    def admit_fetched(self) -> None:
+    def admit_fetched(self, wait_s: float = 0.0) -> None:
+        """Add every finished fetch to the engine (recompute the failed ones); with
+        ``wait_s``, wait up to that long for the fetches still running."""
+        deadline = time.monotonic() + wait_s
         while True:
             try:
-                job = self._fetched.get_nowait()
+                remaining = deadline - time.monotonic()
+                if self._fetching and remaining > 0:
+                    job = self._fetched.get(timeout=remaining)
+                else:
+                    job = self._fetched.get_nowait()
             except queue.Empty:
                 return
+            self._fetching -= 1
             if job.error:
                 log.warning("KV fetch for %s failed (%s): recomputing", job.handoff.request.id, job.error)
                 self.engine.unreserve(job.seq)

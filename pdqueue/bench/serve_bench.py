@@ -14,6 +14,10 @@ records each token's arrival time on the client. After warm-up requests (not cou
 - TTFT: submit -> first token seen by the client; TBT: every gap between consecutive tokens
   seen by the client (``tbt_server_ms``: the same from the ``out:`` entry ids, i.e. when the
   worker's XADD ran, in whole ms); e2e: submit -> done;
+- the handoff gap ``gap01_ms``: token 0 -> token 1 on the client (in disagg mode token 0
+  comes from the prefill worker and token 1 from the decode worker, so this is the decode
+  side taking the request over), ``ttst_ms``: submit -> second token, and
+  ``tbt_after_first_ms``: the gaps after token 1 (the steady decode step, for comparison);
 - throughput: output tokens / (first submit -> last completion);
 - goodput: arrival rate x the fraction of requests with TTFT <= the TTFT SLO and the p90
   of their own gaps <= the TBT SLO (DistServe's attainment); unfinished requests fail both;
@@ -222,11 +226,16 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
     met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
     span = (max(r.finished for r in ok) - min(r.submitted for r in records)) if ok else math.inf
     prefill_ms = [r.completion.prefill_ms for r in ok]
+    second = [r for r in ok if len(r.token_times) > 1]
+    gap01 = [(r.token_times[1] - r.token_times[0]) * 1e3 for r in second]
+    steady = [g for r in second for g in gaps(r.token_times[1:])]
     figures = {
         "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
         "ttft_ms": summary(ttft), "tbt_ms": summary(tbt), "tbt_server_ms": summary(tbt_server),
         "e2e_ms": summary((r.finished - r.submitted) * 1e3 for r in ok),
+        "gap01_ms": summary(gap01), "ttst_ms": summary((r.token_times[1] - r.submitted) * 1e3 for r in second),
+        "tbt_after_first_ms": summary(g * 1e3 for g in steady),
         "ttft_long_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "long"),
         "ttft_short_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "short"),
         "throughput_tok_s": sum(len(r.token_times) for r in ok) / span,
@@ -355,15 +364,17 @@ def format_table(result: dict) -> str:
     lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
              f"workload {result['workload']}",
              f"{'mode':<25}{'rate':>6}{'done':>6}  {'TTFT p50/p90/p99 ms':>24}  {'TBT p50/p90/p99 ms':>22}"
-             f"{'tok/s':>8}{'goodput':>9}{'attain':>8}  {'queue ovh p50/p99':>18}"]
+             f"{'tok/s':>8}{'goodput':>9}{'attain':>8}  {'queue ovh p50/p99':>18}  {'tok0->1 p50/p99':>16}"
+             f"  {'TTST p50/p99':>14}"]
     for mode, pooled in result["modes"].items():
         for rate, f in pooled["by_rate"].items():
-            t, b, q = f["ttft_ms"], f["tbt_ms"], f["queue_overhead_ms"]
+            t, b, q, g, s2 = f["ttft_ms"], f["tbt_ms"], f["queue_overhead_ms"], f["gap01_ms"], f["ttst_ms"]
             lines.append(f"{mode:<25}{rate:>6}{f['completed']:>3}/{f['requests']:<2}  "
                          f"{t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f}  "
                          f"{b['p50']:>6.0f} {b['p90']:>6.0f} {b['p99']:>7.0f}"
                          f"{f['throughput_tok_s']:>8.1f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}  "
-                         f"{q['p50']:>8.1f} {q['p99']:>8.1f}")
+                         f"{q['p50']:>8.1f} {q['p99']:>8.1f}  {g['p50']:>7.0f} {g['p99']:>7.0f}"
+                         f"  {s2['p50']:>6.0f} {s2['p99']:>6.0f}")
     for rate, entry in result["claim"].items():
         ratios = ", ".join(f"{k.removesuffix('_tbt_p99_over_p50')} {v:.1f}x" for k, v in entry.items()
                            if k != "verdict" and v is not None)
