@@ -6,13 +6,24 @@ protocol parsers accept. Transactions are built by callers with
 ``r.pipeline(transaction=True)``; the ``*_into`` helpers add commands to such a pipeline.
 
 The rule these serve (DESIGN, principle 1): a worker acknowledges its input only in the
-same MULTI/EXEC that writes its output, e.g.::
+same MULTI/EXEC that writes its output. How the workers do it (workers/base.py,
+workers/prefill.py): ``read_group`` reads the request streams highest priority first, and
+an entry's outcome goes out through ``queue.ownership.ack_and_write``, which acknowledges
+the entry and writes the outcome only if this worker still owns it (a worker whose entry
+was claimed meanwhile writes nothing). The ops run as one unit of a ``Publisher``, i.e.
+one MULTI/EXEC, e.g. a prefill worker's first token and handoff::
 
-    with r.pipeline(transaction=True) as pipe:
-        xadd_expiring(pipe, keys.out(rid), token_entry(0, [t], text), ttl_s)
-        xadd_into(pipe, keys.handoff_node(node), encode_handoff(h))
-        ack_into(pipe, keys.requests, PREFILL_GROUP, entry_id)
+    entries = read_group(r, PREFILL_GROUP, worker_id, keys.request_streams,   # high first
+                         count=limit, block_ms=block_ms)
+    ...   # per entry: claim_request, prefill, ticket = sender.export(...)
+    with r.pipeline(transaction=True) as pipe:   # the workers: publisher.submit([op, ...])
+        xadd_expiring(pipe, keys.out(rid), token_entry(0, [t], text), OUT_TTL_S)
+        ack_and_write(pipe, stream, PREFILL_GROUP, entry_id,
+                      [Write(keys.handoff_node(node), encode_handoff(handoff))])
         pipe.execute()
+
+``ack_into`` (a plain XACK+XDEL) is left for entries answered before any work (rejected,
+deleted while pending, expired or cancelled before they ran).
 
 Imports redis and pdqueue.keys only.
 """

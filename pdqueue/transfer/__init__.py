@@ -1,12 +1,14 @@
 """KV-cache transport between prefill (sender) and decode (receiver) workers.
 
-- ``KVSender`` (prefill): ``export`` leases blocks and returns a ``Ticket``; a ZeroMQ ROUTER
-  thread serves fetch and release; ``poll_freeable`` hands blocks back to the engine.
+- ``KVSender`` (prefill): ``export`` leases blocks and returns a ``Ticket``; a TCP data server
+  and a ZeroMQ ROUTER thread serve fetch and release; ``poll_freeable`` hands blocks back
+  to the engine.
 - ``KVReceiver`` (decode): ``fetch(ticket, dst_block_ids)`` copies over shared memory (same
-  ``node_id()``) or ZeroMQ; backends are pluggable through ``register_transport``.
+  ``node_id()``), else over the TCP data wire (the ticket names a data endpoint), else over
+  ZeroMQ; backends are pluggable through ``register_transport``.
 - ``SharedKVPool``: the prefill pool in a named shm segment; ``cleanup_segments`` removes
   those of dead owners.
-Imports torch, zmq, msgpack; never redis.
+Imports torch, zmq, msgpack, socket; never redis.
 """
 
 from pdqueue.transfer.base import (AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator, Protocol
 
 import msgpack
 
@@ -24,10 +24,8 @@ from pdqueue.transfer.errors import FailureCode, TransferError  # noqa: F401  (p
 if TYPE_CHECKING:
     import torch
 
-    from pdqueue.transfer.zmq import ControlClient
-
-# Version of the ticket and of every transfer wire message (ZeroMQ control and data headers,
-# shared-memory segment header). Change log:
+# Version of the ticket and of every transfer wire message (the requests and replies of the
+# ZeroMQ and TCP wires, ZeroMQ data tags, shared-memory segment header). Change log:
 #   1  first version: ticket fields below; ops acquire/release/fetch; header frame + raw
 #      frames of whole planes or block ranges (at most max_frame_bytes each).
 #   2  a fetch reply is a header message, then one message [data_tag, frame] per frame (not
@@ -51,7 +49,7 @@ class Ticket:
     worker_id: str
     incarnation: str
     node: str                    # shared-memory domain of the sender (transfer.node.node_id)
-    segment: str | None          # shm segment name holding the pool; None: zmq only
+    segment: str | None          # shm segment name holding the pool; None: network paths only (tcp, zmq)
     nonce: str | None            # hex nonce of that segment's header
     block_ids: tuple[int, ...]   # sender-side block ids, in sequence order
     num_tokens: int
@@ -103,7 +101,20 @@ class Ticket:
 class FetchResult:
     nbytes: int
     seconds: float
-    path: str           # the transport that moved the bytes: "shm", "zmq", ...
+    path: str           # the transport that moved the bytes: "shm", "tcp", "zmq", ...
+
+
+class ControlChannel(Protocol):
+    """What the backends ask of the receiver's requests to senders (``transfer.zmq.ControlClient``
+    is the one there is; it imports this module, never the other way round)."""
+
+    def fetch(self, ticket: Ticket) -> tuple[dict, Iterator]: ...
+
+    def release_nowait(self, ticket: Ticket) -> None: ...
+
+    def forget(self, endpoint: str, linger_ms: int = 0) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -114,7 +125,7 @@ class ReceiveContext:
     layout: KVCacheLayout
     node: str
     timeout_s: float
-    control: "ControlClient"     # fetch and release to the sender's endpoint
+    control: ControlChannel      # fetch and release to the sender's endpoint
     extra: dict = field(default_factory=dict)
 
 

@@ -1,7 +1,7 @@
 """The receiver-side backends: ``shm`` (same shared-memory domain), ``tcp`` and ``zmq`` (any host).
 
-Both copy the ticket's blocks into the destination blocks of the receiver's pool, which the
-caller owns throughout and must treat as garbage if ``fetch`` raises.
+Each copies the ticket's blocks into the destination blocks of the receiver's pool, which
+the caller owns throughout and must treat as garbage if ``fetch`` raises.
 - shm: maps the sender's segment read-only once per (segment, nonce) and keeps the mapping
   (at most MAX_MAPPINGS, least recently used dropped; mappings whose segment was unlinked
   are dropped too, so a departed sender's memory is returned). Check the ticket's block

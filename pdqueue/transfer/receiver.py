@@ -3,15 +3,16 @@
 ``fetch(ticket, dst_block_ids)`` validates the ticket (version, layout, block ids, and the
 sender's incarnation when an ``is_current`` check is given), picks a backend (mode "auto":
 the first registered backend in ``AUTO_ORDER`` that can serve the ticket and whose
-``check`` passes, i.e. shm on the same node when the segment maps, else zmq; or the one
-named by ``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce)
-the cached mapping/socket of that sender is dropped.
+``check`` passes, i.e. shm on the same node when the segment maps, else tcp when the ticket
+names a data endpoint and a connection can be made, else zmq; or the one named by
+``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce) the
+cached mapping, connection or socket of that sender is dropped.
 
 Ownership: the caller allocates ``dst_block_ids`` and owns them throughout; it must not let
 the engine read or write them before ``fetch`` returns, and must free them (and recompute)
 if ``fetch`` raises. Thread safety: ``fetch`` and ``close`` may be called from any threads
 (a background fetch thread is the intended user); calls are serialised by one lock.
-Imports torch, zmq (through the backends).
+Imports torch, zmq and socket (through the backends).
 """
 
 from __future__ import annotations

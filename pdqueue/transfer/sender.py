@@ -12,12 +12,18 @@ it is staged, so that staging, the wire and the receiver's copying overlap) -> t
 ``release``s (fire-and-forget) -> ``poll_freeable`` bumps the blocks' epochs and hands them
 back to the engine thread, which frees them. Leases that are never released expire.
 
+Both wires carry the same requests, and ``_answer`` decides every one of them: it checks
+the version, incarnation, nonce and op, releases, or acquires the fetch's lease and
+describes its reply header (``_Fetch``); the wire then only does its own I/O (staged frames
+on the ROUTER, ``sendmsg`` on a data connection).
+
 Who owns what: the engine owns the pool and writes only blocks it owns; leased blocks are
 read-only for everyone until ``poll_freeable`` returns them (see leases.py); a lease lost
 while its frames are being staged turns the rest of the reply into an error. The serving
 thread owns the ROUTER socket, its zmq context and the staging buffer (zmq may still send
-from it after ``_fetch`` returns: a busy buffer is never reused); the ``DataServer`` owns
-its listener, connections and their threads; ``close()`` stops both and frees them.
+from it after ``_send_staged`` returns: a busy buffer is never reused, one abandoned midway
+is dropped); the ``DataServer`` owns its listener, connections and their threads;
+``close()`` stops both and frees them.
 Requests are answered for tickets of this incarnation and segment nonce only (the nonce,
 random and known only from tickets, is what a peer must show). Encryption is not done yet
 (TODO: CURVE here and in ControlClient, TLS on the data wire); bind to a private interface
@@ -29,6 +35,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import zmq
@@ -47,11 +55,20 @@ log = logging.getLogger(__name__)
 _POLL_MS = 50   # how often the serving thread checks for close()
 
 
-class _BusyForever:
-    done = False
+@dataclass(frozen=True, slots=True)
+class _Fetch:
+    """A fetch to serve (``KVSender._answer``): its lease is acquired."""
 
+    seq: Any
+    request_id: str
+    block_ids: tuple[int, ...]
+    shape: list[int]   # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    dtype: str
 
-_BUSY_FOREVER = _BusyForever()   # a staging buffer that must never be reused
+    def header(self, **wire_fields) -> bytes:
+        """The reply header; each wire adds its own fields (the frame plan, or nbytes)."""
+        return wire.ok_reply(self.seq, request_id=self.request_id, block_ids=list(self.block_ids),
+                             shape=self.shape, dtype=self.dtype, **wire_fields)
 
 
 class KVSender:
@@ -81,7 +98,7 @@ class KVSender:
         self.leases = LeaseTable(lease_s)
         self._planes = planes(pool_tensor)
         self._staging: torch.Tensor | None = None     # flat uint8, pre-faulted, reused
-        self._staging_tracker: zmq.MessageTracker | None = None
+        self._staging_tracker: zmq.MessageTracker | None = None   # its last frame in flight, if any
         self._context = zmq.Context()
         self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -166,7 +183,53 @@ class KVSender:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- the serving thread -------------------------------------------------------------
+    # -- one request, either wire ----------------------------------------------------------
+
+    def _answer(self, msg: dict, *, answer_release: bool,
+                hold: Callable[[], bool] | None = None) -> _Fetch | bytes | None:
+        """Decide a request of either wire: a reply to send as it is (a refusal, an error, a
+        release's answer when ``answer_release`` and the request wants one), None (nothing
+        to send), or a ``_Fetch`` whose lease is acquired (and, given ``hold``, not handed
+        back before ``hold()``) and whose data the wire sends."""
+        seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
+        if msg.get("v") != TRANSFER_VERSION:
+            return wire.error_reply(seq, FailureCode.VERSION_MISMATCH,
+                                    f"request version {msg.get('v')}, sender speaks {TRANSFER_VERSION}")
+        if msg.get("incarnation") != self.incarnation:
+            return wire.error_reply(seq, FailureCode.STALE_INCARNATION,
+                                    f"ticket names incarnation {msg.get('incarnation')} of {self.worker_id}, "
+                                    f"which now runs incarnation {self.incarnation}")
+        if msg.get("nonce") != self.nonce:
+            return wire.error_reply(seq, FailureCode.NONCE_MISMATCH, "ticket nonce does not match the segment")
+        if op == "release":
+            valid = self.leases.release(request_id)
+            return wire.ok_reply(seq, valid=valid) if answer_release and not msg.get("noreply") else None
+        if op != "fetch":
+            return wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")
+        if not self.leases.acquire(request_id):
+            return self._lease_error(seq, request_id)
+        if hold is not None:
+            self.leases.hold_until(request_id, hold)
+        lease = self.leases.get(request_id)
+        if lease is None:
+            return self._lease_lost(seq, request_id)
+        layout, num_blocks = self.layout, len(lease.block_ids)
+        return _Fetch(seq, request_id, lease.block_ids,
+                      [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim],
+                      layout.dtype)
+
+    def _lease_error(self, seq, request_id) -> bytes:
+        state = self.leases.last_state(request_id)
+        if state is None:
+            return wire.error_reply(seq, FailureCode.UNKNOWN_REQUEST, f"no lease for request {request_id!r}")
+        if state == LeaseState.EXPIRED:
+            return wire.error_reply(seq, FailureCode.LEASE_EXPIRED, f"lease of {request_id!r} expired")
+        return wire.error_reply(seq, FailureCode.UNKNOWN_REQUEST, f"lease of {request_id!r} was already released")
+
+    def _lease_lost(self, seq, request_id) -> bytes:
+        return wire.error_reply(seq, FailureCode.LEASE_LOST, f"lease of {request_id!r} lost while staging")
+
+    # -- the ZeroMQ wire: the serving thread ------------------------------------------------
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -186,69 +249,29 @@ class KVSender:
         except Exception as exc:
             return [wire.error_reply(None, FailureCode.BAD_REPLY, f"undecodable request: {exc}")]
         try:
-            return self._dispatch(identity, msg)
+            answer = self._answer(msg, answer_release=True)
+            if isinstance(answer, _Fetch):
+                return self._send_staged(identity, answer)
+            return [] if answer is None else [answer]
         except Exception as exc:   # answer rather than let the receiver time out
             log.exception("KV sender %s: %s of %r failed", self.worker_id, msg.get("op"), msg.get("request_id"))
             return [wire.error_reply(msg.get("seq"), FailureCode.BAD_REPLY, f"sender failed: {exc!r}")]
 
-    def _refuse(self, msg: dict) -> bytes | None:
-        """The error reply for a request this sender must not serve, else None."""
-        seq = msg.get("seq")
-        if msg.get("v") != TRANSFER_VERSION:
-            return wire.error_reply(seq, FailureCode.VERSION_MISMATCH,
-                                    f"request version {msg.get('v')}, sender speaks {TRANSFER_VERSION}")
-        if msg.get("incarnation") != self.incarnation:
-            return wire.error_reply(seq, FailureCode.STALE_INCARNATION,
-                                    f"ticket names incarnation {msg.get('incarnation')} of {self.worker_id}, "
-                                    f"which now runs incarnation {self.incarnation}")
-        if msg.get("nonce") != self.nonce:
-            return wire.error_reply(seq, FailureCode.NONCE_MISMATCH, "ticket nonce does not match the segment")
-        return None
-
-    def _dispatch(self, identity: bytes, msg: dict) -> list:
-        seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
-        refusal = self._refuse(msg)
-        if refusal is not None:
-            return [refusal]
-        if op == "release":
-            valid = self.leases.release(request_id)
-            return [] if msg.get("noreply") else [wire.ok_reply(seq, valid=valid)]
-        if op == "fetch":
-            return self._fetch(identity, seq, request_id)
-        return [wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")]
-
-    def _lease_error(self, seq, request_id) -> bytes:
-        state = self.leases.last_state(request_id)
-        if state is None:
-            return wire.error_reply(seq, FailureCode.UNKNOWN_REQUEST, f"no lease for request {request_id!r}")
-        if state == LeaseState.EXPIRED:
-            return wire.error_reply(seq, FailureCode.LEASE_EXPIRED, f"lease of {request_id!r} expired")
-        return wire.error_reply(seq, FailureCode.UNKNOWN_REQUEST, f"lease of {request_id!r} was already released")
-
-    def _fetch(self, identity: bytes, seq, request_id) -> list:
+    def _send_staged(self, identity: bytes, fetch: _Fetch) -> list:
         """Send the header, then each frame as its own message ``[data_tag, bytes]``, staged
         (gathered from the leased blocks) just before it is sent and sent only if the lease
         still held when staging ended. Returns an error reply, or [] once everything is
         queued on the socket. (Frames sent zero-copy straight from the pool measured 15-20%
         slower: pyzmq wakes its gc thread for every such frame.)"""
-        if not self.leases.acquire(request_id):
-            return [self._lease_error(seq, request_id)]
-        lease = self.leases.get(request_id)
-        if lease is None:
-            return [self._lease_lost(seq, request_id)]
-        block_ids, layout = lease.block_ids, self.layout
-        num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), layout.block_nbytes
+        seq, request_id, block_ids = fetch.seq, fetch.request_id, fetch.block_ids
+        num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), self.layout.block_nbytes
         plan = plan_frames(num_planes, num_blocks, block_nbytes, self.max_frame_bytes)
         staging = self._staging_buffer(num_planes * num_blocks * block_nbytes)
         staged_bytes = staging.view(num_planes, num_blocks, block_nbytes)
-        staged = staging.view(layout.torch_dtype).view(num_planes, num_blocks, -1)
-        header = wire.ok_reply(seq, request_id=request_id, block_ids=list(block_ids),
-                               shape=[layout.num_layers, 2, num_blocks, layout.block_size,
-                                      layout.num_kv_heads, layout.head_dim],
-                               dtype=layout.dtype, num_frames=len(plan), max_frame_bytes=self.max_frame_bytes,
-                               frames="staged")
-        self._sock.send_multipart([identity, header])
-        last, tracker = len(plan) - 1, _BUSY_FOREVER
+        staged = staging.view(self.layout.torch_dtype).view(num_planes, num_blocks, -1)
+        self._sock.send_multipart([identity, fetch.header(num_frames=len(plan), max_frame_bytes=self.max_frame_bytes,
+                                                          frames="staged")])
+        last, tracker = len(plan) - 1, None
         try:
             for index, (p0, p1, b0, b1) in enumerate(plan):
                 copy_blocks(self._planes[p0:p1], block_ids[b0:b1], staged[p0:p1], range(b0, b1))
@@ -262,54 +285,34 @@ class KVSender:
                     tracker = frame.tracker
                 del frame   # a live Frame object would keep its message (and the tracker) busy
         finally:
-            # Failed midway: earlier frames may still be queued, so the buffer is not reused.
             self._staging_tracker = tracker
+            if tracker is None:
+                # Failed midway: earlier frames may still be queued (they keep the buffer
+                # alive until sent), so this buffer is never reused.
+                self._staging = None
         return []
 
-    # -- the TCP data server's connection threads ------------------------------------------
+    # -- the TCP data wire: the DataServer's connection threads -----------------------------
 
     def _serve_data(self, conn, msg: dict) -> None:
         """Serve one request of the TCP data wire (see tcp.py); an exception closes the
-        connection."""
-        seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
-        refusal = self._refuse(msg)
-        if refusal is not None:
-            send_control(conn, refusal)
-            return
-        if op == "release":
-            self.leases.release(request_id)   # never answered
-            return
-        if op != "fetch":
-            send_control(conn, wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}"))
-            return
-        if not self.leases.acquire(request_id):
-            send_control(conn, self._lease_error(seq, request_id))
-            return
+        connection. A fetch's lease is held until its ``sendmsg`` calls have returned."""
         sending = threading.Event()
         sending.set()
-        self.leases.hold_until(request_id, lambda: not sending.is_set())
         try:
-            lease = self.leases.get(request_id)
-            if lease is None:
-                send_control(conn, self._lease_lost(seq, request_id))
+            answer = self._answer(msg, answer_release=False, hold=lambda: not sending.is_set())
+            if not isinstance(answer, _Fetch):
+                if answer is not None:
+                    send_control(conn, answer)
                 return
-            layout, block_ids = self.layout, lease.block_ids
-            num_planes, block_nbytes = self._planes.shape[0], layout.block_nbytes
+            num_planes, block_nbytes = self._planes.shape[0], self.layout.block_nbytes
             plane_nbytes = self._planes.shape[1] * block_nbytes
-            send_control(conn, wire.ok_reply(
-                seq, request_id=request_id, block_ids=list(block_ids),
-                shape=[layout.num_layers, 2, len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim],
-                dtype=layout.dtype, nbytes=num_planes * len(block_ids) * block_nbytes))
-            views = [self._pool_bytes[start:start + n * block_nbytes]   # from the pool, no copy
-                     for p, first, n in source_pieces(num_planes, block_ids)
-                     for start in (p * plane_nbytes + first * block_nbytes,)]
-            send_views(conn, views)
-            return
+            send_control(conn, answer.header(nbytes=num_planes * len(answer.block_ids) * block_nbytes))
+            send_views(conn, [self._pool_bytes[start:start + n * block_nbytes]   # from the pool, no copy
+                              for p, first, n in source_pieces(num_planes, answer.block_ids)
+                              for start in (p * plane_nbytes + first * block_nbytes,)])
         finally:
             sending.clear()   # sent: the kernel holds copies, the blocks may go back
-
-    def _lease_lost(self, seq, request_id) -> bytes:
-        return wire.error_reply(seq, FailureCode.LEASE_LOST, f"lease of {request_id!r} lost while staging")
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         """A pre-faulted byte buffer of ``nbytes``; a new one while zmq still sends the old."""

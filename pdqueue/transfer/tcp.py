@@ -24,7 +24,8 @@ thread of its own (at most MAX_CONNECTIONS), so a slow receiver stalls only itse
 socket has a timeout, after which it is closed. ``DataClient`` (receiver side) keeps one
 connection per sender endpoint (LRU, at most MAX_CONNECTIONS) and is not thread-safe
 (``KVReceiver`` serialises calls). Each owns its sockets and threads and frees them on
-``close()``. Imports the standard library and msgpack (through transfer.zmq's pack/unpack).
+``close()``. Imports the standard library, and msgpack through transfer.zmq's pack/unpack
+(which loads pyzmq too).
 """
 
 from __future__ import annotations

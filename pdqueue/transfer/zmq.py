@@ -1,4 +1,5 @@
-"""The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER).
+"""The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER), and the request
+and reply messages that the TCP data wire (tcp.py) speaks too.
 
 Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce}`` with
 ``op`` one of ``fetch`` or ``release`` (``noreply`` for fire-and-forget). A reply is a msgpack
@@ -12,11 +13,12 @@ big transfer lands in freshly mapped memory). A sender that fails midway sends a
 reply instead of the next data message. The version is ``base.TRANSFER_VERSION`` (change
 log there).
 
-``ControlClient`` is the receiver's end: one DEALER per sender endpoint, every receive bounded
-by a timeout, after which the socket is dropped (linger 0) so a late reply cannot be taken
-for the next one. It is not thread-safe: ``KVReceiver`` serialises all calls. It owns its
-sockets and its zmq context and frees them on ``close()``.
-Imports zmq, msgpack.
+``ControlClient`` is the receiver's end (the ``base.ControlChannel`` of the backends): one
+DEALER per sender endpoint, every receive bounded by a timeout, after which the socket is
+dropped (linger 0) so a late reply cannot be taken for the next one. It is not
+thread-safe: ``KVReceiver`` serialises all calls. It owns its sockets and its zmq context
+and frees them on ``close()``.
+Imports zmq, msgpack, transfer.base (the one direction: base never imports this module).
 """
 
 from __future__ import annotations
@@ -24,16 +26,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import msgpack
 import zmq
 
-from pdqueue.transfer.base import TRANSFER_VERSION
+from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
 from pdqueue.transfer.errors import FailureCode, TransferError
-
-if TYPE_CHECKING:
-    from pdqueue.transfer.base import Ticket
 
 MAX_ACCEPTED_FRAME_BYTES = 64 << 20   # a receiver drops a peer that sends a bigger frame
 MAX_REQUEST_BYTES = 64 << 10          # a sender drops a peer that sends a bigger request
@@ -52,7 +51,7 @@ def unpack(raw: bytes) -> dict:
     return message
 
 
-def request(op: str, seq: int, ticket: "Ticket", **extra) -> bytes:
+def request(op: str, seq: int, ticket: Ticket, **extra) -> bytes:
     return pack({"v": TRANSFER_VERSION, "op": op, "seq": seq, "request_id": ticket.request_id,
                  "incarnation": ticket.incarnation, "nonce": ticket.nonce, **extra})
 
@@ -79,14 +78,14 @@ class ControlClient:
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._seq = itertools.count(1)
 
-    def release_nowait(self, ticket: "Ticket") -> None:
+    def release_nowait(self, ticket: Ticket) -> None:
         """Release without waiting: a lost message only lets the lease run to its deadline."""
         try:
             self._socket(ticket.endpoint).send(request("release", 0, ticket, noreply=True), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
-    def fetch(self, ticket: "Ticket") -> tuple[dict, Iterator[zmq.Frame]]:
+    def fetch(self, ticket: Ticket) -> tuple[dict, Iterator[zmq.Frame]]:
         """Send a fetch; return the reply header and an iterator over the ``num_frames`` data
         frames that follow it (zero-copy), each awaited at most ``timeout_s``. The iterator
         raises TransferError on a timeout, an error reply or a message out of order, and
@@ -122,7 +121,7 @@ class ControlClient:
                                     f"{len(parts)} parts tagged {tag}", False, FailureCode.BAD_REPLY)
             yield parts[1]
 
-    def _call(self, ticket: "Ticket", op: str) -> tuple[dict, list[zmq.Frame], int]:
+    def _call(self, ticket: Ticket, op: str) -> tuple[dict, list[zmq.Frame], int]:
         endpoint = ticket.endpoint
         sock = self._socket(endpoint)
         seq = next(self._seq)
