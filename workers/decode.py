@@ -2,10 +2,12 @@
 
 Lifecycle of a request here: ``handoff:<own node>`` then ``handoff`` (group ``decode``) ->
 taken only when there is room (batch slot and blocks for the whole sequence) -> blocks
-reserved -> KV fetched by the fetch thread (shm when the ticket's node is ours, else
-ZeroMQ), off the step loop -> admitted into the running batch -> every token streamed to
-``out:<id>`` through the publisher (never blocks the step) -> on finish one MULTI/EXEC
-writes the ``done`` entry, the ``done`` notification and acknowledges the handoff.
+reserved -> KV fetched by the fetch thread (shm when the ticket's node is ours, else the
+sender's TCP data wire, else ZeroMQ), off the step loop -> admitted into the running batch
+at the next step boundary (or this one, when the fetch lands within a short grace) -> every
+token streamed to ``out:<id>`` through the publisher (never blocks the step) -> on finish
+one MULTI/EXEC writes the ``done`` entry, the ``done`` notification and acknowledges the
+handoff.
 
 A handoff whose KV cannot be fetched (prefill worker dead, lease expired, stale
 incarnation) or that carries no ticket is recomputed here from its prompt and the tokens
