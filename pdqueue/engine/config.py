@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+# The KV pool per worker (MiB) of every command (worker, up, generate, bench engine) and of
+# compose.yaml. 512 MiB is the smallest power of two that holds one whole-context request
+# of the default model: SmolLM2-135M in fp32 takes 45 KiB of KV per token (30 layers x K,V x
+# 3 KV heads x 64 x 4 bytes), so its 8192-token context needs 360 MiB (256 MiB held 5825
+# tokens). `up` with 2 prefill + 2 decode workers then holds 4 x (512 MiB KV + ~0.55 GB of
+# fp32 weights) = ~4.2 GB, plus each process's own; the prefill pools are pre-faulted in
+# /dev/shm (compose.yaml's 2 GB /dev/shm holds 3 of them).
+DEFAULT_KV_CACHE_MB = 512
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 class PrefillPolicy(str, Enum):
     PREFILL_FIRST = "prefill_first"  # whole prompts before any decode step (classic server)
@@ -21,7 +32,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # fp32 matmuls are 5-7x faster than bf16 on these CPUs
     block_size: int = 16
-    kv_cache_mb: int = 512   # pool size when num_blocks is not given
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # pool size when num_blocks is not given
     num_blocks: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
@@ -33,6 +44,46 @@ class EngineConfig:
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_mb < 1:
+            raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
+
+    def kv_token_bytes(self, model_config) -> int:
+        """KV bytes of one token of ``model_config`` (a models.llama.ModelConfig): all
+        layers, K and V, in this config's dtype."""
+        return (model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim
+                * DTYPE_BYTES[self.dtype])
+
+    def kv_mb_for(self, model_config, num_tokens: int) -> int:
+        """The smallest ``kv_cache_mb`` whose pool holds ``num_tokens`` (in whole blocks)."""
+        blocks = -(-num_tokens // self.block_size)
+        return -(-blocks * self.block_size * self.kv_token_bytes(model_config) // 2**20)
+
+    def pool_blocks(self, model_config) -> int:
+        """Blocks in the KV pool for ``model_config``; ValueError when the pool cannot hold
+        even one block (instead of quietly rounding up to one)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        blocks = self.kv_cache_mb * 2**20 // (self.block_size * self.kv_token_bytes(model_config))
+        if blocks < 1:
+            raise ValueError(f"the KV pool ({self.kv_cache_mb} MiB) must be >= {self.kv_mb_for(model_config, 1)} "
+                             f"MiB to hold one {self.block_size}-token block of {model_config.name} in {self.dtype}")
+        return blocks
+
+    def pool_shortfall(self, model_config, max_model_len: int | None = None) -> str | None:
+        """Why the pool cannot hold one sequence of the whole context (longer prompts are
+        then refused as too long), or None. ValueError when it holds no block at all."""
+        context = min(max_model_len or self.max_model_len or model_config.max_position_embeddings,
+                      model_config.max_position_embeddings)
+        tokens = self.pool_blocks(model_config) * self.block_size
+        if tokens >= context:
+            return None
+        return (f"the KV pool ({self.kv_cache_mb} MiB) holds {tokens} tokens of {model_config.name} in "
+                f"{self.dtype}, less than its {context}-token context: longer requests are refused "
+                f"(>= {self.kv_mb_for(model_config, context)} MiB holds one full-length sequence)")
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

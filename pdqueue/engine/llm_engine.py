@@ -65,9 +65,7 @@ class StepStats:
 
 
 def kv_layout_for(model_config, config: EngineConfig) -> KVCacheLayout:
-    layout = KVCacheLayout(model_config.num_layers, 1, config.block_size,
-                           model_config.num_kv_heads, model_config.head_dim, config.dtype)
-    num_blocks = config.num_blocks or max(1, config.kv_cache_mb * 2**20 // (layout.nbytes))
+    num_blocks = config.pool_blocks(model_config)  # ValueError when not even one block fits
     return KVCacheLayout(model_config.num_layers, num_blocks, config.block_size,
                          model_config.num_kv_heads, model_config.head_dim, config.dtype)
 

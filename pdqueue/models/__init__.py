@@ -6,12 +6,13 @@ safetensors only (never redis, zmq or ``pdqueue.engine``). Submodules are import
 """
 
 __all__ = ["AttentionBatch", "IncrementalDetokenizer", "LlamaModel", "LoadedModel", "ModelConfig",
-           "Tokenizer", "load_model", "model_config_for", "resolve_model_path"]
+           "ModelSourceError", "Tokenizer", "load_model", "model_config_for", "resolve_model_path"]
 
 _WHERE = {
     "AttentionBatch": "attention", "LlamaModel": "llama", "ModelConfig": "llama",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
-    "LoadedModel": "loader", "load_model": "loader", "model_config_for": "loader", "resolve_model_path": "loader",
+    "LoadedModel": "loader", "load_model": "loader", "model_config_for": "loader",
+    "resolve_model_path": "source", "ModelSourceError": "source",  # torch-free
 }
 
 

