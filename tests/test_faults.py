@@ -5,19 +5,25 @@ nothing leaks (blocks, segments)."""
 from __future__ import annotations
 
 import collections
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import redis
 
 from pdqueue.client import Client
-from pdqueue.keys import Keys
+from pdqueue.keys import DECODE_GROUP, Keys
 from pdqueue.models.loader import load_model
+from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
+from pdqueue.transfer.shm import read_segment_info
 from tests.cluster import Cluster
 from tests.oracle import assert_same_tokens
-from tests.test_pipeline import mixed_prompts, oracle, wait_pools_free
+from tests.helpers import mixed_prompts, oracle, wait_pools_free
 
 FAST = ("--heartbeat-ttl-s", "1.5", "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2", "--lease-s", "10")
 
@@ -105,10 +111,9 @@ def test_prefill_killed_after_handoff_before_fetch(cluster, tiny):
     cluster.start("decode", *FAST, worker_id="d0")
     results = check_all(cluster, tiny, client, handles, ids, expected)
     assert {res.transfer_path for res in results} == {"shm"}
-    # A SIGKILLed owner cannot unlink its segment; the next prefill start on this node removes
-    # it (or any other pdqueue prefill starting on this host, whatever its Redis).
-    cluster.start("prefill", *FAST, worker_id="p1")
-    assert not cluster.segments(["p0"])
+    # A SIGKILLed owner cannot unlink its segment; the periodic sweep of any pdqueue worker on
+    # this node (here d0; whatever its Redis) removes it once p0's last lease would have ended.
+    wait_for(lambda: not cluster.segments(["p0"]), timeout=30, what="p0's segment removed")
     wait_pools_free(cluster)
 
 
@@ -118,12 +123,111 @@ def test_prefill_killed_and_its_segment_removed_before_fetch(cluster, tiny):
     recomputed by the decode worker and still gives the colocated engine's tokens."""
     client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4)
     wait_for(lambda: "p0" not in cluster.workers(), what="p0's heartbeat to expire")
-    cluster.start("prefill", *FAST, worker_id="p1")   # its start removes p0's segment
-    assert not cluster.segments(["p0"])
+    cluster.start("prefill", *FAST, worker_id="p1")   # its sweeps remove p0's segment
+    wait_for(lambda: not cluster.segments(["p0"]), timeout=30, what="p0's segment removed (its leases ended)")
     cluster.start("decode", *FAST, worker_id="d0")
     results = check_all(cluster, tiny, client, handles, ids, expected)
     assert {res.transfer_path for res in results} == {"recompute"}
     wait_pools_free(cluster)
+
+
+# -- segments of crashed prefill workers restarted at once (as a supervisor does) ---------
+
+RESTART_TTL_S, RESTART_LEASE_S = 20.0, 3.0
+# A TTL far longer than a worker's start (3 s idle, 13 s seen under load), so the restart
+# comes within it; a short lease, so that the dead segment goes soon.
+RESTART = ("--heartbeat-ttl-s", str(RESTART_TTL_S), "--lease-s", str(RESTART_LEASE_S),
+           "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2")
+SWEEP_S = min(RESTART_TTL_S, RESTART_LEASE_S) / 3   # WorkerBase.sweep_segments
+# Once the restart is up, the dead segment goes after its last lease (RESTART_LEASE_S from
+# the kill at most), at the next sweep: with a 2x margin.
+DEAD_SEGMENT_GONE_S = 2 * (RESTART_LEASE_S + SWEEP_S)
+
+
+def kill_prefill_with_leases_and_restart(cluster, restart_as: str) -> str:
+    """p0 exports two tickets (no decode worker takes them), is SIGKILLed, and ``restart_as``
+    starts at once; returns once it has registered, with p0's segment path."""
+    cluster.start("prefill", *RESTART, worker_id="p0")
+    [old_segment] = cluster.segments(["p0"])
+    old_incarnation = cluster.workers()["p0"]["incarnation"]
+    client = Client(cluster.redis_url)
+    client.submit_many([dict(prompt=f"held lease {i}", max_tokens=8, temperature=0.0) for i in range(2)])
+    r = redis.Redis.from_url(cluster.redis_url)
+    wait_for(lambda: r.xlen(Keys().handoff) == 2, what="2 handoffs")
+    cluster.signal("p0", signal.SIGKILL)
+    cluster.procs["p0"].wait()
+    killed_at = time.monotonic()
+    cluster.start("prefill", *RESTART, worker_id=restart_as, wait=False)
+    wait_for(lambda: cluster.workers().get(restart_as, {}).get("incarnation") not in (None, old_incarnation),
+             timeout=60, what=f"{restart_as} registered anew")
+    assert time.monotonic() - killed_at < RESTART_TTL_S, "the restart should come within the heartbeat TTL"
+    return old_segment
+
+
+@pytest.mark.parametrize("restart_as", ["p0", "p1"], ids=["same_id", "another_id"])
+def test_prefill_killed_and_restarted_at_once_its_dead_segment_goes(cluster, restart_as):
+    """A supervisor restarts a SIGKILLed prefill worker at once (within the heartbeat TTL),
+    under its id or another one: the dead incarnation's segment is removed within its
+    leases' lifetime and a sweep period (not at a start after the TTL only), while the new
+    incarnation's segment stays."""
+    old_segment = kill_prefill_with_leases_and_restart(cluster, restart_as)
+    wait_for(lambda: not os.path.exists(old_segment), timeout=DEAD_SEGMENT_GONE_S,
+             what=f"the dead p0's segment removed within {DEAD_SEGMENT_GONE_S:.0f}s of the restart")
+    new_incarnation = cluster.workers()[restart_as]["incarnation"]
+    assert os.path.exists(f"/dev/shm/pdq-kv-{cluster.id(restart_as)}-{new_incarnation}")
+
+
+def unused_pid() -> int:
+    """A pid no process of this PID namespace has (near pid_max, where pids come last)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        top = int(f.read()) - 2
+    return next(pid for pid in range(top, top - 1000, -1) if not pid_alive(pid))
+
+
+def make_dead_segment(name: str) -> str:
+    """A complete segment whose owner died (SIGKILL, in this PID namespace)."""
+    code = ("import os, signal\n"
+            "from pdqueue.engine.kv_cache import KVCacheLayout\n"
+            "from pdqueue.transfer.shm import SharedKVPool\n"
+            "layout = KVCacheLayout(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=8)\n"
+            f"SharedKVPool.create(layout, 'pdq-kv', {name!r}, 'dead')\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    path = f"/dev/shm/pdq-kv-{name}-dead"
+    assert os.path.exists(path)
+    return path
+
+
+def test_live_segment_of_another_cluster_in_another_pid_namespace_is_never_removed(cluster, tmp_path):
+    """Another cluster (its own Redis and cluster name) shares /dev/shm but runs its prefill
+    worker in its own PID namespace, as a container with shared IPC does: the pid in its
+    segment's header means nothing here (no such process), and our registry does not know
+    it. Our workers' sweeps (at start and periodically) never remove its live segment."""
+    probe = ["unshare", "--pid", "--fork", "--mount-proc", "true"]
+    if not shutil.which("unshare") or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("needs unshare and the right to make a PID namespace (root or CAP_SYS_ADMIN)")
+    pid = unused_pid()
+    server = RedisServer().start()
+    other = Cluster(server.url, tmp_path / "other", cluster="other")
+    other.log_dir.mkdir()
+    try:
+        # In its namespace the worker gets ``pid``, which no process here has.
+        # (a long TTL and lease: its own sweeps, rare, do not race ours for the canary)
+        other.start("prefill", *FAST, "--heartbeat-ttl-s", "30", "--lease-s", "30", worker_id="q0",
+                    prefix=["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+                            f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && {{cmd}}; exit $?"])
+        [live] = other.segments(["q0"])
+        assert read_segment_info(live).pid == pid and not pid_alive(pid)
+        cluster.start("prefill", *FAST, worker_id="p0")   # sweeps at start, then periodically
+        assert os.path.exists(live)
+        canary = make_dead_segment(f"canary-{cluster.tag}")
+        wait_for(lambda: not os.path.exists(canary), timeout=10, what="a sweep after the dead canary")
+        assert os.path.exists(live)
+        assert other.procs["q0"].poll() is None
+    finally:
+        other.stop_all()
+        other.kill_all()
+        server.stop()
 
 
 def test_decode_killed_mid_generation(cluster, tiny):
@@ -141,16 +245,45 @@ def test_decode_killed_mid_generation(cluster, tiny):
 
 
 def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
+    """A decode worker hangs (SIGSTOP) holding handoffs: its heartbeat expires and the other
+    one claims every handoff it held and answers them; the hung one, resumed, finds them
+    taken and drops them. One answer per request, all from the worker that took over."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
     cluster.start("decode", *FAST, worker_id="d1")
     client, handles, ids, expected = submit(cluster, tiny, 8, 300)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
+    r, keys = cluster.r, cluster.keys
+    streams = keys.handoff_streams(cluster.workers()["d0"]["node"])
+
+    def held() -> collections.Counter:
+        """Handoffs pending per decode worker (by short name)."""
+        counts: collections.Counter = collections.Counter()
+        for stream in streams:
+            for c in r.xpending(stream, DECODE_GROUP)["consumers"]:
+                counts[c["name"].decode().removesuffix(f"-{cluster.tag}")] += c["pending"]
+        return counts
+
+    # Freeze both to see who holds what; the one holding more stays hung, the other goes on.
     cluster.signal("d0", signal.SIGSTOP)
-    time.sleep(4.0)  # longer than the heartbeat TTL and the reclaim idle time
-    cluster.signal("d0", signal.SIGCONT)
-    check_all(cluster, tiny, client, handles, ids, expected)
-    assert cluster.procs["d0"].poll() is None, "the hung worker resumes and goes on"
+    cluster.signal("d1", signal.SIGSTOP)
+    before = held()
+    hung, other = ("d0", "d1") if before["d0"] >= before["d1"] else ("d1", "d0")
+    cluster.signal(other, signal.SIGCONT)
+    try:
+        assert before[hung] > 0 and sum(before.values()) == len(handles), before
+        # Only a claim can empty a stopped worker's pending list: that is the takeover.
+        wait_for(lambda: held()[hung] == 0, timeout=60, what=f"{other} to claim the handoffs of the hung {hung}")
+    finally:
+        cluster.signal(hung, signal.SIGCONT)
+    results = check_all(cluster, tiny, client, handles, ids, expected)
+    assert {res.decode_worker for res in results} == {cluster.id(other)}, [res.decode_worker for res in results]
+    for h in handles:  # exactly one answer each on out:<id> too (check_all counted ``done``)
+        finals = [f[b"type"] for _, f in r.xrange(keys.out(h.request_id)) if f[b"type"] in (b"done", b"error")]
+        assert finals == [b"done"], (h.request_id, finals)
+    wait_for(lambda: "was taken over by another worker" in cluster.log(hung), timeout=30,
+             what=f"the resumed {hung} to drop what it lost")
+    assert cluster.procs[hung].poll() is None, "the hung worker resumes and goes on"
     wait_pools_free(cluster)
 
 

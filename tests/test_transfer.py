@@ -31,7 +31,9 @@ from pdqueue.transfer.tcp import recv_control, send_control
 pytestmark = pytest.mark.timeout(120)
 
 SHM_DIR = "/dev/shm"
-PREFIX = f"pdq-kv-test{uuid.uuid4().hex[:8]}"
+# Outside the "pdq-kv-" names that workers sweep: other pdqueue workers on this host (other
+# test runs) leave these tests' segments alone; the tests clean up themselves.
+PREFIX = f"pdqtest-kv-{uuid.uuid4().hex[:8]}"
 NODE = "test-node"
 SMALL = KVCacheLayout(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=2, head_dim=8)   # 64 KiB
 
@@ -520,6 +522,37 @@ def test_segment_header_is_validated_and_owner_unlinks():
         SharedKVPool.attach(os.path.basename(junk), "00")
     assert cleanup_segments(lambda w, i: True, name_prefix=PREFIX) == []           # may still be in creation
     assert cleanup_segments(lambda w, i: True, name_prefix=PREFIX, grace_s=0) == [os.path.basename(junk)]
+
+
+def _owner_main(conn, prefix: str, worker_id: str, keep_s: float) -> None:
+    pool = SharedKVPool.create(SMALL, prefix, worker_id, "inc1", shm_dir=SHM_DIR)
+    until = time.time() + keep_s
+    pool.keep_until(until)   # as a prefill worker does before publishing tickets
+    conn.send((pool.name, until))
+    time.sleep(120)
+
+
+def test_dead_owners_segment_is_kept_until_its_last_lease_ends_then_removed():
+    """An owner that dies leaves its segment until the time it set with keep_until (the end of
+    its last lease, so copies under its tickets still stand), whatever the registry says;
+    the first cleanup after that removes it."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    owner = ctx.Process(target=_owner_main, args=(child, PREFIX, f"w{uuid.uuid4().hex[:6]}", 3.0), daemon=True)
+    owner.start()
+    assert conn.poll(60), "owner child did not start"
+    name, until = conn.recv()
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join(10)
+    unregistered = lambda worker, inc: False   # noqa: E731  (what this cluster's registry says)
+    assert name not in cleanup_segments(unregistered, name_prefix=PREFIX)
+    assert name in own_segments() and time.time() < until
+    deadline = time.monotonic() + 30
+    while name in own_segments() and time.monotonic() < deadline:
+        cleanup_segments(unregistered, name_prefix=PREFIX)
+        time.sleep(0.05)
+    assert name not in own_segments()
+    assert time.time() >= until
 
 
 # -- throughput sanity (printed, not asserted) --------------------------------------------------

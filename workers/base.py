@@ -26,6 +26,7 @@ from pdqueue.queue.ownership import Write, ack_and_write, touch_owned
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.registry import Heartbeat
 from pdqueue.retry import Backoff
+from pdqueue.transfer.shm import cleanup_segments
 from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
 
 log = logging.getLogger("pdqueue.worker")
@@ -64,6 +65,7 @@ class WorkerBase:
         self.heartbeat = None
         self._last_reclaim = 0.0
         self._last_touch = 0.0
+        self._last_sweep = 0.0
         # A Redis error may have cut off a reply that delivered entries to us (XREADGROUP,
         # XCLAIM): they sit in our pending list, unknown to us; ``redelivered`` finds them.
         self._resync = False
@@ -329,6 +331,31 @@ class WorkerBase:
                 log.warning("redis unavailable at start (%s); retrying", exc)
                 self.backoff.sleep(self.stop.cold)
 
+    # ---- KV segments of dead prefill workers on this node -------------------------------
+    def sweep_segments(self, force: bool = False) -> list[str]:
+        """Every third of min(heartbeat TTL, lease), whatever the role: unlink this node's KV
+        segments whose owner died (``cleanup_segments``), so a crashed prefill worker's pool
+        goes whether it is restarted at once, later or never. Returns the names removed."""
+        now = time.monotonic()
+        if not force and now - self._last_sweep < min(self.config.heartbeat_ttl_s, self.config.lease_s) / 3:
+            return []
+        self._last_sweep = now
+        try:
+            return cleanup_segments(self._segment_owner_alive)
+        except OSError as exc:
+            log.warning("KV segment sweep failed (%s)", exc)
+            return []
+
+    def _segment_owner_alive(self, worker_id: str, incarnation: str) -> bool:
+        """For segments of earlier pdqueue versions only (no owner lock): is the owner
+        registered in this cluster with that incarnation."""
+        try:
+            info = self.r.hgetall(self.keys.worker(worker_id))
+        except Exception:
+            return True  # cannot tell: keep it
+        inc = info.get(b"incarnation") if info else None
+        return inc is not None and inc.decode() == incarnation
+
     # ---- the loop ----------------------------------------------------------------------
     MAX_CONSECUTIVE_FAILURES = 20
 
@@ -340,6 +367,7 @@ class WorkerBase:
         failures = 0
         while not self.stop.cold.is_set():
             try:
+                self.sweep_segments()
                 if not iteration():
                     return
                 failures = 0

@@ -25,7 +25,7 @@ from pdqueue.queue.ownership import Write
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.node import node_id
 from pdqueue.transfer.sender import KVSender
-from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool, cleanup_segments
+from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool
 from workers.base import Intake, RequestWorker
 from workers.common import WorkerConfig, now_ms
 
@@ -38,7 +38,9 @@ class PrefillWorker(RequestWorker):
     def __init__(self, config: WorkerConfig, loaded):
         super().__init__(config, loaded)
         self.node = node_id()
-        self.removed_segments = cleanup_segments(self._segment_owner_alive)
+        # Before our own pool takes room: crashed predecessors' segments (the loop's
+        # periodic sweep, WorkerBase.sweep_segments, gets those still kept for their leases).
+        self.removed_segments = self.sweep_segments(force=True)
         layout = kv_layout_for(loaded.config, config.engine)
         if config.engine.device == "cpu":
             # The pool lives in shared memory: decode workers on this node copy from it.
@@ -57,14 +59,6 @@ class PrefillWorker(RequestWorker):
         self.inflight: dict[str, Intake] = {}
         self._decode_nodes: set[str] = set()
         self._decode_nodes_at = 0.0
-
-    def _segment_owner_alive(self, worker_id: str, incarnation: str) -> bool:
-        try:
-            info = self.r.hgetall(self.keys.worker(worker_id))
-        except Exception:
-            return True  # cannot tell: keep it
-        inc = info.get(b"incarnation") if info else None
-        return inc is not None and inc.decode() == incarnation
 
     def run(self) -> None:
         self.ensure_groups()
@@ -122,6 +116,7 @@ class PrefillWorker(RequestWorker):
     def publish(self, outputs) -> None:
         ops: list = []
         t = now_ms()
+        exported = False
         for out in outputs:
             it = self.inflight.pop(out.request_id)
             req = it.request
@@ -134,12 +129,17 @@ class PrefillWorker(RequestWorker):
                     e2e_ms=t - req.enqueued_ms, prefill_worker=self.worker_id, transfer_path="none"))
             else:
                 ticket = self.sender.export(req.id, out.detached_blocks, len(it.prompt_ids))
+                exported = True
                 handoff = Handoff(request=req, prompt_ids=it.prompt_ids, output_ids=[out.token_id],
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
                                   prefill_end_ms=t, first_token_ms=t)
                 writes = [Write(self.handoff_stream(), encode_handoff(handoff))]
             self.add_outcome(ops, it.stream, it.entry_id, K.PREFILL_GROUP, writes)
+        if exported and self.pool:
+            # Before any of these tickets is out: should we die, the segment stays while
+            # their leases could still be live, for decode workers to copy from.
+            self.pool.keep_until(time.time() + self.config.lease_s)
         if ops:
             self.publisher.submit(ops)
 

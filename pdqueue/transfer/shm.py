@@ -17,8 +17,14 @@ margin is that handed-back blocks are rewritten only by a later prefill step.
 
 Who frees what:
 - The owner (``SharedKVPool.create``, the prefill worker) unmaps and unlinks the segment on
-  ``close()``. A crashed owner leaves it behind; ``cleanup_segments`` run at worker start
-  unlinks segments whose owner is no longer alive.
+  ``close()``. A crashed owner leaves it behind; ``cleanup_segments``, which every worker runs
+  periodically, unlinks it once nobody may still copy from it (see there).
+- Liveness: the owner holds an ``flock`` on the segment from creation until ``close()``; the
+  kernel drops it when the owner dies, whatever its PID namespace, cluster or Redis. The
+  metadata says so (``owner_lock``); segments without it come from an earlier pdqueue.
+- The segment's mtime is the owner's "keep until": creation time, then (``keep_until``) the
+  end of the last lease it exported. After the owner's death a reader may still copy under
+  tickets it issued until then (nobody can rewrite those blocks any more).
 - An attacher (``SharedKVPool.attach``, the decode worker) maps it read-only and only
   unmaps on ``close()``; unlinking is never its business. Memory of an unlinked segment is
   returned to the system when the last mapping goes.
@@ -32,6 +38,7 @@ Imports torch, msgpack, engine.kv_cache.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import logging
 import mmap
@@ -84,6 +91,7 @@ class SegmentInfo:
     worker_id: str
     incarnation: str
     inode: int
+    owner_lock: bool = False   # the owner holds an flock on the segment while it lives
 
 
 def read_segment_info(path: str) -> SegmentInfo:
@@ -116,7 +124,7 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
         layout = KVCacheLayout.from_dict(meta["layout"])
         info = SegmentInfo(os.path.basename(path), nonce.hex(), epochs_offset, pool_offset, size, layout,
                            int(meta["pid"]), str(meta["worker_id"]), str(meta["incarnation"]),
-                           os.fstat(fd).st_ino)
+                           os.fstat(fd).st_ino, bool(meta.get("owner_lock", False)))
     except Exception as exc:
         raise TransferError(f"segment {path} has a corrupt header: {exc}", False, FailureCode.SEGMENT_UNAVAILABLE) from None
     if (pool_offset % mmap.PAGESIZE or size < pool_offset + layout.nbytes or epochs_offset % 8
@@ -128,10 +136,11 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
 class SharedKVPool:
     """A KV pool tensor living in a shared-memory segment (see the module docstring)."""
 
-    def __init__(self, path: str, info: SegmentInfo, mm: mmap.mmap, is_owner: bool):
+    def __init__(self, path: str, info: SegmentInfo, mm: mmap.mmap, is_owner: bool, lock_fd: int | None = None):
         self.path = path
         self.info = info
         self.is_owner = is_owner
+        self._lock_fd = lock_fd   # owner: open, holding the flock that tells cleaners it lives
         self._mm = mm
         self._view = memoryview(mm)[info.pool_offset:info.pool_offset + info.layout.nbytes]
         # Epochs as numpy: reading a read-only mapping needs no copy and raises no warning.
@@ -159,29 +168,33 @@ class SharedKVPool:
         name = segment_name(name_prefix, worker_id, incarnation)
         path = os.path.join(shm_dir, name)
         meta = msgpack.packb({"layout": layout.to_dict(), "pid": os.getpid(), "worker_id": worker_id,
-                              "incarnation": incarnation, "created_at": time.time()}, use_bin_type=True)
+                              "incarnation": incarnation, "created_at": time.time(), "owner_lock": True},
+                             use_bin_type=True)
         epochs_offset = _round_up(_HEADER.size + len(meta), 8)
         pool_offset = _round_up(epochs_offset + 8 * layout.num_blocks, mmap.PAGESIZE)
         size = pool_offset + _round_up(layout.nbytes, mmap.PAGESIZE)
         nonce = secrets.token_bytes(16)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held until close() or death. A cleaner that holds it for a moment (it found
+            # the segment empty, so in creation) only delays us.
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, size)
             inode = os.fstat(fd).st_ino
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, SEGMENT_VERSION, epochs_offset, pool_offset, nonce,
+                                             len(meta))
+            mm[_HEADER.size:_HEADER.size + len(meta)] = meta
+            _prefault(mm, pool_offset, size)
+            mm[:len(SEGMENT_MAGIC)] = SEGMENT_MAGIC
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, SEGMENT_VERSION, epochs_offset, pool_offset, nonce, len(meta))
-        mm[_HEADER.size:_HEADER.size + len(meta)] = meta
-        _prefault(mm, pool_offset, size)
-        mm[:len(SEGMENT_MAGIC)] = SEGMENT_MAGIC
+            raise
         info = SegmentInfo(name, nonce.hex(), epochs_offset, pool_offset, size, layout, os.getpid(), worker_id,
-                           incarnation, inode)
+                           incarnation, inode, owner_lock=True)
         log.info("created KV segment %s (%.1f MiB)", path, size / 2**20)
-        return cls(path, info, mm, is_owner=True)
+        return cls(path, info, mm, is_owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, expected_nonce: str, *, shm_dir: str = DEFAULT_SHM_DIR) -> "SharedKVPool":
@@ -207,6 +220,18 @@ class SharedKVPool:
             raise TransferError(f"segment {self.name} is closed", False, FailureCode.CLOSED)
         return self._epochs[list(block_ids)].tolist()
 
+    def keep_until(self, t: float) -> None:
+        """Owner only: should it die, keep the segment until wall-clock time ``t`` at least
+        (call it with the end of a lease before the lease's ticket is published). Stored as
+        the segment's mtime, which only grows here; writes through the mapping leave it."""
+        if self._lock_fd is None:
+            raise PermissionError("only the segment's open owner sets its keep-until time")
+        try:
+            if t > os.fstat(self._lock_fd).st_mtime:
+                os.utime(self._lock_fd, (t, t))
+        except OSError as exc:   # never worth failing a publish for: a shorter grace at worst
+            log.warning("could not set the keep-until time of %s: %s", self.path, exc)
+
     def bump_epochs(self, block_ids) -> None:
         """Owner only, before ``block_ids`` go back to its engine: copies of them that a
         reader validates afterwards are refused."""
@@ -226,6 +251,9 @@ class SharedKVPool:
                 pass  # tensors still view the mapping: it is unmapped when the last one dies
         if self.is_owner if unlink is None else unlink:
             self.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)   # releases the flock: from now on the segment looks dead
+            self._lock_fd = None
 
     def is_unlinked(self) -> bool:
         """The name no longer leads to this segment (unlinked, or replaced by another)."""
@@ -260,31 +288,71 @@ def _prefault(mm: mmap.mmap, start: int, end: int) -> None:
         view.release()
 
 
-def cleanup_segments(alive: Callable[[str, str], bool], *, shm_dir: str = DEFAULT_SHM_DIR,
+def cleanup_segments(alive: Callable[[str, str], bool] | None = None, *, shm_dir: str = DEFAULT_SHM_DIR,
                      name_prefix: str = DEFAULT_PREFIX, grace_s: float = 60.0) -> list[str]:
-    """Unlink this node's segments whose owner ``alive(worker_id, incarnation)`` denies and
-    whose owner pid is gone, and
-    incomplete ones older than ``grace_s`` (their creator died mid-creation). Returns the
-    names removed. Processes that still map a removed segment keep their mapping."""
+    """Unlink this shm domain's segments of dead owners that nobody may still copy from.
+    Returns the names removed. Processes that still map a removed segment keep their mapping.
+
+    - The owner's flock is held (it lives, in whatever PID namespace or cluster; or it is
+      still creating the segment): kept.
+    - A segment that records ``owner_lock`` and whose lock is free: its owner is dead.
+      Removed once its mtime (the end of its owner's last lease, see ``keep_until``) has
+      passed; until then decode workers may still copy out of it under its tickets.
+    - A segment of an earlier pdqueue (no ``owner_lock``): removed when ``alive(worker_id,
+      incarnation)`` denies (this cluster's registry) *and* its pid is gone; kept when
+      ``alive`` is None.
+    - An incomplete or unreadable one whose lock is free: removed once its mtime is older
+      than ``grace_s`` (its creator died mid-creation).
+    """
     removed = []
-    for entry in os.scandir(shm_dir):
-        if not entry.name.startswith(name_prefix + "-") or not entry.is_file(follow_symlinks=False):
+    try:
+        entries = list(os.scandir(shm_dir))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(name_prefix + "-"):
             continue
         try:
-            info = read_segment_info(entry.path)
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        try:
+            if _remove_if_dead(fd, entry.path, alive, grace_s):
+                removed.append(entry.name)
+        except OSError as exc:
+            log.warning("could not check KV segment %s: %s", entry.path, exc)
+        finally:
+            os.close(fd)   # drops our lock, if we took it
+    return removed
+
+
+def _remove_if_dead(fd: int, path: str, alive: Callable[[str, str], bool] | None, grace_s: float) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False   # its owner holds it (or another cleaner, for a moment)
+    st = os.fstat(fd)
+    now = time.time()
+    try:
+        info = _parse_header(fd, path)
+    except TransferError:
+        dead = now - st.st_mtime > grace_s
+    else:
+        if info.owner_lock:
+            dead = now >= st.st_mtime
+        else:
             # Dead only if both say so: the registry (this cluster's view; containers that
             # share IPC but not a pid namespace) and the pid (other clusters on this host).
-            dead = not alive(info.worker_id, info.incarnation) and not pid_alive(info.pid)
-        except TransferError:
-            try:
-                dead = time.time() - entry.stat().st_mtime > grace_s
-            except FileNotFoundError:
-                continue
-        if dead:
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.name)
-                log.info("removed KV segment %s of a dead owner", entry.path)
-            except (FileNotFoundError, PermissionError):
-                pass
-    return removed
+            dead = alive is not None and not alive(info.worker_id, info.incarnation) and not pid_alive(info.pid)
+    if not dead:
+        return False
+    try:
+        if os.stat(path).st_ino != st.st_ino:
+            return False   # the name now leads elsewhere
+        os.unlink(path)
+    except (FileNotFoundError, PermissionError):
+        return False
+    log.info("removed KV segment %s of a dead owner", path)
+    return True
