@@ -18,9 +18,8 @@ from pdqueue.keys import Keys
 from pdqueue.models.loader import load_model
 from pdqueue.protocol import entry_id_ms
 from tests.cluster import Cluster
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
-from tests.test_faults import FAST
-from tests.test_pipeline import mixed_prompts, oracle, wait_pools_free
 
 NUM_REQUESTS = 200
 
@@ -92,8 +91,10 @@ def test_chaos_kill_and_restart(redis_url, tmp_path):
               f"{statistics.median(stalls) if stalls else 0:.0f} ms, max {max(stalls, default=0):.0f} ms")
         wait_pools_free(c, timeout=30)
         # A SIGKILLed prefill cannot unlink its segment; the next prefill start on this node
-        # removes it once the registry and the pid both say its owner is gone.
-        time.sleep(2.0)
+        # removes it once the registry and the pid both say its owner is gone: wait until the
+        # registry lists only live workers (the killed ones' heartbeats expired).
+        live = {w for w, p in c.procs.items() if p.poll() is None}
+        wait_for(lambda: set(c.workers()) <= live, timeout=30, what="the killed workers' heartbeats to expire")
         c.start("prefill", *FAST, worker_id="prefill-final")
         assert not c.dead_segments()
     finally:

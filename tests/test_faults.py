@@ -23,9 +23,8 @@ from pdqueue.queue.redis_server import RedisServer
 from pdqueue.transfer.shm import read_segment_info
 from tests.cluster import Cluster
 from tests.oracle import assert_same_tokens
-from tests.helpers import mixed_prompts, oracle, wait_pools_free
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 
-FAST = ("--heartbeat-ttl-s", "1.5", "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2", "--lease-s", "10")
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +65,6 @@ def check_all(cluster, tiny, client, handles, prompt_ids, expected, timeout=120)
         streamed = [t for e in client.handle(h.request_id).stream(timeout=10) for t in e.token_ids]
         assert streamed == list(res.token_ids)
     return results
-
-
-def wait_for(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def out_len(cluster, rid) -> int:

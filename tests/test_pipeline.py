@@ -5,7 +5,6 @@ return its tokens, token for token."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import time
@@ -20,6 +19,7 @@ from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
 from pdqueue.models.loader import load_model
 from tests.cluster import Cluster
+from tests.helpers import mixed_prompts, oracle, wait_pools_free
 from tests.oracle import assert_same_tokens
 
 MAX_TOKENS = 12
@@ -30,30 +30,10 @@ def tiny():
     return load_model("tiny")
 
 
-def mixed_prompts(n: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    words = "the quick brown fox jumps over a lazy dog while seven ravens watch quietly".split()
-    out = []
-    for i in range(n):
-        length = rng.choice([1, 3, 15, 16, 17, 40, 90, 200])
-        out.append(" ".join(rng.choice(words) for _ in range(length))[: max(1, length * 3)])
-    return out
-
-
 def request_params(i: int, sampled: bool) -> dict:
     if sampled:
         return {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 1000 + i}
     return {"max_tokens": MAX_TOKENS, "temperature": 0.0, "seed": 0}
-
-
-def oracle(loaded, prompts: list[str], params: list[dict]):
-    """(prompt ids, the colocated engine's output ids, the SamplingParams) per request."""
-    engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
-    ids = [loaded.tokenizer.encode(p) for p in prompts]
-    sp = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
-                         top_k=p.get("top_k", 0), seed=p["seed"], ignore_eos=p.get("ignore_eos", False))
-          for p in params]
-    return ids, engine.generate(ids, sp), sp
 
 
 def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | None = None):
@@ -75,20 +55,6 @@ def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | No
         streamed = [t for e in events if e.type == "token" for t in e.token_ids]
         assert streamed == list(res.token_ids)
     return results
-
-
-def wait_pools_free(cluster: Cluster, timeout: float = 20.0) -> None:
-    """Every worker's KV pool back to all-free and no lease held (from the heartbeats)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = {wid: w.get("load", {}) for wid, w in cluster.workers().items()}
-        busy = {wid: l for wid, l in loads.items()
-                if l.get("kv_free") != l.get("kv_total") or l.get("leases", 0) or l.get("running", 0)}
-        if not busy:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pools not all-free: {busy}")
-        time.sleep(0.2)
 
 
 @pytest.fixture

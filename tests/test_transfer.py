@@ -242,7 +242,7 @@ def test_expired_lease_frees_blocks_and_fetch_fails(sender, local_pool, mode):
     sender.poll()
     before = sender.export(rid(), [40, 41], lease_s=0.2)   # fetched after expiry, before poll
     after = sender.export(rid(), [42], lease_s=0.2)        # fetched after the engine polled
-    time.sleep(0.3)
+    time.sleep(0.4)   # 2x the leases
     with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         if mode == "shm":
             # Past its deadline but not handed back: the blocks are intact, and the epochs
