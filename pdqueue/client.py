@@ -2,7 +2,7 @@
 
 ``Client`` (redis-py) and ``AsyncClient`` (redis.asyncio) have the same surface::
 
-    client = Client("redis://127.0.0.1:6379/0")
+    client = Client()    # the running `pdqueue up`, PDQ_REDIS_URL, or redis://127.0.0.1:6379/0
     handle = client.submit("Once upon a time", max_tokens=32, temperature=0)
     for delta in handle.text_stream():
         print(delta, end="")
@@ -10,16 +10,24 @@
 
 A request is one XADD to ``requests`` (or ``requests:high``); its answer is read with
 XREAD BLOCK from ``out:<id>``, continuing from the last entry seen, reconnecting with
-capped backoff if Redis goes away. Token entries carry their index: one a retried worker
-publishes twice is yielded once.
+capped backoff if Redis goes away; a connection that keeps failing for
+``RedisConfig.unavailable_after_s`` (30 s) raises ``RedisUnavailable``. Token entries carry
+their index: one a retried worker publishes twice is yielded once.
 
-Imports redis, msgpack and pdqueue's keys/protocol/config/retry/queue.streams; never torch.
+Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``:
+``$PDQ_REDIS_URL``, else the running ``pdqueue up``, else redis://127.0.0.1:6379/0; the
+cluster: ``$PDQ_CLUSTER``, else that of the ``up`` serving the URL, else ``default``.
+
+Imports redis, msgpack and pdqueue's keys/protocol/config/retry/discovery/queue.streams;
+never torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import AsyncIterator, Iterator, Sequence
@@ -30,6 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.config import RedisConfig
+from pdqueue.discovery import DEFAULT_CLUSTER, resolve
 from pdqueue.keys import CANCEL_TTL_S, Keys
 from pdqueue.protocol import (
     Completion,
@@ -48,8 +57,8 @@ from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncClient", "AsyncRequestHandle", "Client", "RequestError", "RequestFailed",
-           "RequestHandle"]
+__all__ = ["AsyncClient", "AsyncRequestHandle", "Client", "RedisUnavailable", "RequestError",
+           "RequestFailed", "RequestHandle"]
 
 _READ_COUNT = 256
 
@@ -62,6 +71,50 @@ class RequestFailed(Exception):
         self.reason = reason
         self.code = code
         self.request_id = request_id
+
+
+class RedisUnavailable(RedisConnectionError):
+    """Redis stayed unreachable for ``RedisConfig.unavailable_after_s`` while a stream was
+    being read (shorter outages, like a restart, are retried and never raise this)."""
+
+    def __init__(self, message: str, outage_s: float):
+        super().__init__(message)
+        self.outage_s = outage_s
+
+
+class _Outage:
+    """How long reads have been failing; ``RedisUnavailable`` past the limit."""
+
+    def __init__(self, request_id: str, limit_s: float | None):
+        self.request_id = request_id
+        self.limit_s = limit_s
+        self.since: float | None = None
+
+    def ok(self) -> None:
+        self.since = None
+
+    def failed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
+        elif self.limit_s is not None and now - self.since >= self.limit_s:
+            raise RedisUnavailable(f"unreachable for {now - self.since:.0f}s: {exc}", now - self.since) from exc
+
+
+def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | None,
+              have_client: bool) -> tuple[RedisConfig, str]:
+    """The config and the cluster of a client. The URL: ``redis_url``, else the config's,
+    else (no client given either) ``pdqueue.discovery.resolve``; the cluster: ``cluster``,
+    else resolved for that URL."""
+    if redis_url is not None:
+        config = dataclasses.replace(config, url=redis_url) if config is not None else RedisConfig(url=redis_url)
+    if config is not None:
+        return config, cluster or resolve(config.url, None).cluster
+    if have_client:  # its URL is its own: only PDQ_CLUSTER can name the cluster
+        return RedisConfig(), cluster or os.environ.get("PDQ_CLUSTER") or DEFAULT_CLUSTER
+    target = resolve(None, cluster)
+    return RedisConfig(url=target.url), target.cluster
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
@@ -164,15 +217,16 @@ class RequestHandle:
         not done within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         failures = 0
+        outage = _Outage(self.request_id, self.client.unavailable_after_s)
         r = self.client.redis
         while self._asm.completion is None:
             block = _block_ms(deadline, self.client.max_block_ms)
             try:
                 reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
                 failures = 0
+                outage.ok()
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                if failures == 0:
-                    log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
+                outage.failed(exc)
                 time.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
                                       self.client.backoff_max_s))
                 failures += 1
@@ -202,16 +256,21 @@ class RequestHandle:
 
 
 class Client:
-    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", cluster: str = "default", *,
+    """``Client()`` finds the cluster itself (see the module docstring); an explicit
+    ``redis_url`` (or ``config.url``, or ``redis_client``) and ``cluster`` win."""
+
+    def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
                  redis_client: redis.Redis | None = None, config: RedisConfig | None = None,
                  cancel_ttl_s: int = CANCEL_TTL_S):
-        config = config or RedisConfig(url=redis_url)
+        config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
+        self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
         self.redis = redis_client or redis.Redis.from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
+        self.unavailable_after_s = config.unavailable_after_s
         self.cancel_ttl_s = cancel_ttl_s
 
     def _stream_of(self, req: Request) -> str:
@@ -278,15 +337,16 @@ class AsyncRequestHandle:
     async def stream(self, timeout: float | None = None) -> AsyncIterator[ResultEvent]:
         deadline = None if timeout is None else time.monotonic() + timeout
         failures = 0
+        outage = _Outage(self.request_id, self.client.unavailable_after_s)
         r = self.client.redis
         while self._asm.completion is None:
             block = _block_ms(deadline, self.client.max_block_ms)
             try:
                 reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
                 failures = 0
+                outage.ok()
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                if failures == 0:
-                    log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
+                outage.failed(exc)
                 await asyncio.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
                                                self.client.backoff_max_s))
                 failures += 1
@@ -313,16 +373,20 @@ class AsyncRequestHandle:
 
 
 class AsyncClient:
-    def __init__(self, redis_url: str = "redis://127.0.0.1:6379/0", cluster: str = "default", *,
+    """See ``Client``."""
+
+    def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
                  redis_client: redis.asyncio.Redis | None = None,
                  config: RedisConfig | None = None, cancel_ttl_s: int = CANCEL_TTL_S):
-        config = config or RedisConfig(url=redis_url)
+        config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
+        self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
         self.redis = redis_client or redis.asyncio.Redis.from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
+        self.unavailable_after_s = config.unavailable_after_s
         self.cancel_ttl_s = cancel_ttl_s
 
     def _stream_of(self, req: Request) -> str:

@@ -27,6 +27,10 @@ class RedisConfig:
     max_block_ms: int = 2000
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+    unavailable_after_s: float | None = 30.0
+    """The client's streams retry a lost connection (a Redis restart is survived) and raise
+    ``pdqueue.client.RedisUnavailable`` once it has failed for this long (None: retry until
+    the caller's timeout)."""
 
     def redis_kwargs(self) -> dict:
         """Keyword arguments for ``redis.Redis.from_url(self.url, **kwargs)``."""

@@ -8,6 +8,10 @@ and the Publisher; the done entry and the XACK go out in one transaction.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +20,7 @@ import redis
 
 from pdqueue import AsyncClient, Client
 from pdqueue.client import RequestFailed
+from pdqueue.config import RedisConfig
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import (
     Completion,
@@ -259,6 +264,116 @@ def test_stream_survives_a_redis_restart(tmp_path):
             assert "".join(received) == "y" * 60 == handle.completion.text
         finally:
             worker.close()
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_redis_gone_for_good_raises_redis_unavailable(use_async):
+    """Not a silent wait for the whole timeout: after ``unavailable_after_s`` of failed
+    reconnects the stream raises (a short outage, like a restart, is still survived: above)."""
+    from pdqueue.client import RedisUnavailable
+
+    config = RedisConfig(unavailable_after_s=1.0, backoff_max_s=0.2)
+    with RedisServer() as server:
+        if use_async:
+            async def read() -> None:
+                async with AsyncClient(server.url, config=config) as client:
+                    handle = await client.submit("nobody answers")
+                    server.kill()
+                    await handle.result(timeout=30)
+
+            started = time.monotonic()
+            with pytest.raises(RedisUnavailable) as info:
+                asyncio.run(read())
+        else:
+            with Client(server.url, config=config) as client:
+                handle = client.submit("nobody answers")
+                server.kill()
+                started = time.monotonic()
+                with pytest.raises(RedisUnavailable) as info:
+                    handle.result(timeout=30)
+    assert time.monotonic() - started < 10
+    assert info.value.outage_s >= 1.0 and "unreachable for" in str(info.value)
+    assert isinstance(info.value, redis.ConnectionError)
+
+
+@pytest.fixture
+def no_local_settings(tmp_path, monkeypatch):
+    """No PDQ_* variables and a private, empty state directory."""
+    for name in ("PDQ_REDIS_URL", "PDQ_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return tmp_path / "pdqueue"
+
+
+def write_up_state(url: str, cluster: str) -> None:
+    from pdqueue.discovery import write_state
+
+    write_state({"url": url, "cluster": cluster, "pid": os.getpid()})  # this live process stands in for `up`
+
+
+def test_client_without_a_url_finds_the_running_up(redis_url, echo, no_local_settings, monkeypatch):
+    with Client() as client:  # nothing up, nothing set: Redis's own port, cluster default
+        assert (client.url, client.keys.cluster) == ("redis://127.0.0.1:6379/0", "default")
+    write_up_state(redis_url, "default")
+    assert (no_local_settings / "up-default.json").exists()
+    with Client() as client:
+        assert client.url == redis_url
+        assert client.submit("found", max_tokens=5).result(timeout=10).text == "found"
+
+    async def async_url():
+        async with AsyncClient() as client:
+            return client.url, client.keys.cluster
+
+    assert asyncio.run(async_url()) == (redis_url, "default")
+    monkeypatch.setenv("PDQ_REDIS_URL", "redis://127.0.0.1:1/0")  # the environment before the state file
+    with Client() as client:
+        assert client.url == "redis://127.0.0.1:1/0"
+    with Client(redis_url) as client:  # an explicit URL before everything
+        assert client.url == redis_url
+
+
+def test_resolve_order(no_local_settings, monkeypatch):
+    from pdqueue.discovery import DEFAULT_URL, DiscoveryError, Target, resolve
+
+    assert resolve() == Target(DEFAULT_URL, "default", "the default URL")
+    write_up_state("redis://127.0.0.1:7001/0", "blue")
+    assert where(resolve()) == ("redis://127.0.0.1:7001/0", "blue")  # the only one up
+    assert where(resolve(cluster="red")) == (DEFAULT_URL, "red")      # a cluster without an `up`
+    write_up_state("redis://127.0.0.1:7002/0", "green")
+    with pytest.raises(DiscoveryError, match="blue.*green"):          # two, neither is `default`
+        resolve()
+    assert where(resolve(cluster="green")) == ("redis://127.0.0.1:7002/0", "green")
+    assert where(resolve("redis://127.0.0.1:7001/0")) == ("redis://127.0.0.1:7001/0", "blue")  # the `up` there
+    monkeypatch.setenv("PDQ_CLUSTER", "blue")
+    assert where(resolve()) == ("redis://127.0.0.1:7001/0", "blue")
+    monkeypatch.delenv("PDQ_CLUSTER")
+    write_up_state("redis://127.0.0.1:7003/0", "default")
+    assert where(resolve()) == ("redis://127.0.0.1:7003/0", "default")  # several: `default`
+    monkeypatch.setenv("PDQ_REDIS_URL", "redis://h:1/0")
+    assert resolve() == Target("redis://h:1/0", "default", "PDQ_REDIS_URL")
+    assert resolve("redis://h:2/0", "x") == Target("redis://h:2/0", "x", "the redis_url argument")
+    # A state file whose `up` is gone does not count.
+    path = no_local_settings / "up-default.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": dead_pid()}))
+    monkeypatch.delenv("PDQ_REDIS_URL")
+    with pytest.raises(DiscoveryError):
+        resolve()
+
+
+def where(target) -> tuple[str, str]:
+    return target.url, target.cluster
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_discovery_and_the_client_import_no_torch():
+    code = ("import sys, pdqueue.discovery; from pdqueue import Client; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_raw_redis_producer_needs_no_pdqueue(redis_url, echo):

@@ -2,22 +2,24 @@
 `pdqueue up` (``workers.cli_up``): finding the cluster, connecting, printing.
 
 Commands parse options, build config and call into ``pdqueue.Client`` or
-``workers.status_view`` (the snapshot). Where Redis is:
-``--redis-url``/``PDQ_REDIS_URL``, else the state file of a running ``pdqueue up``, else
-redis://127.0.0.1:6379/0. The cluster name: ``--cluster``/``PDQ_CLUSTER``, else the local
-cluster's, else ``default``. None of these commands imports torch.
+``workers.status_view`` (the snapshot). Where the cluster is: ``pdqueue.discovery.resolve``.
+The URL: ``--redis-url``/``PDQ_REDIS_URL``, else the state file of the running ``pdqueue
+up`` of the cluster, else redis://127.0.0.1:6379/0. The cluster: ``--cluster``/``PDQ_CLUSTER``,
+else the local cluster's (several up: ``default``, else an error listing them), else
+``default``. None of these commands imports torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 import time
 
 import click
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
+from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
 
 
 def _base():
@@ -33,30 +35,28 @@ def user_error(message: str):
 
 # ---- where the cluster is ----------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Target:
-    url: str
-    cluster: str
-    source: str  # how the URL was found, for messages
-
-
 def resolve_target(redis_url: str | None, cluster: str | None) -> Target:
+    """``pdqueue.discovery.resolve`` with errors as one line; the source names the option
+    or the environment variable the URL came from."""
     from pdqueue.keys import Keys
-    from workers.local_cluster import read_state
 
-    state = None if redis_url else read_state()
-    if redis_url:
-        url, source = redis_url, "--redis-url/PDQ_REDIS_URL"
-    elif state:
-        url, source = state["url"], f"the local cluster of `pdqueue up` (pid {state['pid']})"
-    else:
-        url, source = DEFAULT_URL, "the default URL"
-    cluster = cluster or (state or {}).get("cluster") or "default"
     try:
-        Keys(cluster)
+        target = resolve(redis_url, cluster)
+    except DiscoveryError as exc:
+        raise user_error(str(exc)) from None
+    if redis_url:
+        target = dataclasses.replace(target, source=_source_of("redis_url", "--redis-url", "PDQ_REDIS_URL"))
+    try:
+        Keys(target.cluster)
     except ValueError as exc:
         raise user_error(f"--cluster: {exc}") from None
-    return Target(url, cluster, source)
+    return target
+
+
+def _source_of(param: str, option: str, envvar: str) -> str:
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(param) if ctx is not None else None
+    return envvar if source is click.core.ParameterSource.ENVIRONMENT else option
 
 
 def connect(target: Target):
@@ -69,16 +69,17 @@ def connect(target: Target):
         return r
     except (redis.RedisError, ValueError, OSError) as exc:
         hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"
-                if target.source == "the default URL" else "")
+                if target.source == SOURCE_DEFAULT else "")
         reason = str(exc).rstrip(".")
         raise user_error(f"cannot reach Redis at {target.url} ({target.source}): {reason}{hint}") from None
 
 
 def target_options(f):
-    f = click.option("--cluster", envvar="PDQ_CLUSTER", default=None,
-                     help="pdqueue cluster name [default: the local cluster's, else default].")(f)
-    return click.option("--redis-url", envvar="PDQ_REDIS_URL", default=None,
-                        help="Redis of the cluster [default: the running `pdqueue up`, "
+    f = click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default=None,
+                     help="pdqueue cluster name [default: that of the running `pdqueue up` (several: "
+                          "default), else default].")(f)
+    return click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
+                        help="Redis of the cluster [default: the running `pdqueue up` of the cluster, "
                              f"else {DEFAULT_URL}].")(f)
 
 
@@ -88,7 +89,7 @@ def target_options(f):
 @click.argument("prompt")
 @target_options
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Sampling seed [default: random].")
@@ -104,6 +105,8 @@ def target_options(f):
 def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, seed, stop, chat, priority,
            deadline_ms, request_id, as_json, timeout):
     """Submit PROMPT ('-' reads stdin) and stream the answer as it arrives."""
+    import redis
+
     from pdqueue.client import Client, RequestError, RequestFailed
     from pdqueue.queue.registry import list_workers
 
@@ -111,41 +114,53 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
         prompt = sys.stdin.read()
     target = resolve_target(redis_url, cluster)
     r = connect(target)
-    client = Client(cluster=target.cluster, redis_client=r)
-    roles = {w.get("role") for w in list_workers(r, client.keys)}
-    if "colocated" not in roles and not {"prefill", "decode"} <= roles:
-        click.secho(f"warning: cluster {target.cluster!r} at {target.url} has no "
-                    f"{'prefill' if 'prefill' not in roles else 'decode'} worker; the request waits in the queue",
-                    fg="yellow", err=True)
+    client = Client(target.url, target.cluster, redis_client=r)
+    out = _Stdout()
+    _warnings_to_stderr(out)
+    handle = None
+
+    def lost(exc: Exception):
+        out.end_line()
+        return user_error(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})")
+
     try:
+        roles = {w.get("role") for w in list_workers(r, client.keys)}
+        if "colocated" not in roles and not {"prefill", "decode"} <= roles:
+            click.secho(f"warning: cluster {target.cluster!r} at {target.url} has no "
+                        f"{'prefill' if 'prefill' not in roles else 'decode'} worker; the request waits in the queue",
+                        fg="yellow", err=True)
         handle = client.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                seed=seed, stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                                id=request_id)
-    except RequestError as exc:
-        raise user_error(str(exc)) from None
-    wrote = False
-    try:
         if as_json:
             completion = handle.result(timeout=timeout)
         else:
             for delta in handle.text_stream(timeout=timeout):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-                wrote = True
+                out.write(delta)
             completion = handle.completion
+    except RequestError as exc:
+        raise user_error(str(exc)) from None
     except RequestFailed as exc:
-        if wrote:
-            click.echo()
+        out.end_line()
         raise user_error(f"request {handle.request_id} failed ({exc.code}): {exc.reason}") from None
+    except redis.RedisError as exc:  # client.RedisUnavailable too: Redis gone for longer than a restart
+        if handle is not None:
+            _cancel(client, handle.request_id)
+        raise lost(exc) from None
     except TimeoutError:
-        client.cancel(handle.request_id)
-        if wrote:
-            click.echo()
+        out.end_line()
+        try:
+            client.cancel(handle.request_id)
+        except redis.RedisError as exc:  # timed out while Redis was away: that is the news
+            raise lost(exc) from None
         raise user_error(f"no answer to request {handle.request_id} within {timeout:g}s (cancelled); "
                          f"see `pdqueue status`") from None
     except KeyboardInterrupt:
-        client.cancel(handle.request_id)
-        click.secho(f"\ncancelled request {handle.request_id}", fg="yellow", err=True)
+        out.end_line()
+        if handle is not None:
+            done = _cancel(client, handle.request_id)
+            click.secho(f"{'cancelled' if done else 'could not cancel'} request {handle.request_id}",
+                        fg="yellow", err=True)
         sys.exit(130)
     if as_json:
         click.echo(json.dumps(completion_dict(completion)))
@@ -154,8 +169,62 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
     click.secho(summary(completion), fg="cyan", err=True)
 
 
+class _Stdout:
+    """The streamed answer on stdout, and whether its last line is still open (a warning
+    on stderr first ends that line, so it never lands inside the answer's text)."""
+
+    def __init__(self):
+        self.open_line = False
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if text:
+            self.open_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.open_line:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.open_line = False
+
+
+class _WarningLine(logging.Handler):
+    def __init__(self, out: _Stdout):
+        super().__init__(logging.WARNING)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.out.end_line()
+            click.secho(f"warning: {record.getMessage()}", fg="yellow", err=True)
+        except Exception:
+            self.handleError(record)
+
+
+def _warnings_to_stderr(out: _Stdout) -> None:
+    """The client's warnings (a lost connection being retried) as yellow lines on stderr."""
+    logger = logging.getLogger("pdqueue")
+    logger.handlers[:] = [_WarningLine(out)]
+    logger.propagate = False
+
+
+def _cancel(client, request_id: str) -> bool:
+    """Best effort: with Redis gone the cancel cannot be sent, which is no reason for a traceback."""
+    import redis
+
+    try:
+        client.cancel(request_id)
+        return True
+    except redis.RedisError:
+        return False
+
+
 def completion_dict(c) -> dict:
+    """The completion as ``submit --json`` prints it: ``id`` (the protocol's name for the
+    request id), the fields of ``Completion`` and ``num_tokens``."""
     d = dataclasses.asdict(c)
+    d = {"id": d.pop("request_id"), **d}
     d["token_ids"] = list(c.token_ids)
     d["finish_reason"] = getattr(c.finish_reason, "value", c.finish_reason)
     d["num_tokens"] = c.num_tokens
@@ -193,7 +262,7 @@ def status(redis_url, cluster, as_json, watch, interval, window):
         try:
             snap = status_view.collect(r, keys, window_s=window)
         except redis.RedisError as exc:
-            raise user_error(f"lost Redis at {target.url}: {exc}") from None
+            raise user_error(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})") from None
         return {"redis_url": target.url, "source": target.source, **snap}
 
     title = f"pdqueue cluster {target.cluster!r} at {target.url}"

