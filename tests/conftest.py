@@ -8,11 +8,25 @@ finalizer, atexit, and PDEATHSIG if the pytest process is killed outright).
 from __future__ import annotations
 
 import atexit
+import os
 
 import pytest
 import redis
 
 from pdqueue.queue.redis_server import RedisServer
+
+
+# What the tests set themselves; a developer's own PDQ_* settings (a cluster name, a Redis
+# URL, a cache directory) must not change what a test sees. PDQ_REDIS_SERVER (which server
+# binary to run) and PDQ_CACHE_DIR (where the converted model is cached) stay.
+_KEPT_ENV = {"PDQ_REDIS_SERVER", "PDQ_CACHE_DIR"}
+
+
+@pytest.fixture(autouse=True)
+def _no_pdq_environment(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("PDQ_") and name not in _KEPT_ENV:
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")

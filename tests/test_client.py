@@ -32,6 +32,7 @@ from pdqueue.protocol import (
     parse_request,
     token_entry,
 )
+from tests.helpers import wait_for
 from pdqueue.queue import (
     Publisher,
     RedisServer,
@@ -172,15 +173,8 @@ def test_errors_raise_request_failed(client, echo, r):
     with pytest.raises(RequestFailed) as info:
         client.handle("raw-1").result(timeout=10)
     assert info.value.code == "bad_request" and "top_p" in info.value.reason
-    assert wait_for(lambda: r.xlen(KEYS.dead) == 2)
+    wait_for(lambda: r.xlen(KEYS.dead) == 2, timeout=5, what="2 dead-letter records")
     assert r.xpending(KEYS.requests, PREFILL_GROUP)["pending"] == 0
-
-
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not predicate():
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_client_validates_before_sending(client, r):

@@ -31,7 +31,7 @@ class UserError(click.ClickException):
 
 
 def model_option(f):
-    return click.option("--model", envvar="PDQ_MODEL", default=DEFAULT_MODEL, show_default=True,
+    return click.option("--model", envvar="PDQ_MODEL", show_envvar=True, default=DEFAULT_MODEL, show_default=True,
                         help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")(f)
 
 
@@ -254,8 +254,9 @@ ROLES = ("prefill", "decode", "colocated")
 
 @cli.command()
 @click.argument("role", type=click.Choice(ROLES))
-@click.option("--redis-url", envvar="PDQ_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
-@click.option("--cluster", envvar="PDQ_CLUSTER", default="default", show_default=True)
+@click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0",
+              show_default=True)
+@click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default="default", show_default=True)
 @model_option
 @engine_options
 @click.option("--policy", type=click.Choice(["prefill_first", "chunked"]), default="prefill_first",
@@ -270,7 +271,7 @@ ROLES = ("prefill", "decode", "colocated")
 @click.option("--data-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
               help="Prefill: port of the TCP data server for KV on the --bind host (0: any free port; "
                    "-1: none, decode workers on other nodes then use ZeroMQ).")
-@click.option("--advertise-host", envvar="PDQ_ADVERTISE_HOST", default=None,
+@click.option("--advertise-host", envvar="PDQ_ADVERTISE_HOST", show_envvar=True, default=None,
               help="Prefill: the host decode workers reach the KV server at (tickets carry it with the "
                    "bound port); 'auto' is the address this machine's hostname resolves to (a container's "
                    "own IP). Default: the bound host, or 'auto' when binding 0.0.0.0 or *.")

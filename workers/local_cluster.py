@@ -41,6 +41,7 @@ import redis
 
 # The state files (how `submit` and `status` find a running `up`) live in pdqueue.discovery,
 # which Client() reads too; imported here so that older imports keep working.
+from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.queue.redis_server import RedisServer, port_is_free
@@ -72,7 +73,7 @@ class LocalClusterConfig:
     redis_url: str | None = None      # None: start an embedded server
     redis_port: int | None = None     # the embedded server's port (default: 6379 if free, else a free one)
     threads: int | None = None        # torch threads per worker
-    kv_cache_mb: int = 256
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     log_dir: Path | None = None       # None: a temporary directory, removed by stop()
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = field(default_factory=tuple)
