@@ -65,6 +65,6 @@ def test_pid_alive():
 
 
 def test_neither_module_nor_the_up_supervisor_imports_torch():
-    code = ("import sys, pdqueue.retry, pdqueue.procs, workers.local_cluster; "
+    code = ("import sys, pdqueue.retry, pdqueue.procs, workers.cli.local_cluster; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

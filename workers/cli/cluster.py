@@ -1,8 +1,8 @@
-"""`pdqueue submit` and `pdqueue status`, the everyday commands, and what they share with
-`pdqueue up` (``workers.cli_up``): finding the cluster, connecting, printing.
+"""`pdqueue submit` and `pdqueue status`, the everyday commands (finding the cluster,
+connecting and printing are in ``workers.cli.common``, shared with `up`).
 
 Commands parse options, build config and call into ``pdqueue.Client`` or
-``workers.status_view`` (the snapshot). Where the cluster is: ``pdqueue.discovery.resolve``.
+``workers.cli.status_view`` (the snapshot). Where the cluster is: ``pdqueue.discovery.resolve``.
 The URL: ``--redis-url``/``PDQ_REDIS_URL``, else the state file of the running ``pdqueue
 up`` of the cluster, else redis://127.0.0.1:6379/0. The cluster: ``--cluster``/``PDQ_CLUSTER``,
 else the local cluster's (several up: ``default``, else an error listing them), else
@@ -19,68 +19,8 @@ import time
 
 import click
 
-from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
-
-
-def _base():
-    """workers.cli, imported late: it imports this module while it is being loaded."""
-    from workers import cli
-
-    return cli
-
-
-def user_error(message: str):
-    return _base().UserError(message)
-
-
-# ---- where the cluster is ----------------------------------------------------------------
-
-def resolve_target(redis_url: str | None, cluster: str | None) -> Target:
-    """``pdqueue.discovery.resolve`` with errors as one line; the source names the option
-    or the environment variable the URL came from."""
-    from pdqueue.keys import Keys
-
-    try:
-        target = resolve(redis_url, cluster)
-    except DiscoveryError as exc:
-        raise user_error(str(exc)) from None
-    if redis_url:
-        target = dataclasses.replace(target, source=_source_of("redis_url", "--redis-url", "PDQ_REDIS_URL"))
-    try:
-        Keys(target.cluster)
-    except ValueError as exc:
-        raise user_error(f"--cluster: {exc}") from None
-    return target
-
-
-def _source_of(param: str, option: str, envvar: str) -> str:
-    ctx = click.get_current_context(silent=True)
-    source = ctx.get_parameter_source(param) if ctx is not None else None
-    return envvar if source is click.core.ParameterSource.ENVIRONMENT else option
-
-
-def connect(target: Target):
-    """A redis-py client that answered PING; one clear error line otherwise."""
-    import redis
-
-    try:
-        r = redis.Redis.from_url(target.url, socket_connect_timeout=3, socket_timeout=10)
-        r.ping()
-        return r
-    except (redis.RedisError, ValueError, OSError) as exc:
-        hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"
-                if target.source == SOURCE_DEFAULT else "")
-        reason = str(exc).rstrip(".")
-        raise user_error(f"cannot reach Redis at {target.url} ({target.source}): {reason}{hint}") from None
-
-
-def target_options(f):
-    f = click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default=None,
-                     help="pdqueue cluster name [default: that of the running `pdqueue up` (several: "
-                          "default), else default].")(f)
-    return click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
-                        help="Redis of the cluster [default: the running `pdqueue up` of the cluster, "
-                             f"else {DEFAULT_URL}].")(f)
+from workers.cli.common import (UserError, connect, resolve_target, rich_console, summary,
+                                target_options)
 
 
 # ---- submit ------------------------------------------------------------------------------
@@ -121,7 +61,7 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
 
     def lost(exc: Exception):
         out.end_line()
-        return user_error(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})")
+        return UserError(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})")
 
     try:
         roles = {w.get("role") for w in list_workers(r, client.keys)}
@@ -139,10 +79,10 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
                 out.write(delta)
             completion = handle.completion
     except RequestError as exc:
-        raise user_error(str(exc)) from None
+        raise UserError(str(exc)) from None
     except RequestFailed as exc:
         out.end_line()
-        raise user_error(f"request {handle.request_id} failed ({exc.code}): {exc.reason}") from None
+        raise UserError(f"request {handle.request_id} failed ({exc.code}): {exc.reason}") from None
     except redis.RedisError as exc:  # client.RedisUnavailable too: Redis gone for longer than a restart
         if handle is not None:
             _cancel(client, handle.request_id)
@@ -153,7 +93,7 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
             client.cancel(handle.request_id)
         except redis.RedisError as exc:  # timed out while Redis was away: that is the news
             raise lost(exc) from None
-        raise user_error(f"no answer to request {handle.request_id} within {timeout:g}s (cancelled); "
+        raise UserError(f"no answer to request {handle.request_id} within {timeout:g}s (cancelled); "
                          f"see `pdqueue status`") from None
     except KeyboardInterrupt:
         out.end_line()
@@ -231,12 +171,6 @@ def completion_dict(c) -> dict:
     return d
 
 
-def summary(c) -> str:
-    reason = getattr(c.finish_reason, "value", c.finish_reason)
-    return (f"[{c.num_tokens} tokens, finish {reason}, TTFT {c.ttft_ms:.0f} ms, TBT p50 {c.tbt_p50_ms:.1f} ms, "
-            f"e2e {c.e2e_ms:.0f} ms, KV via {c.transfer_path or '-'}]")
-
-
 # ---- status ------------------------------------------------------------------------------
 
 @click.command()
@@ -252,7 +186,7 @@ def status(redis_url, cluster, as_json, watch, interval, window):
     import redis
 
     from pdqueue.keys import Keys
-    from workers import status_view
+    from workers.cli import status_view
 
     target = resolve_target(redis_url, cluster)
     r = connect(target)
@@ -262,7 +196,7 @@ def status(redis_url, cluster, as_json, watch, interval, window):
         try:
             snap = status_view.collect(r, keys, window_s=window)
         except redis.RedisError as exc:
-            raise user_error(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})") from None
+            raise UserError(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})") from None
         return {"redis_url": target.url, "source": target.source, **snap}
 
     title = f"pdqueue cluster {target.cluster!r} at {target.url}"
@@ -291,28 +225,3 @@ def status(redis_url, cluster, as_json, watch, interval, window):
                 live.update(status_view.render(snapshot(), title), refresh=True)
     except KeyboardInterrupt:
         pass
-
-
-def rich_console(stderr: bool = False):
-    """A rich console; into a pipe or file it does not wrap lines (rich's default there is 80 columns)."""
-    from rich.console import Console
-
-    console = Console(stderr=stderr, highlight=False)
-    if not console.is_terminal:
-        console.soft_wrap = True
-        console.width = max(console.width, 160)
-    return console
-
-
-def print_line(console, markup: str) -> None:
-    console.print(markup, highlight=False)
-    console.file.flush()
-
-
-def register(cli) -> None:
-    """Add this module's commands (and `up`, from cli_up) to the `pdqueue` group."""
-    from workers.cli_up import up
-
-    cli.add_command(up)
-    cli.add_command(submit)
-    cli.add_command(status)

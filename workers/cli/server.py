@@ -14,6 +14,8 @@ import shlex
 
 import click
 
+from workers.cli.common import UserError
+
 
 @click.command("redis-server", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
                                                  "help_option_names": ["-h", "--help"]})
@@ -25,7 +27,6 @@ def redis_server(server_args):
 
     Reads PDQ_REDIS_SERVER (a server binary to use instead)."""
     from pdqueue.queue.redis_server import find_redis_server_binary
-    from workers.cli import UserError
 
     try:
         binary = find_redis_server_binary()

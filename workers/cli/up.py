@@ -1,6 +1,6 @@
 """`pdqueue up`: a local cluster (Redis + prefill and decode workers) in one command.
 
-Parses options and drives ``workers.local_cluster.LocalCluster``: start the server and the
+Parses options and drives ``workers.cli.local_cluster.LocalCluster``: start the server and the
 workers, show progress while they load the model, then a live status view (or, with
 ``--demo``, a few streamed answers) until Ctrl-C, then a warm stop of everything. Output
 goes through rich; on a terminal the status view redraws in place, into a pipe it is
@@ -20,22 +20,11 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from workers.cli_cluster import Target, connect, print_line, rich_console, summary, user_error
+from workers.cli.common import Target, UserError, check_model, connect, print_line, rich_console, summary
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
 DEMO_MAX_TOKENS = 64
-
-
-def check_model(model: str) -> None:
-    """Fail before starting anything when the model cannot be used: the checks of
-    ``pdqueue.models.source`` (headers read, without torch), as the workers make them."""
-    from pdqueue.models.source import ModelSourceError, resolve_model_path
-
-    try:
-        resolve_model_path(model)
-    except ModelSourceError as exc:
-        raise user_error(f"--model {exc.name}: {exc.reason}") from None
 
 
 def check_port_free(port: int) -> None:
@@ -45,7 +34,7 @@ def check_port_free(port: int) -> None:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
-            raise user_error(f"--redis-port {port}: cannot listen there ({exc.strerror})") from None
+            raise UserError(f"--redis-port {port}: cannot listen there ({exc.strerror})") from None
 
 
 @click.command()
@@ -83,18 +72,18 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     PDQ_CACHE_DIR (where converted models are cached) and PDQ_NODE_ID.
     """
     from pdqueue.keys import Keys
-    from workers.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
+    from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
 
     try:
         Keys(cluster)
     except ValueError as exc:
-        raise user_error(f"--cluster: {exc}") from None
+        raise UserError(f"--cluster: {exc}") from None
     check_model(model)
     if redis_url and redis_port:
-        raise user_error("--redis-port applies to the embedded server; it cannot go with --redis-url")
+        raise UserError("--redis-port applies to the embedded server; it cannot go with --redis-url")
     running = read_state(cluster=cluster)
     if running:
-        raise user_error(f"the local cluster {cluster!r} is already up (pid {running['pid']}, {running['url']}); "
+        raise UserError(f"the local cluster {cluster!r} is already up (pid {running['pid']}, {running['url']}); "
                          f"stop it first, use it (pdqueue submit PROMPT), or start another with --cluster NAME")
     if redis_url:
         connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
@@ -119,7 +108,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         try:
             url = lc.start_server()
         except (FileNotFoundError, RuntimeError) as exc:
-            raise user_error(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
         lc.start_workers()
         lc.write_state()
         server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}"
@@ -149,7 +138,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     finally:
         _stop(lc, err, stop_timeout, hurry, keep_logs=failure is not None)
     if failure:
-        raise user_error(failure)
+        raise UserError(failure)
     sys.exit(code)
 
 
@@ -174,7 +163,7 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
     Returns why it ended early (the server exited), else None."""
     import redis
 
-    from workers import status_view
+    from workers.cli import status_view
 
     title = f"pdqueue up: {lc.url}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
     reported: set[str] = set()

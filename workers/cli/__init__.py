@@ -1,0 +1,45 @@
+"""The `pdqueue` command. This package is the CLI side of the project (the worker processes
+are the rest of ``workers/``): click commands that parse options, build config and call the
+library, a worker, or the local-cluster supervisor.
+
+Imports point one way: this module assembles the group from the command modules; each
+command module imports ``workers.cli.common`` (and the supervisor or status view it
+drives); none imports this module or another command module.
+
+- ``run``: `generate`, `worker ROLE`
+- ``cluster``: `submit`, `status` (``status_view`` collects and draws the snapshot)
+- ``up``: `up` (``local_cluster`` is the supervisor behind it)
+- ``bench``: `bench engine|transfer|serve`
+- ``server``: `redis-server`
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from workers.cli.bench import bench
+from workers.cli.cluster import status, submit
+from workers.cli.common import Group
+from workers.cli.run import generate, worker
+from workers.cli.server import redis_server
+from workers.cli.up import up
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pdqueue")
+def cli():
+    """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
+
+
+for command in (up, submit, status, generate, worker, bench, redis_server):
+    cli.add_command(command)
+
+
+def main():
+    try:
+        cli(prog_name="pdqueue")
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler
+        click.secho("interrupted", fg="red", err=True)
+        sys.exit(130)

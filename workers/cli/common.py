@@ -1,0 +1,207 @@
+"""What every `pdqueue` command shares: the user-error type and the group class that turns
+usage errors into one red line, the model and engine options and their checks (before
+torch is imported), loading a model with progress, and rich console helpers. Imports
+nothing of the other command modules: they import this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+
+import click
+
+from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
+from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
+from pdqueue.protocol import Request
+
+DEFAULT_MODEL = "smollm2"
+# Sampling defaults of `generate` (and `submit`): the protocol's request defaults, which
+# are also Client.submit's (max_tokens 128, temperature 1.0 as in OpenAI's API).
+REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)}
+
+
+class UserError(click.ClickException):
+    """A mistake the user can fix: one red line, exit status 1, no traceback."""
+
+    def show(self, file=None):
+        click.secho(f"error: {self.format_message()}", fg="red", err=True)
+
+
+def model_option(f):
+    return click.option("--model", envvar="PDQ_MODEL", show_envvar=True, default=DEFAULT_MODEL, show_default=True,
+                        help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")(f)
+
+
+def engine_options(f):
+    for opt in reversed([
+        click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1)."),
+        click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch threads [default: torch's choice]."),
+        click.option("--kv-cache-mb", type=click.IntRange(min=1), default=DEFAULT_KV_CACHE_MB, show_default=True,
+                     help="KV pool size in MiB (SmolLM2 in float32 needs 360 for one 8192-token sequence)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@contextmanager
+def model_errors():
+    """A model that cannot be used becomes one line (``--model X: why``)."""
+    from pdqueue.models.source import ModelSourceError
+
+    try:
+        yield
+    except ModelSourceError as exc:
+        raise UserError(f"--model {exc.name}: {exc.reason}") from None
+    except (FileNotFoundError, ValueError, NotImplementedError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def check_model(model: str) -> None:
+    """Fail in milliseconds, before torch is imported or anything started, when ``model``
+    names no usable model (pdqueue.models.source reads a few bytes, without torch)."""
+    from pdqueue.models.source import resolve_model_path
+
+    with model_errors():
+        resolve_model_path(model)
+
+
+def check_kv_pool(model: str, config) -> None:
+    """Before loading the weights: an error when the pool cannot hold one KV block, a
+    warning when it cannot hold one sequence of the model's whole context."""
+    from pdqueue.models.loader import model_config_for
+
+    with model_errors():
+        model_config = model_config_for(model)
+    try:
+        shortfall = config.pool_shortfall(model_config)
+    except ValueError as exc:
+        raise UserError(f"--kv-cache-mb: {exc}") from None
+    if shortfall:
+        click.secho(f"warning: --kv-cache-mb: {shortfall}", fg="yellow", err=True)
+
+
+def load(model: str, device: str, dtype: str):
+    """Load a model with a progress line on stderr (dequantizing takes a while)."""
+    import torch  # noqa: F401  (imported here so that `pdqueue --help` stays fast)
+
+    from pdqueue.engine.kv_cache import dtype_from_name
+    from pdqueue.models.loader import load_model
+
+    click.secho(f"loading {model} on {device} ({dtype}) ...", fg="cyan", err=True)
+    started = time.perf_counter()
+    with model_errors():
+        loaded = load_model(model, device=device, dtype=dtype_from_name(dtype))
+    click.secho(f"loaded in {time.perf_counter() - started:.1f}s", fg="cyan", err=True)
+    return loaded
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available on this machine")
+
+
+class Group(click.Group):
+    """Usage errors (a bad option, a missing argument) as one red line and exit status 1,
+    like every other user error, instead of click's usage block and status 2."""
+
+    group_class = type  # subgroups (``bench``) are of this class too
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as exc:
+            raise _usage_error(exc) from None
+
+
+def _usage_error(exc: click.UsageError) -> UserError:
+    where = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+    return UserError(f"{exc.format_message()}{where}")
+
+
+# ---- where the cluster is ----------------------------------------------------------------
+
+def resolve_target(redis_url: str | None, cluster: str | None) -> Target:
+    """``pdqueue.discovery.resolve`` with errors as one line; the source names the option
+    or the environment variable the URL came from."""
+    from pdqueue.keys import Keys
+
+    try:
+        target = resolve(redis_url, cluster)
+    except DiscoveryError as exc:
+        raise UserError(str(exc)) from None
+    if redis_url:
+        target = dataclasses.replace(target, source=_source_of("redis_url", "--redis-url", "PDQ_REDIS_URL"))
+    try:
+        Keys(target.cluster)
+    except ValueError as exc:
+        raise UserError(f"--cluster: {exc}") from None
+    return target
+
+
+def _source_of(param: str, option: str, envvar: str) -> str:
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(param) if ctx is not None else None
+    return envvar if source is click.core.ParameterSource.ENVIRONMENT else option
+
+
+def connect(target: Target):
+    """A redis-py client that answered PING; one clear error line otherwise."""
+    import redis
+
+    try:
+        r = redis.Redis.from_url(target.url, socket_connect_timeout=3, socket_timeout=10)
+        r.ping()
+        return r
+    except (redis.RedisError, ValueError, OSError) as exc:
+        hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"
+                if target.source == SOURCE_DEFAULT else "")
+        reason = str(exc).rstrip(".")
+        raise UserError(f"cannot reach Redis at {target.url} ({target.source}): {reason}{hint}") from None
+
+
+def target_options(f):
+    f = click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default=None,
+                     help="pdqueue cluster name [default: that of the running `pdqueue up` (several: "
+                          "default), else default].")(f)
+    return click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
+                        help="Redis of the cluster [default: the running `pdqueue up` of the cluster, "
+                             f"else {DEFAULT_URL}].")(f)
+
+
+def summary(c) -> str:
+    reason = getattr(c.finish_reason, "value", c.finish_reason)
+    return (f"[{c.num_tokens} tokens, finish {reason}, TTFT {c.ttft_ms:.0f} ms, TBT p50 {c.tbt_p50_ms:.1f} ms, "
+            f"e2e {c.e2e_ms:.0f} ms, KV via {c.transfer_path or '-'}]")
+
+
+def rich_console(stderr: bool = False):
+    """A rich console; into a pipe or file it does not wrap lines (rich's default there is 80 columns)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal:
+        console.soft_wrap = True
+        console.width = max(console.width, 160)
+    return console
+
+
+def print_line(console, markup: str) -> None:
+    console.print(markup, highlight=False)
+    console.file.flush()
