@@ -55,7 +55,10 @@ def _cdf(ax, values, label) -> None:
 
 
 def plot_serve(result: dict, directory: Path) -> list[Path]:
-    """TTFT and TBT CDFs per mode (one figure per rate), and goodput against rate."""
+    """TTFT and TBT CDFs per mode (one figure per rate), and goodput against rate; for a
+    phased run, each mode's worker roles and stream backlogs over time instead."""
+    if result.get("phases"):
+        return plot_phases(result, directory)
     plt = _pyplot()
     written = []
     rates = result["rates"]
@@ -92,3 +95,39 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
     return written
+
+
+def plot_phases(result: dict, directory: Path) -> list[Path]:
+    """One row per mode: the number of workers in each role over time (top) and the request
+    and handoff backlogs (bottom), with the phase boundaries marked."""
+    plt = _pyplot()
+    modes = [m for m in result["raw"] if result["raw"][m].get("phases")]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(13, 3.2 * max(1, len(modes))), squeeze=False)
+    bounds, t = [], 0.0
+    for ph in result["phases"]:
+        bounds.append((t, ph["name"]))
+        t += ph["duration_s"]
+    for row, mode in zip(axes, modes):
+        timeline = result["raw"][mode]["phases"]["timeline"]
+        ts = [p["t"] for p in timeline]
+        ax_roles, ax_backlog = row
+        for role in ("prefill", "decode", "colocated"):
+            ax_roles.step(ts, [sum(r == role for r in p["roles"].values()) for p in timeline], where="post",
+                          label=role)
+        ax_backlog.plot(ts, [p["request_backlog"] for p in timeline], label="requests")
+        ax_backlog.plot(ts, [p["handoff_backlog"] for p in timeline], label="handoffs")
+        for ax, what in ((ax_roles, "workers"), (ax_backlog, "entries waiting")):
+            for start, name in bounds:
+                ax.axvline(start, color="grey", linestyle=":")
+                ax.text(start, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", fontsize=8)
+            ax.set_ylabel(what)
+            ax.set_title(mode, fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        ax_backlog.set_xlabel("seconds")
+        ax_roles.set_xlabel("seconds")
+    path = Path(directory) / "serve_phases.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]

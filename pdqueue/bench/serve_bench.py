@@ -65,6 +65,42 @@ class Workload:
 
 
 @dataclass(frozen=True, slots=True)
+class Phase:
+    """A stretch of the load: ``duration_s`` of Poisson arrivals at ``rate`` with this share of
+    long documents. A phased run sends its phases back to back, once per mode."""
+    name: str
+    long_fraction: float
+    rate: float
+    duration_s: float
+
+
+# The two regimes measured on a 2-core machine with SmolLM2: mostly chat favours 1 prefill +
+# 1 decode; half documents saturate one prefill worker, where 2 colocated workers win.
+PHASE_KINDS = {"chat": (0.1, 2.0), "docs": (0.5, 1.0)}
+
+
+def parse_phases(text: str, phase_s: float) -> tuple[Phase, ...]:
+    """``chat,docs,chat`` (kinds of ``PHASE_KINDS``, each ``phase_s`` long), or explicit
+    ``name:long_fraction:rate:seconds`` items."""
+    phases = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        parts = item.split(":")
+        if len(parts) == 1 and item in PHASE_KINDS:
+            phases.append(Phase(item, *PHASE_KINDS[item], phase_s))
+        elif len(parts) == 4:
+            try:
+                phases.append(Phase(parts[0], float(parts[1]), float(parts[2]), float(parts[3])))
+            except ValueError:
+                raise ValueError(f"phase {item!r}: expected name:long_fraction:rate:seconds") from None
+        else:
+            raise ValueError(f"phase {item!r}: expected one of {sorted(PHASE_KINDS)} or name:long_fraction:rate:seconds")
+    for ph in phases:
+        if not (0 <= ph.long_fraction <= 1 and ph.rate > 0 and ph.duration_s > 0):
+            raise ValueError(f"phase {ph.name!r}: long_fraction in [0, 1], rate and seconds > 0")
+    return tuple(phases)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     model: str
     workload: Workload
@@ -80,6 +116,7 @@ class Settings:
     chunk_tokens: int = 256            # colocated-chunked: token budget per step
     kv_cache_mb: int = 256
     drain_timeout_s: float = 180.0     # after the last arrival, unfinished requests are failed
+    phases: tuple[Phase, ...] = ()     # a load that changes (instead of ``rates``)
 
     @classmethod
     def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,
@@ -133,6 +170,7 @@ class Planned:
     kind: str              # "short" | "long"
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    phase: int = -1        # index into Settings.phases, in a phased run
 
 
 def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Planned]:
@@ -146,6 +184,23 @@ def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) ->
         prompt = tuple(rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*prompt_range)))
         out.append(Planned(at, kind, prompt, rng.randint(*output_range)))
         at += rng.expovariate(rate)
+    return out
+
+
+def plan_phases(settings: Settings) -> list[Planned]:
+    """The seeded request list of a phased run: each phase's Poisson arrivals over its
+    duration, its own share of documents, one after the other (the same for every mode)."""
+    w, out, start = settings.workload, [], 0.0
+    for index, ph in enumerate(settings.phases):
+        rng = random.Random(f"{settings.seed}/phase{index}/{ph.name}")
+        at = rng.expovariate(ph.rate)
+        while at < ph.duration_s:
+            kind = "long" if rng.random() < ph.long_fraction else "short"
+            prompt_range, output_range = w.ranges(kind)
+            prompt = tuple(rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*prompt_range)))
+            out.append(Planned(start + at, kind, prompt, rng.randint(*output_range), index))
+            at += rng.expovariate(ph.rate)
+        start += ph.duration_s
     return out
 
 
@@ -284,7 +339,13 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
             result["raw"][mode] = raw
     finally:
         server.stop()
-    result["claim"] = claim(result)
+    if settings.phases:
+        result["rates"] = []
+        result["phases"] = [{"name": p.name, "long_fraction": p.long_fraction, "rate": p.rate,
+                             "duration_s": p.duration_s} for p in settings.phases]
+        result["claim"] = phase_claim(result)
+    else:
+        result["claim"] = claim(result)
     return result
 
 
@@ -308,6 +369,20 @@ async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progr
         by_rate["idle_overhead_ms"] = summary(idle)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True)) as bar:
+            if settings.phases:
+                plan = plan_phases(settings)
+                task = bar.add_task(f"{mode}: {'/'.join(p.name for p in settings.phases)}", total=len(plan))
+                timeline: list[dict] = []
+                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline))
+                try:
+                    records = await run_requests(client, plan, settings.drain_timeout_s,
+                                                 on_done=lambda: bar.advance(task))
+                finally:
+                    sampler.cancel()
+                    await asyncio.gather(sampler, return_exceptions=True)
+                by_rate["phases"], raw["phases"] = phase_metrics(records, settings), {"timeline": timeline}
+                by_rate["phases"]["records"] = records
+                return by_rate, raw
             for rate in settings.rates:
                 plan = plan_requests(settings, rate, settings.requests_at(rate))
                 task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
@@ -318,13 +393,63 @@ async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progr
     return by_rate, raw
 
 
+def phase_metrics(records: list[Record], settings: Settings) -> dict:
+    """Figures per phase (goodput at the phase's rate) and over the whole run (requests that
+    met both SLOs per second of arrivals)."""
+    out = {"by_phase": []}
+    for index, ph in enumerate(settings.phases):
+        figures, _ = metrics([r for r in records if r.planned.phase == index], ph.rate, settings)
+        out["by_phase"].append({"name": ph.name, "long_fraction": ph.long_fraction, "rate": ph.rate,
+                                "duration_s": ph.duration_s, **figures})
+    total_s = sum(ph.duration_s for ph in settings.phases)
+    overall, _ = metrics(records, len(records) / total_s if total_s else 0.0, settings)
+    out["overall"] = overall
+    return out
+
+
+async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s: float = 0.5) -> None:
+    """Every ``every_s``: each worker's role and the request and handoff backlogs (acked
+    entries are deleted, so a stream's length is what is still to be done)."""
+    import redis.asyncio
+
+    from pdqueue.keys import Keys
+
+    keys = Keys(cluster)
+    start = time.perf_counter()
+    r = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        while True:
+            try:
+                worker_keys = [k async for k in r.scan_iter(match=keys.worker("*"), count=200)]
+                roles = {}
+                for k in worker_keys:
+                    role = await r.hget(k, "role")
+                    if role:
+                        roles[k.rsplit(":", 1)[-1]] = role
+                requests = sum([await r.xlen(s) for s in keys.request_streams])
+                handoff_keys = [k async for k in r.scan_iter(match=keys.handoff + "*", count=200)]
+                handoffs = sum([await r.xlen(k) for k in handoff_keys])
+                timeline.append({"t": round(time.perf_counter() - start, 2), "roles": roles,
+                                 "request_backlog": requests, "handoff_backlog": handoffs})
+            except redis.RedisError:
+                pass
+            await asyncio.sleep(every_s)
+    finally:
+        await r.aclose()
+
+
 def _key(rate: float) -> str:
     return f"{rate:g}"
 
 
 def _pool_rates(by_rate: dict, raw: dict, settings: Settings) -> dict:
-    """Mode-level figures pool the requests of every rate; ``by_rate`` keeps each rate."""
+    """Mode-level figures pool the requests of every rate; ``by_rate`` keeps each rate. A
+    phased run's figures are its overall ones, with ``by_phase``."""
     idle = by_rate.pop("idle_overhead_ms")
+    if "phases" in by_rate:
+        phases = by_rate.pop("phases")
+        phases.pop("records")
+        return {**phases["overall"], "by_phase": phases["by_phase"], "idle_overhead_ms": idle, "by_rate": {}}
     records = [r for figures in by_rate.values() for r in figures.pop("records")]
     mean_rate = sum(settings.rates) / len(settings.rates)
     pooled, _ = metrics(records, mean_rate, settings)
@@ -359,7 +484,58 @@ def _workload_dict(settings: Settings) -> dict:
             "sampling": "greedy, ignore_eos"}
 
 
+def phase_claim(result: dict) -> dict:
+    """The adaptive mode's targets (where it ran): in every phase at least 0.9x the best
+    fixed mode's goodput for that phase, and over the whole run at least 1.2x the best
+    single fixed mode's."""
+    modes = result["modes"]
+    if "adaptive" not in modes or len(modes) < 2:
+        return {}
+    fixed = {m: f for m, f in modes.items() if m != "adaptive"}
+    out = {"by_phase": []}
+    for index, ph in enumerate(result["phases"]):
+        best_mode = max(fixed, key=lambda m: fixed[m]["by_phase"][index]["goodput_rps"])
+        best = fixed[best_mode]["by_phase"][index]["goodput_rps"]
+        got = modes["adaptive"]["by_phase"][index]["goodput_rps"]
+        out["by_phase"].append({"phase": ph["name"], "best_fixed": best_mode, "best_fixed_goodput": best,
+                                "adaptive_goodput": got, "ratio": got / best if best else None,
+                                "met": got >= 0.9 * best})
+    best_mode = max(fixed, key=lambda m: fixed[m]["goodput_rps"])
+    best, got = fixed[best_mode]["goodput_rps"], modes["adaptive"]["goodput_rps"]
+    out["overall"] = {"best_fixed": best_mode, "best_fixed_goodput": best, "adaptive_goodput": got,
+                      "ratio": got / best if best else None, "met": got >= 1.2 * best}
+    return out
+
+
+def format_phase_table(result: dict) -> str:
+    slo = result["slo"]
+    lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
+             f"phases " + ", ".join(f"{p['name']} ({p['long_fraction']:.0%} documents, {p['rate']:g} req/s, "
+                                      f"{p['duration_s']:g} s)" for p in result["phases"]),
+             f"{'mode':<25}{'phase':>8}{'done':>8}  {'TTFT p50/p99 ms':>16}  {'tok0->1 p50/p99':>16}"
+             f"  {'TBT p50/p99 ms':>15}{'goodput':>9}{'attain':>8}"]
+    for mode, pooled in result["modes"].items():
+        for f in pooled["by_phase"] + [dict(pooled, name="all")]:
+            t, g, b = f["ttft_ms"], f["gap01_ms"], f["tbt_ms"]
+            lines.append(f"{mode:<25}{f['name']:>8}{f['completed']:>4}/{f['requests']:<3}  "
+                         f"{t['p50']:>7.0f} {t['p99']:>7.0f}  {g['p50']:>7.0f} {g['p99']:>7.0f}  "
+                         f"{b['p50']:>6.0f} {b['p99']:>7.0f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}")
+    c = result.get("claim") or {}
+    for entry in c.get("by_phase", []):
+        lines.append(f"adaptive in {entry['phase']}: {entry['adaptive_goodput']:.2f} req/s against the best fixed "
+                     f"({entry['best_fixed']}) {entry['best_fixed_goodput']:.2f}: "
+                     f"{(entry['ratio'] or 0):.2f}x (target >= 0.9x: {'met' if entry['met'] else 'NOT met'})")
+    if "overall" in c:
+        o = c["overall"]
+        lines.append(f"adaptive overall: {o['adaptive_goodput']:.2f} req/s against the best fixed ({o['best_fixed']}) "
+                     f"{o['best_fixed_goodput']:.2f}: {(o['ratio'] or 0):.2f}x (target >= 1.2x: "
+                     f"{'met' if o['met'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
+    if result.get("phases"):
+        return format_phase_table(result)
     slo = result["slo"]
     lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
              f"workload {result['workload']}",

@@ -181,6 +181,12 @@ def bench_transfer(as_json, quick, repeats, out, check):
               help="TTFT SLO (default: per model).")
 @click.option("--slo-tbt-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="SLO on each request's p90 time between tokens (default: per model).")
+@click.option("--phases", default=None,
+              help="A load that changes, instead of --rates: phases sent back to back, each a kind "
+                   "(chat: 10%% documents at 2 req/s; docs: 50%% at 1 req/s) or name:long_fraction:rate:seconds; "
+                   "e.g. chat,docs,chat.")
+@click.option("--phase-s", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help="Seconds of each phase given by kind.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
               help="Requests sent (and not counted) before each mode's first rate.")
@@ -188,8 +194,8 @@ def bench_transfer(as_json, quick, repeats, out, check):
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
-def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms, seed,
-                warmup, chunk_tokens, as_json, out):
+def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms, phases,
+                phase_s, seed, warmup, chunk_tokens, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores."""
     from pdqueue.bench import plots, serve_bench
@@ -199,8 +205,12 @@ def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_
     unknown = [m for m in mode_list if m not in serve_bench.MODES]
     if unknown:
         raise UserError(f"unknown mode(s) {unknown}; expected some of {list(serve_bench.MODES)}")
+    try:
+        phase_list = serve_bench.parse_phases(phases, phase_s) if phases else ()
+    except ValueError as exc:
+        raise UserError(f"--phases: {exc}") from None
     settings = serve_bench.Settings.for_model(
-        model, modes=mode_list, rates=_csv(rates, float, "--rates"), duration_s=duration,
+        model, modes=mode_list, phases=phase_list, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens)
     try:

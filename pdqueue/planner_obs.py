@@ -1,0 +1,175 @@
+"""The planner's eyes: one ``Observation`` of a pdqueue cluster, read from Redis.
+
+``observe(r, keys)`` reads, and only reads (the same sources as ``pdqueue status``):
+- the ``worker:<id>`` heartbeats (``pdqueue.queue.registry.list_workers``): role, node,
+  incarnation, and from ``load`` running/waiting/backlog/fetching/kv_free/kv_total, plus
+  what switchable workers add: ``role_epoch`` (missing: 0), ``switchable`` (missing:
+  False), and optionally ``step_ms`` (recent engine step time at ``running``) and
+  ``role_since_ms`` (when the worker took its current role). Those may sit in ``load``
+  (what ``Heartbeat.update(role_epoch=...)`` writes) or as top-level hash fields;
+  ``load`` wins;
+- XINFO GROUPS of the request streams (group ``prefill``) and of the handoff streams
+  (``handoff`` and ``handoff:<node>`` for every node named by a heartbeat; group
+  ``decode``): lag (entries not yet delivered; the stream length when the group does not
+  exist yet) and pending (delivered, not acknowledged);
+- the ``done`` entries of the last ``window_s`` seconds (at most ``done_limit``, newest
+  first), parsed with ``pdqueue.protocol.parse_result``; malformed ones are skipped.
+
+Times: ``now`` (Unix seconds) defaults to the Redis server's clock, the clock of the
+stream entry ids, so the window and the completions' finish times agree.
+
+Imports redis and pdqueue.keys/protocol/queue.registry/planner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.planner import CompletionObs, Observation, WorkerObs
+from pdqueue.protocol import ProtocolError, ResultType, parse_result
+from pdqueue.queue.registry import list_workers
+
+DONE_LIMIT = 2000
+_LAG_COUNT_LIMIT = 10000
+
+
+def _s(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(float(_s(value)))
+    except (TypeError, ValueError):
+        return default
+
+
+def _float(value: Any) -> float | None:
+    try:
+        out = float(_s(value))
+    except (TypeError, ValueError):
+        return None
+    return out if out == out else None  # NaN -> None
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value != 0
+    return _s(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _field(w: dict, name: str) -> Any:
+    load = w.get("load") or {}
+    if isinstance(load, dict) and name in load:
+        return load[name]
+    return w.get(name)
+
+
+def worker_obs(w: dict, now_ms: int) -> WorkerObs:
+    """A ``list_workers`` dict as a ``WorkerObs``."""
+    load = w.get("load") if isinstance(w.get("load"), dict) else {}
+    kv_total = load.get("kv_total")
+    kv_free = load.get("kv_free")
+    since_ms = _float(_field(w, "role_since_ms"))
+    step_ms = _float(_field(w, "step_ms"))
+    beat_ms = _int(w.get("beat_ms"), now_ms) or now_ms
+    return WorkerObs(
+        worker_id=w["worker_id"], role=_s(w.get("role", "")),
+        role_epoch=_int(_field(w, "role_epoch"), 0),
+        switchable=_bool(_field(w, "switchable") or False),
+        running=_int(load.get("running")), waiting=_int(load.get("waiting")),
+        backlog=_int(load.get("backlog")), fetching=_int(load.get("fetching")),
+        kv_free=None if kv_free is None else _int(kv_free),
+        kv_total=None if kv_total is None else _int(kv_total),
+        node=_s(w.get("node", "")), incarnation=_s(w.get("incarnation", "")),
+        beat_age_s=max(0, now_ms - beat_ms) / 1000.0,
+        step_ms=step_ms if step_ms and step_ms > 0 else None,
+        role_since=None if since_ms is None else since_ms / 1000.0)
+
+
+def group_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
+    """(lag, pending) of ``group`` on ``stream``; (0, 0) when the stream does not exist,
+    (length, 0) when the group does not exist yet."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such key
+        return 0, 0
+    for g in groups:
+        if _s(g.get("name", "")) != group:
+            continue
+        pending = _int(g.get("pending"))
+        lag = g.get("lag")
+        if lag is None:  # Redis < 7, or deletions it cannot account for: count what is undelivered
+            last_id = _s(g.get("last-delivered-id", "0-0"))
+            lag = len(r.xrange(stream, f"({last_id}", "+", count=_LAG_COUNT_LIMIT))
+        return _int(lag), pending
+    return int(r.xlen(stream)), 0
+
+
+def completion_obs(entry_id: Any, fields: dict) -> CompletionObs | None:
+    """A ``done`` stream entry as a ``CompletionObs``; None if malformed or not a done entry."""
+    try:
+        event = parse_result(entry_id, fields)
+    except ProtocolError:
+        return None
+    c = event.completion
+    if event.type is not ResultType.DONE or c is None:
+        return None
+    try:
+        finish_ms = int(_s(entry_id).split("-")[0])
+    except ValueError:
+        return None
+    return CompletionObs(
+        finish_time=finish_ms / 1000.0, ttft_ms=c.ttft_ms, tbt_p50_ms=c.tbt_p50_ms,
+        tbt_max_ms=c.tbt_max_ms, num_prompt_tokens=c.num_prompt_tokens,
+        num_output_tokens=len(c.token_ids), prefill_ms=c.prefill_ms, decode_ms=c.decode_ms,
+        queue_ms=c.queue_ms, e2e_ms=c.e2e_ms, transfer_path=c.transfer_path,
+        prefill_worker=c.prefill_worker, decode_worker=c.decode_worker,
+        finish_reason=c.finish_reason.value, request_id=c.request_id)
+
+
+def server_time(r: redis.Redis) -> float:
+    seconds, micros = r.time()
+    return int(seconds) + int(micros) / 1e6
+
+
+def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: float = 60.0, *,
+            done_limit: int = DONE_LIMIT) -> Observation:
+    """One ``Observation`` of the cluster (see the module docstring). Raises redis errors."""
+    if now is None:
+        now = server_time(r)
+    now_ms = int(now * 1000)
+    workers = tuple(worker_obs(w, now_ms) for w in list_workers(r, keys))
+
+    request_lag = request_pending = 0
+    for stream in keys.request_streams:
+        lag, pending = group_backlog(r, stream, PREFILL_GROUP)
+        request_lag += lag
+        request_pending += pending
+    handoff_lag = handoff_pending = 0
+    nodes = sorted({w.node for w in workers if w.node})
+    for stream in [keys.handoff, *(keys.handoff_node(n) for n in nodes)]:
+        lag, pending = group_backlog(r, stream, DECODE_GROUP)
+        handoff_lag += lag
+        handoff_pending += pending
+
+    since_ms = max(0, now_ms - int(window_s * 1000))
+    entries = r.xrevrange(keys.done, str(now_ms), f"{since_ms}-0", count=done_limit)
+    completions = []
+    for entry_id, fields in entries:
+        c = completion_obs(entry_id, fields)
+        if c is not None and c.finish_time <= now + 1e-3:
+            completions.append(c)
+    completions.sort(key=lambda c: c.finish_time)
+    return Observation(time=now, workers=workers, request_lag=request_lag,
+                       request_pending=request_pending, handoff_lag=handoff_lag,
+                       handoff_pending=handoff_pending, completions=tuple(completions),
+                       window_s=window_s)
+
+
+__all__ = ["DONE_LIMIT", "completion_obs", "group_backlog", "observe", "server_time", "worker_obs"]
