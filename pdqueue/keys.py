@@ -17,6 +17,9 @@ on Redis Cluster.
 | ``worker:<id>``        | hash, TTL (heartbeat)    | each worker         | everyone           |
 | ``cancel:<request_id>``| string, TTL              | producers           | workers            |
 | ``seen:<request_id>``  | string, TTL              | prefill             | prefill            |
+| ``control:<worker_id>``| stream, TTL              | planners, operators | that worker        |
+| ``events``             | stream, trimmed          | workers, planners   | operators, status  |
+| ``plan``               | hash                     | the planner         | actuators, status  |
 
 Imports nothing but the standard library.
 """
@@ -38,6 +41,9 @@ SEEN_TTL_S = 86400
 """How long a request id is remembered for idempotency (a repeated id is not run twice)."""
 DONE_MAXLEN = 10000
 DEAD_MAXLEN = 10000
+EVENTS_MAXLEN = 10000
+CONTROL_TTL_S = 3600
+"""A worker's command stream lives this long after the last command sent to it."""
 """``done`` and ``dead`` are trimmed approximately (``XADD MAXLEN ~``) to about this many."""
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -121,3 +127,18 @@ class Keys:
         a redelivery of that same entry (after a crash) proceeds, another entry with the
         same request id is a duplicate and is not run."""
         return f"{self.prefix}seen:{request_id}"
+
+    # -- control: role switching and the planner (pdqueue/control.py) ----------------------
+    def control(self, worker_id: str) -> str:
+        """Commands to one worker (``switch``); it reads and deletes them."""
+        return f"{self.prefix}control:{worker_id}"
+
+    @property
+    def events(self) -> str:
+        """What workers and planners did: switch requested, refused, done; plan decisions."""
+        return self.prefix + "events"
+
+    @property
+    def plan(self) -> str:
+        """The planner's desired worker counts per role, with its reason (a hash)."""
+        return self.prefix + "plan"
