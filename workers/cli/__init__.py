@@ -8,6 +8,7 @@ drives); none imports this module or another command module.
 
 - ``run``: `generate`, `worker ROLE`
 - ``cluster``: `submit`, `status` (``status_view`` collects and draws the snapshot)
+- ``plan``: `plan` (the planner's recommendation; ``--apply`` switches roles)
 - ``up``: `up` (``local_cluster`` is the supervisor behind it)
 - ``bench``: `bench engine|transfer|serve`
 - ``server``: `redis-server`
@@ -22,6 +23,7 @@ import click
 from workers.cli.bench import bench
 from workers.cli.cluster import status, submit
 from workers.cli.common import Group
+from workers.cli.plan import plan
 from workers.cli.run import generate, worker
 from workers.cli.server import redis_server
 from workers.cli.up import up
@@ -33,7 +35,7 @@ def cli():
     """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
 
 
-for command in (up, submit, status, generate, worker, bench, redis_server):
+for command in (up, submit, status, plan, generate, worker, bench, redis_server):
     cli.add_command(command)
 
 

@@ -1,0 +1,94 @@
+"""`pdqueue plan`: what split of roles the planner recommends for a cluster, and why; with
+``--apply`` it also switches the workers (as ``up --adapt`` does). Never imports torch."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import click
+
+from workers.cli.common import UserError, connect, resolve_target, target_options
+
+
+def planner_options(f):
+    """The planner's settings, shared by `plan` and `up --adapt`."""
+    for opt in reversed([
+        click.option("--mode", "plan_mode", type=click.Choice(["reactive", "predictive"]), default="reactive",
+                     show_default=True, help="reactive: SLO breaches and backlog, one step at a time; "
+                                             "predictive: demand over measured capacity."),
+        click.option("--ttft-slo-ms", type=click.FloatRange(min=1), default=4000.0, show_default=True,
+                     help="Time-to-first-token target."),
+        click.option("--tbt-slo-ms", type=click.FloatRange(min=1), default=250.0, show_default=True,
+                     help="Target for each request's p90 time between tokens."),
+        click.option("--dwell-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                     help="A worker is not switched again sooner than this."),
+        click.option("--cooldown-s", type=click.FloatRange(min=0), default=10.0, show_default=True,
+                     help="At least this long between decisions that switch someone."),
+        click.option("--window-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
+                     help="Completions older than this are not looked at."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
+    from pdqueue.planner import PlannerConfig
+
+    try:
+        return PlannerConfig(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, mode=plan_mode, min_dwell_s=dwell_s,
+                             cooldown_s=cooldown_s, window_s=window_s,
+                             move_timeout_s=max(60.0, 3 * dwell_s))
+    except ValueError as exc:
+        raise UserError(f"planner: {exc}") from None
+
+
+@click.command()
+@target_options
+@planner_options
+@click.option("--apply", is_flag=True, help="Send the switch commands (otherwise only recommend).")
+@click.option("--watch", is_flag=True, help="Keep deciding every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=1.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per decision.")
+def plan(redis_url, cluster, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, apply, watch,
+         interval, as_json):
+    """Recommend how many workers of each role the cluster should run, and why (from its
+    heartbeats, stream backlogs and recent completions). The desired counts also go to the
+    `plan` hash in Redis for external actuators. With --apply, switch the roles of workers
+    started with --switchable."""
+    from pdqueue.adapter import Adapter
+    from pdqueue.keys import Keys
+
+    target = resolve_target(redis_url, cluster)
+    r = connect(target)
+    config = planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s)
+    adapter = Adapter(r, Keys(target.cluster), config, name="pdqueue-plan", dry_run=not apply)
+    stop = threading.Event()
+    try:
+        while True:
+            decision = adapter.tick()
+            _show(decision, as_json, apply)
+            if not watch:
+                return
+            stop.wait(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+def _show(decision, as_json: bool, applied: bool) -> None:
+    counts = ", ".join(f"{n} {role}" for role, n in decision.counts.items() if n)
+    if as_json:
+        click.echo(json.dumps({"time": decision.time, "action": decision.action, "counts": decision.counts,
+                               "moves": [vars_of(m) for m in decision.moves], "reason": decision.reason,
+                               "signals": decision.signals, "applied": applied}))
+        return
+    stamp = time.strftime("%H:%M:%S")
+    moves = "; ".join(str(m) for m in decision.moves)
+    click.echo(f"{stamp} {decision.action}: {counts or 'no workers'}" + (f"  [{moves}]" if moves else ""))
+    click.echo(f"  {decision.reason}")
+
+
+def vars_of(move) -> dict:
+    return {"worker_id": move.worker_id, "from": move.from_role, "to": move.to_role,
+            "expected_epoch": move.expected_epoch}
