@@ -507,9 +507,10 @@ def parse_result(entry_id: str | bytes, fields: Mapping) -> ResultEvent:
 # Handoff (prefill -> decode; internal, msgpack)
 # ---------------------------------------------------------------------------------------
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Handoff:
-    """What a decode worker needs to continue a request a prefill worker started.
+    """What a decode worker needs to continue a request a prefill worker started. Frozen: a
+    decode worker that resumes or recomputes one makes a new one (``dataclasses.replace``).
 
     ``ticket`` (opaque here, see ``transfer/``) names where the KV lives and until when it
     is leased; None means no KV is offered and the receiver recomputes from

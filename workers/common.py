@@ -1,5 +1,5 @@
-"""What every worker process shares: its identity, its configuration, stopping on signals.
-(Retrying Redis with capped backoff is ``pdqueue.retry.Backoff``.)
+"""Small things every worker module uses: the configuration, identities, stopping on
+signals, periodic timers. (Retrying Redis with capped backoff is ``pdqueue.retry.Backoff``.)
 
 A first SIGTERM/SIGINT asks for a warm stop (finish what is in hand, take nothing new); a
 second one asks for a cold stop (leave now; unfinished work stays pending in Redis and is
@@ -71,6 +71,29 @@ class StopFlag:
 
 def now_ms() -> float:
     return time.time() * 1000.0
+
+
+class Every:
+    """A timer for periodic chores: ``due()`` is True at most once per ``seconds``."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._last = float("-inf")
+
+    def due(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if not force and now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
+
+
+def tbt_stats(times_ms: list[float]) -> tuple[float, float]:
+    """Median and largest gap between consecutive token times."""
+    gaps = sorted(b - a for a, b in zip(times_ms, times_ms[1:]))
+    if not gaps:
+        return 0.0, 0.0
+    return gaps[len(gaps) // 2], gaps[-1]
 
 
 def setup_logging(level: str = "INFO") -> None:

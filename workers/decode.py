@@ -1,108 +1,129 @@
-"""The decode worker: handoffs in, tokens and completions out, continuous batching.
+"""The decode role: handoffs in, tokens and completions out, continuous batching.
 
-Lifecycle of a request here: ``handoff:<own node>`` then ``handoff`` (group ``decode``) ->
-taken only when there is room (batch slot and blocks for the whole sequence) -> blocks
-reserved -> KV fetched by the fetch thread (shm when the ticket's node is ours, else the
-sender's TCP data wire, else ZeroMQ), off the step loop -> admitted into the running batch
-at the next step boundary (or this one, when the fetch lands within a short grace) -> every
-token streamed to ``out:<id>`` through the publisher (never blocks the step) -> on finish
-one MULTI/EXEC writes the ``done`` entry, the ``done`` notification and acknowledges the
-handoff.
+A request here, from handoff to done. Each handoff in hand is one ``Job`` in ``jobs`` (by
+request id), and its ``state`` says where it is:
 
-A handoff whose KV cannot be fetched (prefill worker dead, lease expired, stale
-incarnation) or that carries no ticket is recomputed here from its prompt and the tokens
-generated so far; the stream continues at the next index.
+    accept      handoff:<own node>, then handoff (group decode) -> BACKLOG
+                (a handoff that cannot run is dead-lettered; one taken over from another
+                worker first catches up with what out:<id> shows, see ``catch_up``)
+    start       BACKLOG -> FETCHING: once the engine can reserve blocks for the whole
+                sequence and a batch slot; the fetch thread copies the KV in (shm when the
+                ticket's node is ours, else the sender's TCP data wire, else ZeroMQ)
+                BACKLOG -> RUNNING by ``recompute`` when there is no ticket
+                BACKLOG -> answered (done: expired, cancelled) before any work
+    fetched     FETCHING -> RUNNING: the sequence joins the running batch at a step
+                boundary (the prompt's KV is in place; the first decode step computes the
+                first token's); a failed fetch -> ``recompute``
+    recompute   -> RUNNING: the engine prefills prompt + tokens so far and sampling goes on
+                at the next index (same seed); after max_attempts -> answered (error)
+    finish      RUNNING -> answered: the last token and done, in one unit (once: ack_and_write)
+    stop        RUNNING -> answered (done: cancelled, expired; checked every ~100 ms)
+    drop        any state -> gone, unanswered: another worker took the entry over
+
+Every token goes to out:<id> through the publisher, so a step never waits on Redis.
+
+Admission happens at step boundaries (``step``): take every handoff there is room for,
+start its fetch before the step, and give the fetches just started a short grace
+(``admit_grace_s``) so fast ones (shm: a few ms) join this very step; slower ones join at
+the next boundary while the step runs. A warm stop takes nothing new and finishes what
+is in hand.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import time
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 
-from pdqueue import keys as K
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
+from pdqueue.keys import DECODE_GROUP
 from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff
-from pdqueue.transfer.errors import TransferError
-from pdqueue.transfer.node import node_id
 from pdqueue.transfer.receiver import KVReceiver
-from workers.base import WorkerBase, tbt_stats
-from workers.common import WorkerConfig, now_ms
+from workers.common import Every, WorkerConfig, now_ms, tbt_stats
+from workers.fetch import FetchOutcome, Fetcher
+from workers.role import IDLE_BLOCK_MS, Role
+from workers.shell import WorkerShell
 
 log = logging.getLogger("pdqueue.decode")
 
-READ_LIMIT = 16  # handoffs taken per step boundary at most (each still needs room to start)
+READ_LIMIT = 16        # handoffs taken per step boundary at most (each still needs room to start)
+CHECK_EVERY_S = 0.1    # cancel keys and deadlines of the running requests
+FETCH_WAIT_S = 0.05    # nothing to step: wait this long for a fetch to land
+
+
+class JobState(Enum):
+    BACKLOG = "backlog"     # taken from Redis, waiting for room
+    FETCHING = "fetching"   # blocks reserved, the fetch thread copies its KV
+    RUNNING = "running"     # in the engine
 
 
 @dataclass(slots=True)
 class Job:
+    """A handoff in hand. Touched by the loop's thread only."""
     stream: str
     entry_id: str
-    handoff: Handoff
+    handoff: Handoff                    # frozen: resume and recompute replace it
     params: SamplingParams
     read_ms: float
-    seq: Sequence | None = None
-    transfer_ms: float = 0.0
-    transfer_bytes: int = 0
-    transfer_path: str = ""
-    error: str | None = None
+    state: JobState = JobState.BACKLOG
+    seq: Sequence | None = None         # its reserved blocks, while FETCHING
+    kv: FetchOutcome = FetchOutcome()   # how its KV got here
     admitted_ms: float = 0.0
-    fetched_ms: float = 0.0     # KV in place (fetch finished, or recompute admitted)
     token_times_ms: list[float] = field(default_factory=list)
 
+    @property
+    def request_id(self) -> str:
+        return self.handoff.request.id
 
-class DecodeWorker(WorkerBase):
-    role = "decode"
 
-    def __init__(self, config: WorkerConfig, loaded):
-        super().__init__(config, loaded)
-        self.node = node_id()
-        self.engine = LLMEngine(loaded, config.engine)
-        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, self.node,
-                                   mode=config.transfer, timeout_s=config.fetch_timeout_s)
+class DecodeRole(Role):
+    name = "decode"
+    group = DECODE_GROUP
+
+    def start(self, shell) -> None:
+        self.shell = shell
+        self.engine = LLMEngine(shell.loaded, shell.config.engine)
+        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node,
+                                   mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s)
+        self.fetcher = Fetcher(self.receiver)
         self.jobs: dict[str, Job] = {}
-        self.backlog: list[Job] = []         # taken from Redis, waiting for room
-        self._to_fetch: queue.Queue = queue.Queue()
-        self._fetched: queue.Queue = queue.Queue()
-        self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-fetch", daemon=True)
-        self._fetching = 0                   # jobs handed to the fetch thread, not yet admitted
-        self._step_s = 0.05                  # moving average of an engine step
-        self._last_check = 0.0
+        self._step_s = 0.05   # moving average of an engine step
+        self._check = Every(CHECK_EVERY_S)
+        log.info("decode: node %s, transfer %s", shell.node, shell.config.transfer)
 
-    def handoff_streams(self) -> list[str]:
-        return [self.keys.handoff_node(self.node), self.keys.handoff]
+    def streams(self) -> list[str]:
+        return [self.shell.keys.handoff_node(self.shell.node), self.shell.keys.handoff]
 
-    def run(self) -> None:
-        self.ensure_groups()
-        self.start_heartbeat(node=self.node, load=self.load())
-        self.publisher = self.make_publisher()
-        self._fetcher.start()
-        self.accept(self.own_pending(K.DECODE_GROUP, self.handoff_streams()), resumed=True)
-        log.info("decode worker %s ready (node %s, transfer %s)", self.worker_id, self.node, self.config.transfer)
-        try:
-            self.loop(self.iteration)
-        finally:
-            self.teardown()
+    def registration(self) -> dict:
+        return {"node": self.shell.node}
 
-    def iteration(self) -> bool:
-        """One step boundary. Admission runs here, between two engine steps: take every
-        handoff there is room for, reserve its blocks and start its fetch, then give the
-        fetches just started a short grace (``admit_grace_s``) so that fast ones (shm: a few
-        ms) join this very step; slower ones join at the next boundary while the step runs."""
+    def load(self) -> dict:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "fetching": self.fetcher.in_flight, "backlog": len(self.in_state(JobState.BACKLOG)),
+                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks}
+
+    def held(self) -> dict[str, tuple[str, str]]:
+        return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
+
+    def in_state(self, state: JobState) -> list[Job]:
+        return [job for job in self.jobs.values() if job.state is state]
+
+    # ---- one step boundary ---------------------------------------------------------------
+    def step(self) -> bool:
         self.admit_fetched()
-        idle = not self.engine.has_unfinished and not self.jobs
-        if not self.stop.warm.is_set():
-            if not self.backlog and self.has_room():
-                self.take_handoffs(block_ms=100 if idle else 0)
-        elif idle and not self.backlog:
+        started = len(self.jobs) - len(self.in_state(JobState.BACKLOG))
+        idle = not self.engine.has_unfinished and not started
+        if self.shell.accepting:
+            room = min(READ_LIMIT, self.shell.config.engine.max_num_seqs - started)
+            if started == len(self.jobs) and room > 0 and self.engine.block_manager.num_free_blocks > 0:
+                self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0)
+        elif not self.engine.has_unfinished and not self.jobs:
             return False
-        started = self.start_backlog()
-        if started and self.engine.has_unfinished:
+        if self.start_backlog() and self.engine.has_unfinished:
             self.admit_fetched(wait_s=self.admit_grace_s())
         self.housekeeping()
         if self.engine.has_unfinished:
@@ -110,11 +131,10 @@ class DecodeWorker(WorkerBase):
             outputs = self.engine.step()
             self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - t0)
             self.publish(outputs)
-        elif self.config.burst and not self.jobs and not self.backlog:
+        elif self.shell.config.burst and not self.jobs:
             return False
-        elif self._fetching:
-            self.admit_fetched(wait_s=0.05)  # nothing to step: wait for a fetch to land
-        self.heartbeat.update(**self.load())
+        elif self.fetcher.in_flight:
+            self.admit_fetched(wait_s=FETCH_WAIT_S)
         return True
 
     def admit_grace_s(self) -> float:
@@ -123,256 +143,175 @@ class DecodeWorker(WorkerBase):
         step waits a whole step more, while the batch pays this once)."""
         return min(0.025, max(0.002, 0.25 * self._step_s))
 
-    def load(self) -> dict:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "fetching": self._fetching, "backlog": len(self.backlog),
-                "kv_free": self.engine.block_manager.num_free_blocks,
-                "kv_total": self.engine.layout.num_blocks}
-
-    def has_room(self) -> bool:
-        return (len(self.jobs) < self.config.engine.max_num_seqs
-                and self.engine.block_manager.num_free_blocks > 0)
-
-    # ---- taking handoffs -------------------------------------------------------------
-    def take_handoffs(self, block_ms: int) -> None:
-        held = {job.entry_id for job in self.jobs.values()} | {job.entry_id for job in self.backlog}
-        lost = self.redelivered(K.DECODE_GROUP, self.handoff_streams(), held)
-        if lost:
-            self.accept(lost, resumed=True)
-            return
-        room = min(READ_LIMIT, self.config.engine.max_num_seqs - len(self.jobs))
-        entries = self.reclaim(K.DECODE_GROUP, self.handoff_streams(), room)
-        resumed = bool(entries)
-        if not entries:
-            entries = self.read(K.DECODE_GROUP, self.handoff_streams(), room, block_ms)
-        self.accept(entries, resumed)
-
-    def accept(self, entries, resumed: bool) -> None:
-        """Queue handoff entries; ``resumed``: taken over from a dead or hung decode worker
-        (or our own previous process), so the answer stream may already hold more tokens."""
-        for stream, entry_id, fields in entries:
-            ops: list = []
-            try:
-                if fields is None:
-                    raise HandoffError("entry was deleted")
-                h = decode_handoff(fields)
-            except HandoffError as exc:
-                self.reject(ops, stream, entry_id, fields, None, f"bad handoff: {exc}", ErrorCode.BAD_REQUEST,
-                            group=K.DECODE_GROUP)
-                self.publisher.submit(ops)
-                continue
-            req = h.request
-            problem = self.check_handoff(h)
-            if problem:
-                ops = []
-                self.reject(ops, stream, entry_id, fields, req.id, f"bad handoff: {problem}", ErrorCode.BAD_REQUEST,
-                            group=K.DECODE_GROUP)
-                self.publisher.submit(ops)
-                continue
-            if resumed and not self.catch_up(h, stream, entry_id):
-                continue
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=h.seed, stop=tuple(req.stop),
-                                    ignore_eos=req.ignore_eos)
-            self.backlog.append(Job(stream, entry_id, h, params, now_ms()))
+    # ---- accept: -> BACKLOG ----------------------------------------------------------------
+    def accept(self, entries: list, resumed: bool) -> None:
+        with self.shell.unit() as unit:
+            for stream, entry_id, fields in entries:
+                try:
+                    if fields is None:
+                        raise HandoffError("entry was deleted")
+                    h = decode_handoff(fields)
+                except HandoffError as exc:
+                    unit.reject(stream, entry_id, fields, None, f"bad handoff: {exc}", ErrorCode.BAD_REQUEST)
+                    continue
+                problem = self.check_handoff(h)
+                if problem:
+                    unit.reject(stream, entry_id, fields, h.request.id, f"bad handoff: {problem}",
+                                ErrorCode.BAD_REQUEST)
+                    continue
+                if h.request.id in self.jobs:   # a second delivery of a request in hand
+                    unit.ack(stream, entry_id, h.request.id)
+                    continue
+                if resumed:
+                    h = self.catch_up(h)
+                    if h is None:   # already answered
+                        unit.ack(stream, entry_id)
+                        continue
+                req = h.request
+                params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                        top_k=req.top_k, seed=h.seed, stop=tuple(req.stop),
+                                        ignore_eos=req.ignore_eos)
+                self.jobs[req.id] = Job(stream, entry_id, h, params, now_ms())
 
     def check_handoff(self, h: Handoff) -> str | None:
         """What makes a (well-formed) handoff impossible to run here, or None."""
-        vocab = self.loaded.config.vocab_size
+        vocab = self.shell.loaded.config.vocab_size
         if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
             return f"token ids beyond the vocabulary ({vocab})"
         if len(h.output_ids) > h.request.max_tokens:
             return "more output tokens than max_tokens"
         return self.engine.check_prompt(len(h.prompt_ids) + len(h.output_ids))
 
-    def catch_up(self, h: Handoff, stream: str, entry_id: str) -> bool:
+    def catch_up(self, h: Handoff) -> Handoff | None:
         """Resume from what ``out:<id>`` already shows: tokens published by the previous
         owner are kept (recompute from prompt + those), so the stream continues at the next
-        index with no gap, no duplicate and no divergence. False if already answered."""
+        index with no gap, no duplicate and no divergence. None if already answered."""
         tokens: dict[int, list[int]] = {}
-        for _eid, fields in self.r.xrange(self.keys.out(h.request.id)):
+        for _eid, fields in self.shell.r.xrange(self.shell.keys.out(h.request.id)):
             kind = fields.get(b"type")
             if kind in (b"done", b"error"):
-                ops: list = []
-                self.add_ack(ops, stream, entry_id, K.DECODE_GROUP)
-                self.publisher.submit(ops)
-                return False
+                return None
             if kind == b"token":
                 tokens[int(fields[b"index"])] = json.loads(fields[b"token_ids"])
         output: list[int] = []
         while len(output) in tokens:
             output += tokens[len(output)]
-        if len(output) > len(h.output_ids):
-            log.info("resuming %s after %d published tokens", h.request.id, len(output))
-            h.output_ids = output
-            h.ticket = None  # the exported KV covers fewer tokens: recompute
-        return True
+        if len(output) <= len(h.output_ids):
+            return h
+        log.info("resuming %s after %d published tokens", h.request.id, len(output))
+        return replace(h, output_ids=output, ticket=None)   # the exported KV covers fewer tokens: recompute
 
+    # ---- start: BACKLOG -> FETCHING | RUNNING | answered -------------------------------------
     def start_backlog(self) -> int:
-        """Reserve blocks for taken handoffs and queue their fetch, while there is room;
-        returns how many fetches it started."""
-        started = 0
-        while self.backlog:
-            job = self.backlog[0]
+        """Start jobs in the order they came while there is room; returns how many fetches
+        it started."""
+        fetches = 0
+        for job in self.in_state(JobState.BACKLOG):
             h = job.handoff
-            if h.request.id in self.jobs:  # a duplicate delivery of a request we run
-                self.backlog.pop(0)
-                ops: list = []
-                self.add_ack(ops, job.stream, job.entry_id, K.DECODE_GROUP)
-                self.publisher.submit(ops)
-                continue
-            num_tokens = len(h.prompt_ids) + len(h.output_ids)
-            if not self.engine.can_reserve(num_tokens + 1):
-                return started
-            self.backlog.pop(0)
-            self.jobs[h.request.id] = job
+            if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1):
+                break
             if h.request.expired(now_ms()):
-                self.finish_early(job, Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids),
-                                  FinishReason.EXPIRED)
-                continue
-            if self.cancelled([h.request.id]):
-                self.finish_early(job, Sequence(h.request.id, h.prompt_ids, job.params, h.output_ids),
-                                  FinishReason.CANCELLED)
-                continue
-            if h.ticket is None:
+                self.answer_done(job, h.output_ids, FinishReason.EXPIRED)
+            elif self.shell.cancelled([h.request.id]):
+                self.answer_done(job, h.output_ids, FinishReason.CANCELLED)
+            elif h.ticket is None:
                 self.recompute(job, "no KV ticket")
-                continue
-            job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids)
-            self._fetching += 1
-            started += 1
-            self._to_fetch.put(job)
-        return started
+            else:
+                job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids)
+                job.state = JobState.FETCHING
+                self.fetcher.submit(job, h.ticket, job.seq.block_table[:len(h.ticket["block_ids"])])
+                fetches += 1
+        return fetches
 
-    def _fetch_loop(self) -> None:
-        while True:
-            job = self._to_fetch.get()
-            if job is None:
-                return
-            try:
-                num_blocks = len(job.handoff.ticket["block_ids"])
-                result = self.receiver.fetch(job.handoff.ticket, job.seq.block_table[:num_blocks])
-                job.transfer_ms = result.seconds * 1e3
-                job.transfer_bytes = result.nbytes
-                job.transfer_path = result.path
-                job.fetched_ms = now_ms()
-            except TransferError as exc:
-                job.error = str(exc)
-            except Exception as exc:  # never let the fetch thread die
-                log.exception("fetch of %s failed", job.handoff.request.id)
-                job.error = f"internal: {exc}"
-            self._fetched.put(job)
-
+    # ---- fetched: FETCHING -> RUNNING | recompute ----------------------------------------
     def admit_fetched(self, wait_s: float = 0.0) -> None:
         """Add every finished fetch to the engine (recompute the failed ones); with
         ``wait_s``, wait up to that long for the fetches still running."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                remaining = deadline - time.monotonic()
-                if self._fetching and remaining > 0:
-                    job = self._fetched.get(timeout=remaining)
-                else:
-                    job = self._fetched.get_nowait()
-            except queue.Empty:
-                return
-            self._fetching -= 1
-            if job.error:
-                log.warning("KV fetch for %s failed (%s): recomputing", job.handoff.request.id, job.error)
+        for job, kv in self.fetcher.collect(wait_s):
+            if self.jobs.get(job.request_id) is not job:   # dropped meanwhile
                 self.engine.unreserve(job.seq)
-                job.seq = None
-                self.recompute(job, job.error)
                 continue
-            job.admitted_ms = now_ms()
-            self.engine.add_prefilled(job.seq)
+            seq, job.seq = job.seq, None
+            if kv.error:
+                log.warning("KV fetch for %s failed (%s): recomputing", job.request_id, kv.error)
+                self.engine.unreserve(seq)
+                self.recompute(job, kv.error)
+                continue
+            job.kv, job.admitted_ms, job.state = kv, now_ms(), JobState.RUNNING
+            self.engine.add_prefilled(seq)
 
+    # ---- recompute: -> RUNNING | answered ------------------------------------------------------
     def recompute(self, job: Job, why: str) -> None:
         h = job.handoff
-        if h.attempt >= self.config.max_attempts:
+        if h.attempt >= self.shell.config.max_attempts:
             del self.jobs[h.request.id]
-            ops: list = []
-            reason = f"gave up after {h.attempt} attempts: {why}"
-            self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP,
-                             self.error_writes(h.request.id, reason, ErrorCode.INTERNAL, len(h.output_ids)))
-            self.publisher.submit(ops)
+            with self.shell.unit() as unit:
+                unit.error(job.stream, job.entry_id, h.request.id, f"gave up after {h.attempt} attempts: {why}",
+                           ErrorCode.INTERNAL, len(h.output_ids))
             return
-        h.attempt += 1
-        job.transfer_path = "recompute"
-        job.admitted_ms = job.fetched_ms = now_ms()
+        job.handoff = replace(h, attempt=h.attempt + 1)
+        t = now_ms()
+        job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
 
-    # ---- cancel, deadlines, ownership ------------------------------------------------
+    # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:
-        """Every ~100 ms: stop cancelled and expired requests; every few seconds: keep our
-        handoff entries from looking idle, and drop those another worker took over."""
-        now = time.monotonic()
-        if now - self._last_check < 0.1:
+        """Every ~100 ms: stop cancelled and expired requests (blocks freed, done published)."""
+        if not self._check.due():
             return
-        self._last_check = now
-        in_engine = set(self.engine.request_ids())
-        running = [rid for rid in self.jobs if rid in in_engine]
-        t = now_ms()
-        stopped = {rid: FinishReason.CANCELLED for rid in self.cancelled(running)}
-        for rid in running:
-            if rid not in stopped and self.jobs[rid].handoff.request.expired(t):
-                stopped[rid] = FinishReason.EXPIRED
-        for rid, reason in stopped.items():
-            self.finish_now(rid, reason)
-        held = {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
-        for rid in self.keep_ownership(held, K.DECODE_GROUP):
-            self.engine.abort(rid)
-            del self.jobs[rid]
+        running = {job.request_id: job.handoff.request for job in self.in_state(JobState.RUNNING)}
+        for rid, reason in self.shell.to_stop(running).items():
+            seq = self.engine.abort(rid, reason.value)
+            self.answer_done(self.jobs[rid], seq.output_ids, reason)
 
-    def finish_now(self, request_id: str, reason: FinishReason) -> None:
-        """End a request early (cancelled, expired): blocks freed, a done entry published."""
-        if request_id not in self.engine.request_ids():
-            return  # still fetching: handled when the fetch completes
-        self.finish_early(self.jobs[request_id], self.engine.abort(request_id, reason.value), reason)
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            job = self.jobs.pop(rid)
+            if job.state is JobState.RUNNING:
+                self.engine.abort(rid)
+            # FETCHING: the blocks go back once the fetch thread is done with them (admit_fetched)
 
-    def finish_early(self, job: Job, seq: Sequence, reason: FinishReason) -> None:
-        """Publish the done entry of a request stopped before its end (the handoff acked)."""
-        del self.jobs[job.handoff.request.id]
-        c = self.completion(job, seq, now_ms(), text=self.tokenizer.decode(seq.output_ids), reason=reason)
-        ops: list = []
-        self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
-        self.publisher.submit(ops)
+    def answer_done(self, job: Job, output_ids, reason: FinishReason) -> None:
+        """A request stopped before its end: done published, the handoff finished."""
+        del self.jobs[job.request_id]
+        c = self.completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason)
+        with self.shell.unit() as unit:
+            unit.done(job.stream, job.entry_id, c)
 
-    # ---- publishing ------------------------------------------------------------------
+    # ---- finish: tokens out, RUNNING -> answered ---------------------------------------------
     def publish(self, outputs) -> None:
-        ops: list = []
         t = now_ms()
-        for out in outputs:
-            job = self.jobs[out.request_id]
-            job.token_times_ms.append(t)
-            self.add_token(ops, out.request_id, out.index, out.token_id, out.text)
-            if out.finished:
-                del self.jobs[out.request_id]
-                c = self.completion(job, out.seq, t, text=out.full_text or "", reason=out.finish_reason)
-                self.add_outcome(ops, job.stream, job.entry_id, K.DECODE_GROUP, self.done_writes(c))
-        if ops:
-            self.publisher.submit(ops)
+        with self.shell.unit() as unit:
+            for out in outputs:
+                job = self.jobs[out.request_id]
+                job.token_times_ms.append(t)
+                unit.token(out.request_id, out.index, out.token_id, out.text)
+                if out.finished:
+                    del self.jobs[out.request_id]
+                    c = self.completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason)
+                    unit.done(job.stream, job.entry_id, c)
 
-    def completion(self, job: Job, seq, t: float, text: str, reason) -> Completion:
+    def completion(self, job: Job, output_ids, t: float, text: str, reason) -> Completion:
         h = job.handoff
         req = h.request
-        times = [h.first_token_ms] + job.token_times_ms
-        p50, pmax = tbt_stats(times)
+        p50, pmax = tbt_stats([h.first_token_ms] + job.token_times_ms)
         second = job.token_times_ms[0] if job.token_times_ms else 0.0
         return Completion(
-            req.id, text, tuple(seq.output_ids), reason,
+            req.id, text, tuple(output_ids), reason,
             num_prompt_tokens=len(h.prompt_ids), ttft_ms=h.first_token_ms - req.enqueued_ms,
             queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
-            transfer_ms=job.transfer_ms, transfer_bytes=job.transfer_bytes,
+            transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
             decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-            prefill_worker=h.prefill_worker, decode_worker=self.worker_id, transfer_path=job.transfer_path,
+            prefill_worker=h.prefill_worker, decode_worker=self.shell.worker_id, transfer_path=job.kv.path,
             handoff_ms=job.read_ms - h.first_token_ms,
-            first_step_ms=second - job.fetched_ms if second else 0.0,
+            first_step_ms=second - job.kv.done_ms if second else 0.0,
             ttst_ms=second - req.enqueued_ms if second else 0.0)
 
-    def teardown(self) -> None:
-        self._to_fetch.put(None)
-        if getattr(self, "publisher", None):
-            self.publisher.close(timeout=10)
+    def close(self) -> None:
+        self.fetcher.close()
         self.receiver.close()
-        if self.heartbeat:
-            self.heartbeat.stop()
-        log.info("decode worker %s stopped", self.worker_id)
+
+
+def DecodeWorker(config: WorkerConfig, loaded) -> WorkerShell:  # noqa: N802 - the name workers/cli.py imports
+    """A worker process running the decode role (``workers.shell.make_worker`` is the new spelling)."""
+    return WorkerShell(config, loaded, DecodeRole())

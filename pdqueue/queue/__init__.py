@@ -1,9 +1,12 @@
-"""The Redis side of pdqueue: stream helpers, the background publisher, the worker
-registry, and a private redis-server for tests and ``pdqueue up``.
+"""The Redis side of pdqueue: making clients (``connect``), stream helpers, exactly-once
+outcomes (``ack_and_write``), the background publisher, the worker registry, and a private redis-server for
+tests and ``pdqueue up``.
 
 Imports redis (never torch).
 """
 
+from pdqueue.queue.connection import connect
+from pdqueue.queue.ownership import Write, ack_and_write, touch_owned
 from pdqueue.queue.publisher import Publisher, XAdd
 from pdqueue.queue.redis_server import RedisServer, find_redis_server_binary
 from pdqueue.queue.registry import Heartbeat, Registry, list_workers
@@ -14,6 +17,7 @@ from pdqueue.queue.streams import (
     claim_request,
     claim_request_id,
     dead_letter,
+    dead_record,
     ensure_group,
     read_group,
     read_own_pending,
@@ -23,8 +27,9 @@ from pdqueue.queue.streams import (
 )
 
 __all__ = [
-    "Claimed", "Heartbeat", "Publisher", "RedisServer", "Registry", "XAdd", "ack_into",
-    "autoclaim", "claim_request", "claim_request_id", "dead_letter", "ensure_group",
+    "Claimed", "Heartbeat", "Publisher", "RedisServer", "Registry", "Write", "XAdd", "ack_and_write",
+    "ack_into", "autoclaim", "claim_request", "claim_request_id", "connect", "dead_letter", "dead_record",
+    "ensure_group",
     "find_redis_server_binary", "list_workers", "read_group", "read_own_pending", "touch",
-    "xadd_expiring", "xadd_into",
+    "touch_owned", "xadd_expiring", "xadd_into",
 ]

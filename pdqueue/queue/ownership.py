@@ -70,12 +70,27 @@ def _s(value) -> str:
 
 
 class Write:
-    """One XADD of ``fields`` to ``key`` (trimmed to ``maxlen``, TTL ``ttl_ms``)."""
+    """One XADD of ``fields`` to ``key``, trimmed (approximately) to ``maxlen`` entries and
+    giving ``key`` a TTL of ``ttl_ms`` (0: neither). The one write type: inside
+    ``ack_and_write`` it happens only if the entry was still pending; called as a
+    ``Publisher`` op (``write(pipe)``) it is a plain XADD, for entries that need no guard
+    (tokens carry their index, and clients drop repeats)."""
 
     __slots__ = ("key", "fields", "ttl_ms", "maxlen")
 
     def __init__(self, key: str, fields: Mapping, ttl_ms: int = 0, maxlen: int = 0):
         self.key, self.fields, self.ttl_ms, self.maxlen = key, fields, int(ttl_ms), int(maxlen)
+
+    def __call__(self, pipe) -> None:
+        if self.maxlen:
+            pipe.xadd(self.key, dict(self.fields), maxlen=self.maxlen, approximate=True)
+        else:
+            pipe.xadd(self.key, dict(self.fields))
+        if self.ttl_ms:
+            pipe.pexpire(self.key, self.ttl_ms)
+
+    def __repr__(self) -> str:
+        return f"Write({self.key!r}, ttl_ms={self.ttl_ms}, maxlen={self.maxlen})"
 
 
 def ack_and_write(pipe, stream: str, group: str, entry_id: str, writes: list[Write]) -> None:

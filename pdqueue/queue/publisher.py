@@ -16,9 +16,11 @@ order. Failures:
 - EXECABORT (a command rejected while queuing, nothing applied): the batch is re-run
   unit by unit so only the bad unit is dropped.
 - A command failing inside EXEC (e.g. WRONGTYPE) is counted; the others were applied.
-Every drop calls ``on_error(exc, ops)`` if given.
+Every drop calls ``on_error(exc, ops)`` if given (on the publisher thread, before the unit
+counts as finished: ``pending`` still includes it). The workers pass their own, so a unit
+that failed reaches the worker and not only the log.
 
-Imports redis and pdqueue.retry only.
+Imports redis, pdqueue.retry and pdqueue.queue.ownership (``Write``) only.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
+from pdqueue.queue.ownership import Write
 from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
@@ -39,22 +41,10 @@ Op = Callable[[Any], None]
 """fn(pipe): adds commands to a redis-py pipeline."""
 
 
-@dataclass(frozen=True, slots=True)
-class XAdd:
-    """A plain XADD as an op, trimmed (approximately) to ``maxlen`` and/or given a TTL."""
-
-    stream: str
-    fields: Mapping = field(hash=False)
-    maxlen: int | None = None
-    ttl_s: float | None = None
-
-    def __call__(self, pipe) -> None:
-        if self.maxlen is None:
-            pipe.xadd(self.stream, dict(self.fields))
-        else:
-            pipe.xadd(self.stream, dict(self.fields), maxlen=self.maxlen, approximate=True)
-        if self.ttl_s is not None:
-            pipe.pexpire(self.stream, max(1, int(self.ttl_s * 1000)))
+def XAdd(stream: str, fields: Mapping, maxlen: int | None = None, ttl_s: float | None = None) -> Write:
+    """A plain XADD op in its earlier spelling (TTL in seconds): a ``Write``, the one write
+    type (``pdqueue.queue.ownership``), whose TTL is in milliseconds."""
+    return Write(stream, fields, ttl_ms=0 if ttl_s is None else max(1, int(ttl_s * 1000)), maxlen=maxlen or 0)
 
 
 def _as_op(op: Op | tuple) -> Op:

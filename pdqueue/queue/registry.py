@@ -45,8 +45,8 @@ class Heartbeat:
     """Keeps ``worker:<worker_id>`` alive from a daemon thread until ``stop()``.
 
     ``update(**fields)`` changes what the next beat writes: ``role``, ``node``,
-    ``endpoints`` and ``model`` replace those fields; any other name is merged into the
-    ``load`` dict (e.g. ``update(running=3, waiting=1, kv_free=120)``).
+    ``endpoints`` and ``model`` replace those fields; ``load`` (a dict) replaces the whole
+    load dict; any other name is merged into it (e.g. ``update(running=3, kv_free=120)``).
     """
 
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, *, role: str, node: str = "",
@@ -81,7 +81,9 @@ class Heartbeat:
     def update(self, **fields: Any) -> None:
         with self._lock:
             for name, value in fields.items():
-                if name in _TOP_LEVEL:
+                if name == "load":
+                    self._info["load"] = dict(value)
+                elif name in _TOP_LEVEL:
                     self._info[name] = value
                 else:
                     self._info["load"][name] = value

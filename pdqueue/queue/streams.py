@@ -6,24 +6,24 @@ protocol parsers accept. Transactions are built by callers with
 ``r.pipeline(transaction=True)``; the ``*_into`` helpers add commands to such a pipeline.
 
 The rule these serve (DESIGN, principle 1): a worker acknowledges its input only in the
-same MULTI/EXEC that writes its output. How the workers do it (workers/base.py,
-workers/prefill.py): ``read_group`` reads the request streams highest priority first, and
-an entry's outcome goes out through ``queue.ownership.ack_and_write``, which acknowledges
-the entry and writes the outcome only if this worker still owns it (a worker whose entry
-was claimed meanwhile writes nothing). The ops run as one unit of a ``Publisher``, i.e.
-one MULTI/EXEC, e.g. a prefill worker's first token and handoff::
+same MULTI/EXEC that writes its output. How the workers do it (workers/answers.py): every
+answer to an input entry, whether its outcome or a rejection, goes through
+``queue.ownership.ack_and_write``, which acknowledges the entry and writes the outcome only
+if this worker still owns it (a worker whose entry was claimed meanwhile writes nothing).
+Token entries are plain XADDs (``ownership.Write`` as an op). The ops run as one unit of a
+``Publisher``, i.e. one MULTI/EXEC, e.g. a prefill worker's first token and handoff::
 
     entries = read_group(r, PREFILL_GROUP, worker_id, keys.request_streams,   # high first
                          count=limit, block_ms=block_ms)
     ...   # per entry: claim_request, prefill, ticket = sender.export(...)
-    with r.pipeline(transaction=True) as pipe:   # the workers: publisher.submit([op, ...])
-        xadd_expiring(pipe, keys.out(rid), token_entry(0, [t], text), OUT_TTL_S)
+    with r.pipeline(transaction=True) as pipe:   # the workers: publisher.submit(unit.ops)
+        Write(keys.out(rid), token_entry(0, [t], text), ttl_ms=OUT_TTL_S * 1000)(pipe)
         ack_and_write(pipe, stream, PREFILL_GROUP, entry_id,
                       [Write(keys.handoff_node(node), encode_handoff(handoff))])
         pipe.execute()
 
-``ack_into`` (a plain XACK+XDEL) is left for entries answered before any work (rejected,
-deleted while pending, expired or cancelled before they ran).
+``ack_into``, ``xadd_into``, ``xadd_expiring`` and ``dead_letter`` add the plain commands to
+a pipeline, for tools and tests; ``dead_record`` is the dead-letter entry itself.
 
 Imports redis and pdqueue.keys only.
 """
@@ -173,8 +173,10 @@ def claim_request(r: redis.Redis, keys: Keys, request_id: str, entry_id: str,
 
 
 def touch(r: redis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
-    """Reset the idle time of entries ``consumer`` still works on, so a long-running but
-    live worker is not mistaken for a dead one by ``autoclaim``."""
+    """Reset the idle time of ``entry_ids`` for ``consumer``, so a long-running but live
+    worker is not mistaken for a dead one by ``autoclaim``. Unconditional: it claims entries
+    another consumer took meanwhile back. The workers use ``ownership.touch_owned``, which
+    touches only those still theirs and reports the others."""
     if entry_ids:
         r.xclaim(stream, group, consumer, 0, entry_ids, justid=True)
 
@@ -203,11 +205,10 @@ def ack_into(pipe, stream: str, group: str, entry_id: str, delete: bool = True) 
         pipe.xdel(stream, entry_id)
 
 
-def dead_letter(pipe, keys: Keys, fields: Mapping, reason: str, source_stream: str,
-                entry_id: str, code: str = "bad_request", worker: str = "",
-                maxlen: int = DEAD_MAXLEN) -> None:
-    """Copy an entry to the dead-letter stream with why it died. The original fields are
-    kept byte for byte under a ``field:`` prefix."""
+def dead_record(fields: Mapping, reason: str, source_stream: str, entry_id: str,
+                code: str = "bad_request", worker: str = "") -> dict:
+    """The dead-letter entry of an input entry that died: why, where from, and the original
+    fields kept byte for byte under a ``field:`` prefix."""
     record: dict[Any, Any] = {"reason": reason, "code": str(getattr(code, "value", code)),
                               "source": source_stream, "entry_id": _str(entry_id)}
     if worker:
@@ -215,4 +216,12 @@ def dead_letter(pipe, keys: Keys, fields: Mapping, reason: str, source_stream: s
     for name, value in fields.items():
         name = name if isinstance(name, bytes) else str(name).encode()
         record[b"field:" + name] = value
+    return record
+
+
+def dead_letter(pipe, keys: Keys, fields: Mapping, reason: str, source_stream: str,
+                entry_id: str, code: str = "bad_request", worker: str = "",
+                maxlen: int = DEAD_MAXLEN) -> None:
+    """Copy an entry to the dead-letter stream with why it died (``dead_record``)."""
+    record = dead_record(fields, reason, source_stream, entry_id, code, worker)
     pipe.xadd(keys.dead, record, maxlen=maxlen, approximate=True)

@@ -1,0 +1,111 @@
+"""The one way a worker answers: a ``Unit`` of Redis writes, run as one MULTI/EXEC.
+
+Two kinds of op go into a unit:
+
+- ``token``: a plain XADD to ``out:<id>`` (a ``Write``). Token entries carry their index
+  and clients drop repeats, so writing one twice is harmless.
+- every other answer *finishes an input entry* (a request, a handoff): the outcome (a
+  handoff, ``done``, ``error``, a dead-letter copy, or nothing) is written by
+  ``ack_and_write`` (pdqueue/queue/ownership.py), which acknowledges the entry and performs
+  the writes only if the XACK removed it from the group's pending list, i.e. nobody
+  finished it before (a worker that hung while another took its entry over and answered
+  writes nothing when it wakes). So an entry gets exactly one outcome, whoever finishes
+  first, at intake (an expired, cancelled, duplicate or invalid request: the entry is
+  pending since we just read it) as at the end of the work.
+
+Every TTL is in milliseconds (``Write(key, fields, ttl_ms=, maxlen=)``). A unit that fails
+on the publisher thread reaches the worker through the publisher's ``on_error`` (see
+``WorkerShell``): the ``Finish`` ops name their request ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping
+
+from pdqueue import keys as K
+from pdqueue.keys import Keys
+from pdqueue.protocol import Completion, ErrorCode, done_entry, error_entry, token_entry
+from pdqueue.queue.ownership import Write, ack_and_write
+from pdqueue.queue.streams import dead_record
+
+log = logging.getLogger("pdqueue.worker")
+
+OUT_TTL_MS = K.OUT_TTL_S * 1000  # out:<id> lives this long after its last entry
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Op: acknowledge ``entry_id`` of ``stream`` in ``group`` and, only if it was still
+    pending (nobody finished it before), perform ``writes`` (``ack_and_write``)."""
+
+    stream: str
+    group: str
+    entry_id: str
+    writes: tuple[Write, ...]
+    request_id: str | None = None   # for logs, when a unit fails
+
+    def __call__(self, pipe) -> None:
+        ack_and_write(pipe, self.stream, self.group, self.entry_id, list(self.writes))
+
+
+class Unit:
+    """The answers of one moment of a worker (a step, an intake batch), written together.
+    ``WorkerShell.unit()`` makes one and submits it to the publisher."""
+
+    def __init__(self, keys: Keys, worker_id: str, group: str):
+        self.keys, self.worker_id, self.group = keys, worker_id, group
+        self.ops: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    # -- the stream of tokens ----------------------------------------------------------
+    def token(self, request_id: str, index: int, token_id: int, text: str) -> None:
+        self.ops.append(Write(self.keys.out(request_id), token_entry(index, [token_id], text), ttl_ms=OUT_TTL_MS))
+
+    # -- outcomes: each finishes one input entry, once -----------------------------------
+    def finish(self, stream: str, entry_id: str, writes: list[Write], request_id: str | None = None) -> None:
+        """The one way an input entry is acknowledged (with ``writes``, possibly none)."""
+        self.ops.append(Finish(stream, self.group, entry_id, tuple(writes), request_id))
+
+    def ack(self, stream: str, entry_id: str, request_id: str | None = None) -> None:
+        """Finish an entry with nothing to write (deleted while pending, a duplicate of
+        work in hand, already answered by another worker)."""
+        self.finish(stream, entry_id, [], request_id)
+
+    def done(self, stream: str, entry_id: str, c: Completion) -> None:
+        """``done`` on ``out:<id>``, its copy on the ``done`` stream."""
+        fields = done_entry(c)
+        self.finish(stream, entry_id, [Write(self.keys.out(c.request_id), fields, ttl_ms=OUT_TTL_MS),
+                                       Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN)], c.request_id)
+
+    def error(self, stream: str, entry_id: str, request_id: str, reason: str, code,
+              index: int | None = None) -> None:
+        """``error`` on ``out:<id>`` (a request that failed while it ran)."""
+        writes = [Write(self.keys.out(request_id), error_entry(reason, code, index), ttl_ms=OUT_TTL_MS)]
+        self.finish(stream, entry_id, writes, request_id)
+
+    def handoff(self, stream: str, entry_id: str, request_id: str, handoff_stream: str,
+                fields: Mapping) -> None:
+        """The request goes on to a decode worker (prefill)."""
+        self.finish(stream, entry_id, [Write(handoff_stream, fields)], request_id)
+
+    def reject(self, stream: str, entry_id: str, fields: Mapping | None, request_id: str | None,
+               reason: str, code) -> None:
+        """An entry that cannot run: ``error`` on ``out:<id>`` (when the id is usable and the
+        entry is no duplicate: ``out:`` belongs to the first entry), a copy on ``dead``."""
+        code = getattr(code, "value", code)
+        log.info("rejected %s (%s): %s", request_id or entry_id, code, reason)
+        writes = []
+        if request_id and code != ErrorCode.DUPLICATE.value:
+            writes.append(Write(self.keys.out(request_id), error_entry(reason, code), ttl_ms=OUT_TTL_MS))
+        writes.append(Write(self.keys.dead, dead_record(fields or {}, reason, stream, entry_id, code=code,
+                                                        worker=self.worker_id), maxlen=K.DEAD_MAXLEN))
+        self.finish(stream, entry_id, writes, request_id)
+
+
+def request_ids(ops) -> list[str]:
+    """The request ids whose entries the ``Finish`` ops of a unit would have answered."""
+    return [op.request_id or op.entry_id for op in ops if isinstance(op, Finish)]

@@ -1,0 +1,83 @@
+"""The decode role's fetch thread: KV copied into reserved blocks off the step loop.
+
+The loop hands a fetch over (``submit``: a key, the ticket, the destination blocks) and
+later collects ``(key, FetchOutcome)`` pairs (``collect``). The thread touches nothing of
+the loop's: it reads what it was given and returns an immutable outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from pdqueue.transfer.errors import TransferError
+from pdqueue.transfer.receiver import KVReceiver
+from workers.common import now_ms
+
+log = logging.getLogger("pdqueue.decode")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """How a request's KV got here: ``path`` shm | tcp | zmq (or ``recompute``: computed
+    here instead), ``seconds`` and ``nbytes`` of the copy, ``error`` when it failed, and
+    ``done_ms`` (wall clock) when the KV was in place."""
+
+    path: str = ""
+    seconds: float = 0.0
+    nbytes: int = 0
+    error: str | None = None
+    done_ms: float = 0.0
+
+
+class Fetcher:
+    def __init__(self, receiver: KVReceiver):
+        self.receiver = receiver
+        self.in_flight = 0            # submitted, not yet collected (loop thread only)
+        self._todo: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-fetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Any, ticket: dict, block_ids: list[int]) -> None:
+        self.in_flight += 1
+        self._todo.put((key, ticket, block_ids))
+
+    def collect(self, wait_s: float = 0.0) -> Iterator[tuple[Any, FetchOutcome]]:
+        """The finished fetches, each as soon as it is there; with ``wait_s``, waiting up
+        to that long for those still running."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                remaining = deadline - time.monotonic()
+                if self.in_flight and remaining > 0:
+                    item = self._done.get(timeout=remaining)
+                else:
+                    item = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self.in_flight -= 1
+            yield item
+
+    def close(self) -> None:
+        self._todo.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            key, ticket, block_ids = item
+            try:
+                result = self.receiver.fetch(ticket, block_ids)
+                outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms())
+            except TransferError as exc:
+                outcome = FetchOutcome(error=str(exc))
+            except Exception as exc:  # never let the fetch thread die
+                log.exception("fetch of %s failed", ticket.get("request_id"))
+                outcome = FetchOutcome(error=f"internal: {exc}")
+            self._done.put((key, outcome))

@@ -1,0 +1,113 @@
+"""Intake: a ``requests`` stream entry becomes an engine request, or an answer.
+
+In this order (prefill and colocated workers):
+
+1. ``parse_request`` parses the entry (an entry deleted while pending is only acknowledged);
+2. one pipelined round trip (``streams.claim_request``): ``seen:<id>`` is set to the entry
+   id unless another entry holds the id (then this one is a duplicate: dead-lettered, and
+   nothing on ``out:<id>``, which belongs to the first), and ``cancel:<id>`` is read;
+3. an expired deadline finishes the request as ``done``/``expired``, a cancel as
+   ``done``/``cancelled``;
+4. the prompt is tokenized (with the chat template when asked);
+5. ``engine.check_prompt``: context and KV pool sizes;
+6. the seed is the request's, or a random 63-bit one;
+7. ``engine.add_request``.
+
+Anything that cannot run is answered (``error`` + ``dead``) in the caller's unit, and the
+worker goes on. A Redis error is not the request's fault: it propagates, the entry stays
+pending, and it is taken in again (``Recovery``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+import redis
+
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.keys import Keys
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Request, RequestError, parse_request
+from pdqueue.queue import streams
+from workers.answers import Unit
+from workers.common import now_ms
+
+log = logging.getLogger("pdqueue.worker")
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request taken from ``requests`` and running in the engine."""
+    stream: str
+    entry_id: str
+    request: Request
+    prompt_ids: list[int]
+    params: SamplingParams
+    read_ms: float
+    token_times_ms: list[float] = field(default_factory=list)
+
+
+class Intake:
+    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded):
+        self.r, self.keys, self.worker_id = r, keys, worker_id
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.config.vocab_size
+
+    def take(self, engine, stream: str, entry_id: str, fields: dict | None, unit: Unit) -> Admitted | None:
+        """Admit one request entry into ``engine`` (returned), or answer it in ``unit``."""
+        read_ms = now_ms()
+        try:
+            if fields is None:  # deleted while pending
+                unit.ack(stream, entry_id)
+                return None
+            req = parse_request(entry_id, fields)
+            may_run, cancelled = streams.claim_request(self.r, self.keys, req.id, entry_id)   # one round trip
+            if not may_run:
+                unit.reject(stream, entry_id, fields, None,
+                            f"request id {req.id!r} was already taken by another entry", ErrorCode.DUPLICATE)
+                return None
+            if req.expired(read_ms):
+                self.finish_early(unit, stream, entry_id, req, FinishReason.EXPIRED)
+                return None
+            if cancelled:
+                self.finish_early(unit, stream, entry_id, req, FinishReason.CANCELLED)
+                return None
+            prompt_ids = self.tokenize(req)
+            reason = engine.check_prompt(len(prompt_ids))
+            if reason:
+                raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
+            seed = req.seed if req.seed is not None else secrets.randbits(63)
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, seed=seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+            engine.add_request(req.id, prompt_ids, params)
+            return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)
+        except RequestError as exc:
+            unit.reject(stream, entry_id, fields, exc.request_id, exc.reason, exc.code)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # not the request's fault: it stays pending and is taken in again
+        except Exception as exc:  # a bug must not kill the worker or lose the entry's answer
+            log.exception("intake of %s failed", entry_id)
+            unit.reject(stream, entry_id, fields, None, f"internal error: {exc}", ErrorCode.INTERNAL)
+        return None
+
+    def finish_early(self, unit: Unit, stream: str, entry_id: str, req: Request, reason: FinishReason) -> None:
+        c = Completion(req.id, "", (), reason, e2e_ms=max(0.0, now_ms() - req.enqueued_ms),
+                       prefill_worker=self.worker_id)
+        unit.done(stream, entry_id, c)
+
+    def tokenize(self, req: Request) -> list[int]:
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt_ids has token id {bad[0]}; the vocabulary has {self.vocab_size} ids",
+                                   req.id)
+        else:
+            text = req.prompt
+            if req.chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens)", req.id)
+        return ids

@@ -1,0 +1,131 @@
+"""What a role is: the contract between the process shell (``WorkerShell``) and the part of
+a worker that can be replaced while the process lives (prefill, decode, colocated).
+
+The shell owns everything process-level (identity, Redis, publisher, heartbeat, recovery,
+the loop); a role owns its engine and the entries it holds, and answers through the
+shell's units. The shell calls, in this order:
+
+    start(shell)                  build the engine and what serves it; nothing read yet
+    accept(entries, resumed=True) entries an earlier process under this worker id held
+    loop:  drop(lost)             entries another worker took over (``Recovery.keep``)
+           step() -> bool         one iteration; it may call ``shell.take(limit, block_ms)``,
+                                  which calls ``accept``; False: nothing left to do
+           load()                 for the heartbeat
+    drain()                       after the loop ended (warm stop, burst, switch)
+    close()                       always, last
+
+``RequestRole`` is the part prefill and colocated share: they read the request streams.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pdqueue.keys import PREFILL_GROUP
+from workers.intake import Admitted, Intake
+
+IDLE_BLOCK_MS = 100  # an idle role's read blocks this long (a busy one never blocks)
+
+
+class Role(ABC):
+    name: str    # "prefill" | "decode" | "colocated": the heartbeat's role, the default worker id's prefix
+    group: str   # the consumer group it reads its input with
+
+    @abstractmethod
+    def streams(self) -> list[str]:
+        """Its input streams, highest priority first."""
+
+    def registration(self) -> dict:
+        """What ``worker:<id>`` shows of it besides load: ``node``, ``endpoints``."""
+        return {}
+
+    @abstractmethod
+    def start(self, shell) -> None:
+        """Build the engine and what serves it (``shell`` gives config, model, Redis, units)."""
+
+    @abstractmethod
+    def step(self) -> bool:
+        """One loop iteration. False when there is nothing left to do: a warm stop (or a
+        switch) found it idle, or in burst mode it ran out of work."""
+
+    @abstractmethod
+    def accept(self, entries: list, resumed: bool) -> None:
+        """Take in input entries ((stream, entry_id, fields)); ``resumed``: taken over from
+        another consumer (or an earlier process of ours), so work may have been done."""
+
+    @abstractmethod
+    def held(self) -> dict[str, tuple[str, str]]:
+        """The entries in hand: request id -> (stream, entry_id)."""
+
+    @abstractmethod
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget these requests without answering: another worker took their entries."""
+
+    @abstractmethod
+    def load(self) -> dict:
+        """The load fields of the heartbeat (``running``, ``waiting``, ``kv_free``, ...)."""
+
+    def drain(self) -> None:
+        """After the loop ended normally: finish what still needs this process."""
+
+    def close(self) -> None:
+        """Release what ``start`` built (also after a failure)."""
+
+
+class RequestRole(Role):
+    """A role that reads the request streams (group ``prefill``) through ``Intake`` and
+    keeps what it admitted in ``inflight`` (request id -> Admitted). Subclasses build
+    ``engine`` in ``start`` and provide ``publish(outputs)``."""
+
+    group = PREFILL_GROUP
+
+    def start(self, shell) -> None:
+        self.shell = shell
+        self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded)
+        self.inflight: dict[str, Admitted] = {}
+
+    def streams(self) -> list[str]:
+        return list(self.shell.keys.request_streams)
+
+    def step(self) -> bool:
+        self.housekeeping()
+        busy = self.engine.has_unfinished
+        if self.shell.accepting and self.engine.num_waiting == 0:
+            self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS)
+        elif not busy:
+            return False
+        if self.engine.has_unfinished:
+            self.publish(self.engine.step())
+        elif self.shell.config.burst and not self.inflight:
+            return False
+        return True
+
+    def read_limit(self) -> int:
+        """How many request entries to take at once."""
+        return self.shell.config.max_batch_requests
+
+    def housekeeping(self) -> None:
+        """Chores before each step (none by default)."""
+
+    @abstractmethod
+    def publish(self, outputs) -> None:
+        """Answer a step's outputs (``engine.step()``) in one unit."""
+
+    def accept(self, entries: list, resumed: bool) -> None:
+        with self.shell.unit() as unit:
+            for stream, entry_id, fields in entries:
+                admitted = self.intake.take(self.engine, stream, entry_id, fields, unit)
+                if admitted:
+                    self.inflight[admitted.request.id] = admitted
+
+    def held(self) -> dict[str, tuple[str, str]]:
+        return {rid: (a.stream, a.entry_id) for rid, a in self.inflight.items()}
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+            del self.inflight[rid]
+
+    def load(self) -> dict:
+        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks}
