@@ -128,7 +128,7 @@ RESTART_TTL_S, RESTART_LEASE_S = 20.0, 3.0
 # comes within it; a short lease, so that the dead segment goes soon.
 RESTART = ("--heartbeat-ttl-s", str(RESTART_TTL_S), "--lease-s", str(RESTART_LEASE_S),
            "--reclaim-idle-ms", "3000", "--fetch-timeout-s", "2")
-SWEEP_S = min(RESTART_TTL_S, RESTART_LEASE_S) / 3   # WorkerBase.sweep_segments
+SWEEP_S = min(RESTART_TTL_S, RESTART_LEASE_S) / 3   # WorkerShell.sweep_segments
 # Once the restart is up, the dead segment goes after its last lease (RESTART_LEASE_S from
 # the kill at most), at the next sweep: with a 2x margin.
 DEAD_SEGMENT_GONE_S = 2 * (RESTART_LEASE_S + SWEEP_S)

@@ -165,8 +165,10 @@ def connect(target: Target):
     """A redis-py client that answered PING; one clear error line otherwise."""
     import redis
 
+    from pdqueue.queue.connection import connect as redis_connect
+
     try:
-        r = redis.Redis.from_url(target.url, socket_connect_timeout=3, socket_timeout=10)
+        r = redis_connect(target.url, purpose="admin")
         r.ping()
         return r
     except (redis.RedisError, ValueError, OSError) as exc:

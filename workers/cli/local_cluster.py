@@ -44,6 +44,7 @@ import redis
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.queue.connection import connect
 from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
 
@@ -160,7 +161,7 @@ class LocalCluster:
             else:
                 self.server = self._start_on_default_port()
             self.url = self.server.url
-        self._r = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=3)
+        self._r = connect(self.url, purpose="supervisor")
         return self.url
 
     def _start_on_default_port(self) -> RedisServer:
