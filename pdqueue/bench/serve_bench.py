@@ -42,7 +42,8 @@ from typing import Callable, Protocol
 from pdqueue.bench.stats import gaps, meets_slo, summary
 from pdqueue.protocol import entry_id_ms
 
-MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
+MODES = ("disagg", "colocated-prefill-first", "colocated-chunked", "adaptive")
+DEFAULT_MODES = MODES[:3]
 _VOCAB = {"tiny": 264, "smollm2": 49152}
 
 
@@ -106,7 +107,7 @@ class Settings:
     workload: Workload
     slo_ttft_ms: float
     slo_tbt_ms: float
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     rates: tuple[float, ...] = (0.5, 1.0, 2.0)
     num_requests: int | None = 24      # per rate; None: rate x duration_s
     duration_s: float | None = None
@@ -117,6 +118,10 @@ class Settings:
     kv_cache_mb: int = 256
     drain_timeout_s: float = 180.0     # after the last arrival, unfinished requests are failed
     phases: tuple[Phase, ...] = ()     # a load that changes (instead of ``rates``)
+    plan_mode: str = "reactive"        # the adaptive mode's planner
+    plan_dwell_s: float = 15.0
+    plan_cooldown_s: float = 8.0
+    plan_window_s: float = 20.0
 
     @classmethod
     def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,
@@ -148,6 +153,8 @@ def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ..
         return [("colocated", ("--policy", "prefill_first"))] * 2
     if mode == "colocated-chunked":
         return [("colocated", ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens)))] * 2
+    if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.adapter)
+        return [("prefill", ("--switchable",)), ("decode", ("--switchable",))]
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -350,12 +357,41 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
 
 
 async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progress) -> tuple[dict, dict]:
+    by_rate, raw = {}, {}
+    adapting = _start_adapting(settings, url, cluster) if mode == "adaptive" else None
+    try:
+        return await _measure_mode(settings, mode, url, cluster, progress, by_rate, raw)
+    finally:
+        if adapting is not None:
+            adapting.set()
+
+
+def _start_adapting(settings: Settings, url: str, cluster: str):
+    """The planner of the adaptive mode, in a thread of this process, until the returned
+    event is set."""
+    import threading
+
+    from pdqueue.adapter import Adapter
+    from pdqueue.keys import Keys
+    from pdqueue.planner import PlannerConfig
+    from pdqueue.queue.connection import connect
+
+    config = PlannerConfig(ttft_slo_ms=settings.slo_ttft_ms, tbt_slo_ms=settings.slo_tbt_ms, mode=settings.plan_mode,
+                           min_dwell_s=settings.plan_dwell_s, cooldown_s=settings.plan_cooldown_s,
+                           window_s=settings.plan_window_s, move_timeout_s=60.0)
+    adapter = Adapter(connect(url, purpose="supervisor"), Keys(cluster), config, name="bench-serve")
+    done = threading.Event()
+    threading.Thread(target=adapter.run, args=(done, 1.0), name="pdq-planner", daemon=True).start()
+    return done
+
+
+async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, progress, by_rate: dict,
+                        raw: dict) -> tuple[dict, dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from pdqueue.client import AsyncClient
 
-    by_rate, raw = {}, {}
     async with AsyncClient(url, cluster) as client:
         if settings.warmup:
             progress(f"{mode}: {settings.warmup} warm-up requests")

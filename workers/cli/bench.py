@@ -169,7 +169,11 @@ def bench_transfer(as_json, quick, repeats, out, check):
 @bench.command("serve")
 @click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,
               help="smollm2, tiny, or a path.")
-@click.option("--modes", default="disagg,colocated-prefill-first,colocated-chunked", show_default=True)
+@click.option("--modes", default="disagg,colocated-prefill-first,colocated-chunked", show_default=True,
+              help="Any of disagg, colocated-prefill-first, colocated-chunked, adaptive (1 prefill + 1 decode "
+                   "worker that a planner switches between roles as the load changes).")
+@click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
+              help="The adaptive mode's planner.")
 @click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")
 @click.option("--duration", type=click.FloatRange(min=1), default=None,
               help="Seconds of arrivals per rate (instead of --num-requests).")
@@ -194,8 +198,8 @@ def bench_transfer(as_json, quick, repeats, out, check):
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
-def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms, phases,
-                phase_s, seed, warmup, chunk_tokens, as_json, out):
+def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
+                phases, phase_s, seed, warmup, chunk_tokens, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores."""
     from pdqueue.bench import plots, serve_bench
@@ -210,7 +214,7 @@ def bench_serve(model, modes, rates, duration, num_requests, long_fraction, slo_
     except ValueError as exc:
         raise UserError(f"--phases: {exc}") from None
     settings = serve_bench.Settings.for_model(
-        model, modes=mode_list, phases=phase_list, rates=_csv(rates, float, "--rates"), duration_s=duration,
+        model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens)
     try:

@@ -207,3 +207,37 @@ def rich_console(stderr: bool = False):
 def print_line(console, markup: str) -> None:
     console.print(markup, highlight=False)
     console.file.flush()
+
+
+# ---- the planner's settings (`plan`, `up --adapt`) ----------------------------------------
+
+def planner_options(f):
+    """The planner's settings, shared by `plan` and `up --adapt`."""
+    for opt in reversed([
+        click.option("--mode", "plan_mode", type=click.Choice(["reactive", "predictive"]), default="reactive",
+                     show_default=True, help="reactive: SLO breaches and backlog, one step at a time; "
+                                             "predictive: demand over measured capacity."),
+        click.option("--ttft-slo-ms", type=click.FloatRange(min=1), default=4000.0, show_default=True,
+                     help="Time-to-first-token target."),
+        click.option("--tbt-slo-ms", type=click.FloatRange(min=1), default=250.0, show_default=True,
+                     help="Target for each request's p90 time between tokens."),
+        click.option("--dwell-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                     help="A worker is not switched again sooner than this."),
+        click.option("--cooldown-s", type=click.FloatRange(min=0), default=10.0, show_default=True,
+                     help="At least this long between decisions that switch someone."),
+        click.option("--window-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
+                     help="Completions older than this are not looked at."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
+    from pdqueue.planner import PlannerConfig
+
+    try:
+        return PlannerConfig(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, mode=plan_mode, min_dwell_s=dwell_s,
+                             cooldown_s=cooldown_s, window_s=window_s,
+                             move_timeout_s=max(60.0, 3 * dwell_s))
+    except ValueError as exc:
+        raise UserError(f"planner: {exc}") from None

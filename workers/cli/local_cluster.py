@@ -52,7 +52,10 @@ from pdqueue.queue.registry import list_workers
 # pdqueue.transfer imports torch, which `up` and `status` do without.
 SEGMENT_PREFIX = "pdq-kv"
 SHM_DIR = "/dev/shm"
-ROLES_IN_STOP_ORDER = ("prefill", "decode")
+# Prefill first (it keeps serving exported KV until the decode side has copied it), decode
+# last (it finishes what prefill handed off). With ``--adapt`` roles change: the current
+# role is read from each worker's heartbeat.
+ROLES_IN_STOP_ORDER = ("prefill", "colocated", "decode")
 
 DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
 STOP_REPORT_INTERVAL_S = 2.0
@@ -78,6 +81,7 @@ class LocalClusterConfig:
     log_dir: Path | None = None       # None: a temporary directory, removed by stop()
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = field(default_factory=tuple)
+    switchable: bool = False          # workers take role switches (``up --adapt``)
 
 
 class WorkerFailed(RuntimeError):
@@ -202,6 +206,8 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "workers", "worker", role, "--redis-url", self.url,
                "--cluster", c.cluster, "--model", c.model, "--kv-cache-mb", str(c.kv_cache_mb),
                "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args]
+        if c.switchable:
+            cmd.append("--switchable")
         if c.threads:
             cmd += ["--threads", str(c.threads)]
         log_path = self.log_dir / f"{worker_id}.log"
@@ -260,6 +266,16 @@ class LocalCluster:
         raise WorkerFailed(self.exited())
 
     # ---- stop ----------------------------------------------------------------------------
+    def current_roles(self) -> dict[str, str]:
+        """Each worker's role as its heartbeat says (it may have switched); {} when Redis
+        cannot tell."""
+        if self._r is None:
+            return {}
+        try:
+            return {w["worker_id"]: w.get("role", "") for w in list_workers(self._r, self.keys)}
+        except (redis.RedisError, OSError):
+            return {}
+
     def stop(self, grace_s: float = 60.0, hurry: threading.Event | None = None,
              progress: Progress | None = None, keep_logs: bool = False,
              waiting: Progress | None = None) -> dict:
@@ -273,8 +289,9 @@ class LocalCluster:
         hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace_s
         killed: list[str] = []
+        roles = self.current_roles()
         for role in ROLES_IN_STOP_ORDER:
-            group = [w for w in self.workers if w.role == role and w.alive]
+            group = [w for w in self.workers if roles.get(w.worker_id, w.role) == role and w.alive]
             if not group:
                 continue
             cold = hurry.is_set()  # already in a hurry: the second SIGTERM follows at once

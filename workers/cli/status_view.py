@@ -8,7 +8,9 @@ A snapshot is a plain JSON-able dict:
   with length and, per consumer group, consumers, pending entries, lag (entries not yet
   delivered) and the idle time of the oldest pending entry; ``done`` and ``dead`` lengths;
 - ``recent``: completions on the ``done`` stream within the last ``window_s`` seconds:
-  count, tokens, tokens/s, and TTFT, TBT (per-request medians) and end-to-end percentiles.
+  count, tokens, tokens/s, and TTFT, TBT (per-request medians) and end-to-end percentiles;
+- ``plan``: the planner's last published plan (``pdqueue.control.read_plan``: desired
+  counts per role and the reason), or None; ``switches``: the last few switch events.
 
 Reads only; imports redis, rich (for ``render``) and pdqueue.keys/queue.registry.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 import redis
 
+from pdqueue import control
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.queue.registry import list_workers
 
@@ -134,7 +137,20 @@ def collect(r: redis.Redis, keys: Keys, window_s: float = 60.0) -> dict:
     streams = {n[len(keys.prefix):]: _stream_info(r, keys, n) for n in names}
     return {"cluster": keys.cluster, "time_ms": now_ms, "workers": workers, "streams": streams,
             "done_length": int(r.xlen(keys.done)), "dead_length": int(r.xlen(keys.dead)),
-            "recent": _recent(r, keys, now_ms, window_s)}
+            "recent": _recent(r, keys, now_ms, window_s), "plan": control.read_plan(r, keys),
+            "switches": _switches(r, keys)}
+
+
+def _switches(r: redis.Redis, keys: Keys, count: int = 3) -> list[dict]:
+    """The last ``count`` final switch events (done, refused, failed), newest last."""
+    out = []
+    for _eid, fields in r.xrevrange(keys.events, count=50):
+        f = {_s(k): _s(v) for k, v in fields.items()}
+        if f.get("type") == control.SWITCH and f.get("status") in ("done", "refused", "failed"):
+            out.append(f)
+            if len(out) == count:
+                break
+    return out[::-1]
 
 
 def queued(snapshot: dict) -> int:
@@ -164,12 +180,18 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
     for col in ("worker", "role", "node", "running", "waiting", "KV used", "leases", "beat"):
         workers.add_column(col, justify="right" if col in ("running", "waiting", "KV used", "leases", "beat")
                            else "left")
+    switchable = any(w["load"].get("switchable") or w.get("switchable") for w in snapshot["workers"])
     for w in snapshot["workers"]:
         load = w["load"]
         kv = "-" if w["kv_used_pct"] is None else \
             f"{load.get('kv_total', 0) - load.get('kv_free', 0)}/{load.get('kv_total', 0)} ({w['kv_used_pct']:.0f}%)"
         age = w["heartbeat_age_s"]
-        workers.add_row(w["worker_id"], w["role"], (w["node"] or "")[:8], str(load.get("running", "-")),
+        role = w["role"]
+        if load.get("switching_to") or w.get("switching_to"):
+            role = f"{role} -> {load.get('switching_to') or w.get('switching_to')}"
+        elif switchable and not (load.get("switchable") or w.get("switchable")):
+            role = f"{role} (fixed)"
+        workers.add_row(w["worker_id"], role, (w["node"] or "")[:8], str(load.get("running", "-")),
                         str(load.get("waiting", "-")), kv, str(load.get("leases", "-")),
                         Text(f"{age:.1f}s", style="yellow" if age > 5 else ""))
     for p in processes or []:
@@ -205,7 +227,19 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
         f"TBT p50/p90 {_ms(b['p50'])}/{_ms(b['p90'])} ms   ",
         f"e2e p50/p99 {_ms(e['p50'])}/{_ms(e['p99'])} ms")
     parts = [Text(title, style="bold cyan")] if title else []
-    return Group(*parts, workers, Text(""), streams, Text(""), recent)
+    tail = []
+    plan = snapshot.get("plan")
+    if plan:
+        counts = ", ".join(f"{plan[role]} {role}" for role in control.ROLES if plan.get(role))
+        tail += [Text(""), Text.assemble(("plan: ", "bold"), f"{counts or 'no workers'} ({plan.get('action', '')}, "
+                                         f"{plan.get('mode', '')})  ", (plan.get("reason", ""), "dim"))]
+    for sw in snapshot.get("switches") or []:
+        style = "" if sw.get("status") == "done" else "yellow"
+        took = f", {float(sw['switch_ms']):.0f} ms" if sw.get("switch_ms") else ""
+        why = f": {sw['reason']}" if sw.get("reason") else ""
+        tail.append(Text(f"switch {sw.get('worker', '')} {sw.get('from', '')} -> {sw.get('to', '')} "
+                         f"{sw.get('status', '')}{took}{why}", style=style))
+    return Group(*parts, workers, Text(""), streams, Text(""), recent, *tail)
 
 
 __all__ = ["collect", "percentiles", "queued", "render"]

@@ -20,7 +20,8 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from workers.cli.common import Target, UserError, check_model, connect, print_line, rich_console, summary
+from workers.cli.common import (Target, UserError, check_model, connect, planner_config, planner_options, print_line,
+                                rich_console, summary)
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
@@ -62,8 +63,13 @@ def check_port_free(port: int) -> None:
               help="Seconds to wait for the workers to load the model and register.")
 @click.option("--stop-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a warm stop may take before stragglers are killed.")
+@click.option("--adapt", is_flag=True,
+              help="Let the P:D split follow the load: the workers take role switches and a planner moves them "
+                   "between prefill, decode and colocated (--prefill/--decode give the starting split).")
+@planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout):
+       log_level, start_timeout, stop_timeout, adapt, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
+       window_s):
     """Run a local cluster (Redis + prefill and decode workers) until Ctrl-C.
 
     \b
@@ -89,11 +95,12 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
     elif redis_port:
         check_port_free(redis_port)
+    plan_config = planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s) if adapt else None
     threads = threads or max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=num_decode, model=model, cluster=cluster,
                                 redis_url=redis_url, redis_port=redis_port, threads=threads,
                                 kv_cache_mb=kv_cache_mb, log_dir=Path(log_dir) if log_dir else None,
-                                log_level=log_level)
+                                log_level=log_level, switchable=adapt)
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
@@ -123,10 +130,15 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         else:
             print_line(out, f"ready: {num_prefill} prefill + {num_decode} decode workers in "
                             f"{time.monotonic() - started:.1f}s ({threads} torch thread{'s' * (threads > 1)} each)")
-            if demo:
-                code = _demo(lc, out, stop)
-            else:
-                failure = _serve(lc, out, err, stop)
+            adapting = _start_adapting(lc, plan_config, out) if plan_config else None
+            try:
+                if demo:
+                    code = _demo(lc, out, stop)
+                else:
+                    failure = _serve(lc, out, err, stop)
+            finally:
+                if adapting:
+                    adapting.set()
                 if failure:  # the workers' work is lost with the server: no warm stop to wait for
                     hurry.set()
     except WorkerFailed as exc:
@@ -140,6 +152,21 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     if failure:
         raise UserError(failure)
     sys.exit(code)
+
+
+def _start_adapting(lc, plan_config, out) -> threading.Event:
+    """The planner against our own workers, in a thread, until the returned event is set
+    (before the stop, so nothing is switched while the workers drain)."""
+    from pdqueue.adapter import Adapter
+    from pdqueue.queue.connection import connect as redis_connect
+
+    adapter = Adapter(redis_connect(lc.url, purpose="supervisor"), lc.keys, plan_config, name="pdqueue-up")
+    done = threading.Event()
+    threading.Thread(target=adapter.run, args=(done, 1.0), name="pdq-planner", daemon=True).start()
+    print_line(out, f"adapting the split to the load ({plan_config.mode}; TTFT <= {plan_config.ttft_slo_ms:g} ms, "
+                    f"TBT p90 <= {plan_config.tbt_slo_ms:g} ms; dwell {plan_config.min_dwell_s:g} s); "
+                    f"`pdqueue plan` shows its reasoning")
+    return done
 
 
 def _wait_ready(lc, err, timeout_s: float, stop: threading.Event) -> bool:
