@@ -196,6 +196,48 @@ def _backoff_s(failures: int, deadline: float | None, initial_s: float, max_s: f
     return delay if remaining is None else max(0.0, min(delay, remaining))
 
 
+class _Reading:
+    """One ``stream`` call's state, shared by the sync and asyncio loops (which differ only
+    in how they wait): the deadline, the backoff after lost connections, the outage clock
+    and the assembler."""
+
+    def __init__(self, handle, timeout: float | None):
+        client = handle.client
+        self.asm = handle._asm
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.max_block_ms = client.max_block_ms
+        self.backoff = (client.backoff_initial_s, client.backoff_max_s)
+        self.failures = 0
+        self.outage = _Outage(handle.request_id, client.unavailable_after_s)
+
+    @property
+    def done(self) -> bool:
+        return self.asm.completion is not None
+
+    def block_ms(self) -> int:
+        """How long the next XREAD may block (``TimeoutError`` past the deadline)."""
+        return _block_ms(self.deadline, self.max_block_ms)
+
+    def read_failed(self, exc: BaseException) -> float:
+        """A lost connection: how long to wait before reading again (``RedisUnavailable``
+        once Redis has been gone too long)."""
+        self.outage.failed(exc)
+        delay = _backoff_s(self.failures, self.deadline, *self.backoff)
+        self.failures += 1
+        return delay
+
+    def events(self, reply) -> Iterator[ResultEvent]:
+        """The token events of an XREAD reply, in order, up to the completion."""
+        self.failures = 0
+        self.outage.ok()
+        for _, entry_id, fields in parse_read_reply(reply):
+            event = self.asm.feed(entry_id, fields)
+            if event is not None and event.type is ResultType.TOKEN:
+                yield event
+            if self.done:
+                return
+
+
 class RequestHandle:
     """One submitted request. ``stream``/``text_stream``/``result`` read its answer; they
     share one read position, so each token is yielded once across them."""
@@ -215,28 +257,15 @@ class RequestHandle:
         """Yield token events in index order until done (the generator returns the
         ``Completion``). Raises ``RequestFailed`` on an error entry, ``TimeoutError`` if
         not done within ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failures = 0
-        outage = _Outage(self.request_id, self.client.unavailable_after_s)
+        reading = _Reading(self, timeout)
         r = self.client.redis
-        while self._asm.completion is None:
-            block = _block_ms(deadline, self.client.max_block_ms)
+        while not reading.done:
             try:
-                reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
-                failures = 0
-                outage.ok()
+                reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                outage.failed(exc)
-                time.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
-                                      self.client.backoff_max_s))
-                failures += 1
+                time.sleep(reading.read_failed(exc))
                 continue
-            for _, entry_id, fields in parse_read_reply(reply):
-                event = self._asm.feed(entry_id, fields)
-                if event is not None and event.type is ResultType.TOKEN:
-                    yield event
-                if self._asm.completion is not None:
-                    break
+            yield from reading.events(reply)
         return self._asm.completion
 
     def text_stream(self, timeout: float | None = None) -> Iterator[str]:
@@ -335,28 +364,16 @@ class AsyncRequestHandle:
         return self._asm.completion
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[ResultEvent]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failures = 0
-        outage = _Outage(self.request_id, self.client.unavailable_after_s)
+        reading = _Reading(self, timeout)
         r = self.client.redis
-        while self._asm.completion is None:
-            block = _block_ms(deadline, self.client.max_block_ms)
+        while not reading.done:
             try:
-                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
-                failures = 0
-                outage.ok()
+                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                outage.failed(exc)
-                await asyncio.sleep(_backoff_s(failures, deadline, self.client.backoff_initial_s,
-                                               self.client.backoff_max_s))
-                failures += 1
+                await asyncio.sleep(reading.read_failed(exc))
                 continue
-            for _, entry_id, fields in parse_read_reply(reply):
-                event = self._asm.feed(entry_id, fields)
-                if event is not None and event.type is ResultType.TOKEN:
-                    yield event
-                if self._asm.completion is not None:
-                    break
+            for event in reading.events(reply):
+                yield event
 
     async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         async for event in self.stream(timeout):
