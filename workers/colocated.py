@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion
-from workers.common import Every, WorkerConfig, now_ms, tbt_stats
+from workers.common import Every, now_ms, tbt_stats
 from workers.role import RequestRole
-from workers.shell import WorkerShell
 
 CHECK_EVERY_S = 0.1   # cancel keys and deadlines of the requests in hand
 
@@ -32,8 +31,11 @@ class ColocatedRole(RequestRole):
 
     def start(self, shell) -> None:
         super().start(shell)
-        self.engine = LLMEngine(shell.loaded, shell.config.engine)
+        self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self._check = Every(CHECK_EVERY_S)
+
+    def load(self) -> dict:
+        return {**super().load(), "step_ms": round(self.step_s * 1000, 2)}
 
     def read_limit(self) -> int:
         """No more than the free batch slots: the rest stays in Redis for other workers."""
@@ -75,7 +77,3 @@ class ColocatedRole(RequestRole):
                         prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id,
                         transfer_path="local"))
 
-
-def ColocatedWorker(config: WorkerConfig, loaded) -> WorkerShell:  # noqa: N802 - the name workers/cli.py imports
-    """A worker process running the colocated role (``workers.shell.make_worker`` is the new spelling)."""
-    return WorkerShell(config, loaded, ColocatedRole())

@@ -39,6 +39,7 @@ class WorkerConfig:
     max_attempts: int = 3           # recompute attempts before a request is failed
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
+    switchable: bool = False        # takes role switches from control:<id> (pdqueue.control)
 
 
 def new_worker_id(role: str) -> str:

@@ -26,7 +26,7 @@ Admission happens at step boundaries (``step``): take every handoff there is roo
 start its fetch before the step, and give the fetches just started a short grace
 (``admit_grace_s``) so fast ones (shm: a few ms) join this very step; slower ones join at
 the next boundary while the step runs. A warm stop takes nothing new and finishes what
-is in hand.
+is in hand (a switch to another role too).
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
 from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff
 from pdqueue.transfer.receiver import KVReceiver
-from workers.common import Every, WorkerConfig, now_ms, tbt_stats
+from workers.common import Every, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
 from workers.role import IDLE_BLOCK_MS, Role
-from workers.shell import WorkerShell
 
 log = logging.getLogger("pdqueue.decode")
 
@@ -86,7 +85,7 @@ class DecodeRole(Role):
 
     def start(self, shell) -> None:
         self.shell = shell
-        self.engine = LLMEngine(shell.loaded, shell.config.engine)
+        self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node,
                                    mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s)
         self.fetcher = Fetcher(self.receiver)
@@ -104,7 +103,8 @@ class DecodeRole(Role):
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "fetching": self.fetcher.in_flight, "backlog": len(self.in_state(JobState.BACKLOG)),
-                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks}
+                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
+                "step_ms": round(self._step_s * 1000, 2)}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -121,7 +121,9 @@ class DecodeRole(Role):
             room = min(READ_LIMIT, self.shell.config.engine.max_num_seqs - started)
             if started == len(self.jobs) and room > 0 and self.engine.block_manager.num_free_blocks > 0:
                 self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0)
-        elif not self.engine.has_unfinished and not self.jobs:
+        elif not self.engine.has_unfinished and not self.jobs and not self.fetcher.in_flight:
+            # (a fetch of a dropped job still writes into its reserved blocks: the pool
+            # outlives this role, so the next one must not get them before it is over)
             return False
         if self.start_backlog() and self.engine.has_unfinished:
             self.admit_fetched(wait_s=self.admit_grace_s())
@@ -311,7 +313,3 @@ class DecodeRole(Role):
         self.fetcher.close()
         self.receiver.close()
 
-
-def DecodeWorker(config: WorkerConfig, loaded) -> WorkerShell:  # noqa: N802 - the name workers/cli.py imports
-    """A worker process running the decode role (``workers.shell.make_worker`` is the new spelling)."""
-    return WorkerShell(config, loaded, DecodeRole())

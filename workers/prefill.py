@@ -18,12 +18,13 @@ A request here, from XADD to handoff:
          expires (``free_released``, before each step)
 
 Dropped (another worker took the entry over): aborted in the engine, no answer. A warm stop
-takes nothing new, finishes the prefills in hand, then serves exported KV until every lease
-is gone (``drain``, at most lease + 1 s).
+(or a switch to another role) takes nothing new, finishes the prefills in hand, then serves
+exported KV until every lease is gone (``drain``, at most lease + 1 s). The pool outlives
+the role: before the next role gets it, the shell bumps every block's epoch.
 
-The KV pool lives in a named shared-memory segment (created once, pre-faulted), so a
-decode worker on this node copies blocks straight out of it; the sender's TCP data server
-and ZeroMQ socket serve the others.
+The KV pool is the process's (``WorkerShell.kv_pool``), in a named shared-memory segment
+(created once, pre-faulted), so a decode worker on this node copies blocks straight out of
+it; the sender's TCP data server and ZeroMQ socket serve the others.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from __future__ import annotations
 import logging
 import time
 
-from pdqueue.engine.llm_engine import LLMEngine, kv_layout_for
+from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, encode_handoff
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.sender import KVSender
-from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool
-from workers.common import Every, WorkerConfig, now_ms
+from workers.common import Every, now_ms
+from workers.recovery import REDIS_DOWN
 from workers.role import RequestRole
-from workers.shell import WorkerShell
 
 log = logging.getLogger("pdqueue.prefill")
 
@@ -51,23 +51,18 @@ class PrefillRole(RequestRole):
     def start(self, shell) -> None:
         super().start(shell)
         config = shell.config
-        layout = kv_layout_for(shell.loaded.config, config.engine)
-        if config.engine.device == "cpu":
-            # The pool lives in shared memory: decode workers on this node copy from it.
-            self.pool = SharedKVPool.create(layout, DEFAULT_PREFIX, shell.worker_id, shell.incarnation)
-            try:
-                self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=self.pool.tensor, prefill_only=True)
-                self.sender = KVSender.for_shared_pool(self.pool, shell.node, endpoint=config.bind,
-                                                       advertise=config.advertise, lease_s=config.lease_s,
-                                                       data_port=config.data_port)
-            except BaseException:
-                self.pool.close(unlink=True)
-                raise
+        # The process's pool (the shell's: a switch allocates nothing), in shared memory on
+        # CPU, so decode workers on this node copy from it.
+        kv_cache = shell.kv_pool(shared=True)
+        self.pool = shell.segment
+        self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True)
+        if self.pool is not None:
+            self.sender = KVSender.for_shared_pool(self.pool, shell.node, endpoint=config.bind,
+                                                   advertise=config.advertise, lease_s=config.lease_s,
+                                                   data_port=config.data_port)
         else:
             # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ.
-            self.pool = None
-            self.engine = LLMEngine(shell.loaded, config.engine, prefill_only=True)
-            self.sender = KVSender(self.engine.kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
+            self.sender = KVSender(kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
                                    shell.node, endpoint=config.bind, advertise=config.advertise,
                                    lease_s=config.lease_s)
         self._decode_nodes: set[str] = set()
@@ -132,19 +127,23 @@ class PrefillRole(RequestRole):
 
     # ---- stopping ------------------------------------------------------------------------
     def drain(self) -> None:
-        """Warm stop: keep serving exported KV until every lease is released or expired."""
+        """Warm stop or switch: keep serving exported KV until every lease is released or
+        expired (switch commands are still answered meanwhile: ``shell.tick``)."""
         deadline = time.monotonic() + self.shell.config.lease_s + 1
         while len(self.sender.leases) and time.monotonic() < deadline and not self.shell.stop.cold.is_set():
             self.free_released()
+            try:
+                self.shell.tick()
+            except REDIS_DOWN:
+                pass   # the leases are served all the same
             time.sleep(0.02)
         self.free_released()
 
     def close(self) -> None:
         self.sender.close()
-        if self.pool:
-            self.pool.close(unlink=True)
-
-
-def PrefillWorker(config: WorkerConfig, loaded) -> WorkerShell:  # noqa: N802 - the name workers/cli.py imports
-    """A worker process running the prefill role (``workers.shell.make_worker`` is the new spelling)."""
-    return WorkerShell(config, loaded, PrefillRole())
+        # A TCP send may still read blocks of the pool, which outlives this role: it ends
+        # at once (the data server's connections are shut), and the next role may write
+        # the pool only after it has (the shell also bumps every block's epoch then).
+        deadline = time.monotonic() + 2.0
+        while self.sender.leases.holding() and time.monotonic() < deadline:
+            time.sleep(0.005)

@@ -11,14 +11,19 @@ shell's units. The shell calls, in this order:
            step() -> bool         one iteration; it may call ``shell.take(limit, block_ms)``,
                                   which calls ``accept``; False: nothing left to do
            load()                 for the heartbeat
-    drain()                       after the loop ended (warm stop, burst, switch)
+    drain()                       after the loop ended (warm stop, burst, switch); a long
+                                  one calls ``shell.tick()`` now and then (switch commands)
     close()                       always, last
+
+A role's engine uses the process's KV pool (``shell.kv_pool()``), so a switch from one role
+to another allocates nothing.
 
 ``RequestRole`` is the part prefill and colocated share: they read the request streams.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
@@ -83,6 +88,7 @@ class RequestRole(Role):
         self.shell = shell
         self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded)
         self.inflight: dict[str, Admitted] = {}
+        self.step_s = 0.0   # moving average of an engine step
 
     def streams(self) -> list[str]:
         return list(self.shell.keys.request_streams)
@@ -95,7 +101,11 @@ class RequestRole(Role):
         elif not busy:
             return False
         if self.engine.has_unfinished:
-            self.publish(self.engine.step())
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            dt = time.perf_counter() - t0
+            self.step_s = dt if not self.step_s else 0.8 * self.step_s + 0.2 * dt
+            self.publish(outputs)
         elif self.shell.config.burst and not self.inflight:
             return False
         return True

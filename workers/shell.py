@@ -4,38 +4,51 @@ The shell is what lives as long as the process, all made in ``__init__`` before 
 runs: the configuration and the loaded model, the worker id and incarnation, the Redis
 client (``pdqueue.queue.connection.connect``), the stop flag (a first SIGTERM/SIGINT asks
 for a warm stop, a second for a cold one), the publisher (its thread runs from here on),
-the heartbeat, ``Recovery`` and the sweep of dead owners' KV segments (a first one here,
-before any role's KV pool takes room). ``run()``:
+the heartbeat, ``Recovery``, the sweep of dead owners' KV segments (a first one here,
+before the KV pool takes room), the role epoch; and the KV pool, made when the first role
+asks for it (``kv_pool``) and used by every role after it. ``run()``:
 
-    start  role.start(shell) (its engine, its KV pool); the consumer groups exist; the
-           first heartbeat (retried while Redis is down); what an earlier process under
-           this worker id took and never acknowledged (Recovery.own_pending) ->
-           role.accept(resumed=True)
+    start  role.start(shell) (its engine, on the shell's KV pool); the consumer groups
+           exist; the first heartbeat (retried while Redis is down); what an earlier
+           process under this worker id took and never acknowledged
+           (Recovery.own_pending) -> role.accept(resumed=True)
     loop   sweep KV segments (every min(heartbeat TTL, lease) / 3) -> keep the entries in
            hand (Recovery.keep; those another worker took over -> role.drop) ->
-           role.step() -> heartbeat load, until step() says there is nothing left to do or
-           a cold stop. A Redis error: capped backoff with jitter and
-           Recovery.on_redis_error(); any other error is logged and counted, and twenty
-           in a row end the worker
-    end    role.drain() (a prefill role serves its leases out); then, always: the
-           publisher flushed and closed, role.close(), the heartbeat removed
+           role.step() -> ``tick``: switch commands (every 100 ms) and the heartbeat's
+           load, until step() says there is nothing left to do or a cold stop. A Redis
+           error: capped backoff with jitter and Recovery.on_redis_error(); any other
+           error is logged and counted, and twenty in a row end the worker
+    end    role.drain() (a prefill role serves its leases out); then, after a switch,
+           the old role closes and the new one starts (back to ``start``); else, always:
+           the publisher flushed and closed, role.close(), the KV pool freed (its segment
+           unlinked), the heartbeat removed
 
 Roles answer through ``shell.unit()`` (workers/answers.py), take input through
 ``shell.take(limit, block_ms)`` (what Recovery finds first, else one read), and ask
 ``shell.accepting`` whether to take any.
 
-``switch_role(role)`` replaces the role in place, the model staying loaded: the current
-role stops accepting and finishes what it holds (as on a warm stop), drains and closes;
-then ``role`` starts as above (start, groups, registration, its group's pending entries).
-Roles build their own engine and KV pool in ``start`` for now.
+``switch_role(role)`` replaces the role in place, the model and the KV pool staying: the
+current role stops accepting and finishes what it holds (as on a warm stop), drains and
+closes; then ``role`` starts as above (start, groups, registration, its group's pending
+entries). A worker started with ``--switchable`` does this on a switch command
+(pdqueue/control.py): ``control`` reads ``control:<id>``, refuses or accepts each command
+(the rules: workers/switching.py) and answers with events (``accepted``, then ``done`` or
+``failed``; or ``refused``). The heartbeat carries ``role_epoch`` (the process start time
+in ms, +1 per switch), ``switchable``, ``role_since_ms`` and ``switching_to`` (empty unless
+a switch is under way) as top-level fields of ``worker:<id>``; decode and colocated roles
+add ``step_ms`` to the load. Should the new role fail to start, the worker answers
+``failed`` and starts its old role again (same epoch), and stops only if that fails too.
 """
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 
 import redis
 
+from pdqueue import control
+from pdqueue.engine.llm_engine import kv_layout_for
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import FinishReason, Request
 from pdqueue.queue import streams
@@ -44,11 +57,12 @@ from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.registry import Heartbeat
 from pdqueue.retry import Backoff
 from pdqueue.transfer.node import node_id
-from pdqueue.transfer.shm import cleanup_segments
+from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool, cleanup_segments
 from workers.answers import Unit, request_ids
 from workers.common import Every, StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
 from workers.recovery import REDIS_DOWN, Recovery
 from workers.role import Role
+from workers.switching import CONTROL_EVERY_S, FIXED_ROLE, Switching, backlog_refusal
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -71,11 +85,22 @@ class WorkerShell:
         self.publisher = Publisher(lambda: connect(config.redis_url), name=f"pdq-publisher-{self.worker_id}",
                                    on_error=self._unit_failed)
         self.recovery = Recovery(self.r, self.keys, self.worker_id, config.reclaim_idle_ms, self.publisher)
+        # The role epoch starts at the process's start time (ms) and grows by one per switch,
+        # so a command aimed at an earlier process under this worker id is stale too.
+        self.role_epoch = self.role_since_ms = int(now_ms())
+        self.switching: Switching | None = None   # an accepted switch command, until done or failed
         self.heartbeat = Heartbeat(self.r, self.keys, self.worker_id, role=role.name, incarnation=self.incarnation,
                                    model=config.engine.model, ttl_s=config.heartbeat_ttl_s)
+        self.heartbeat.update(role_epoch=self.role_epoch, switchable=int(config.switchable),
+                              role_since_ms=self.role_since_ms, switching_to="")
         self._sweep = Every(min(config.heartbeat_ttl_s, config.lease_s) / 3)
+        self._control = Every(CONTROL_EVERY_S)
         self._next_role: Role | None = None
         self._role_open = False              # role.start succeeded and role.close is due
+        # The KV pool: one per process, made when the first role asks (``kv_pool``).
+        self.kv_layout = kv_layout_for(loaded.config, config.engine)
+        self.segment: SharedKVPool | None = None
+        self._kv_cache = None
         # Before any role's pool takes room: the segments of crashed predecessors (the
         # loop's sweep gets those still kept for their leases).
         self.sweep_segments(force=True)
@@ -88,6 +113,7 @@ class WorkerShell:
             while True:
                 self._resume()
                 log.info("%s worker %s ready", self.role.name, self.worker_id)
+                self._switched()
                 self.loop()
                 self.role.drain()
                 if self._next_role is None or self.stop.warm.is_set() or self.stop.cold.is_set():
@@ -110,7 +136,7 @@ class WorkerShell:
                     self.role.drop(lost)
                 if not self.role.step():
                     return
-                self.heartbeat.update(**self.load())
+                self.tick()
                 failures = 0
             except REDIS_DOWN as exc:
                 self._redis_down(exc)
@@ -121,15 +147,49 @@ class WorkerShell:
                     raise
                 self.backoff.sleep(self.stop.cold)
 
+    def tick(self) -> None:
+        """After each step (and while a role drains): the switch commands waiting for us
+        (every ``CONTROL_EVERY_S``) and the heartbeat's load."""
+        self.control()
+        self.heartbeat.update(load=self.load())
+
     def close(self) -> None:
+        if self.switching is not None:   # a stop came before the new role served
+            self._switch_event("failed", self.switching, reason="the worker stopped before the switch completed")
+            self.switching = None
         self.publisher.close(timeout=10)
         if self._role_open:
             self.role.close()
+        if self.segment is not None:
+            self.segment.close(unlink=True)
         self.heartbeat.stop()
         log.info("%s worker %s stopped", self.role.name, self.worker_id)
 
     def load(self) -> dict:
         return {**self.role.load(), "failed_units": self.failed_units}
+
+    # ---- the KV pool -------------------------------------------------------------------
+    def kv_pool(self, shared: bool = False):
+        """The process's KV pool tensor, which every role's engine uses: made once, when the
+        first role asks, so a switch allocates nothing. On CPU it lives in a named shared
+        memory segment (``self.segment``) when the role needs one (prefill: decode workers
+        on this node copy out of it) or the worker is switchable (any role may become
+        prefill); a plain pool is replaced by a segment only when a prefill role comes to
+        a worker that had none (``switch_role`` in a process started without
+        ``--switchable``). On an accelerator it is an ordinary device tensor.
+
+        The segment's block epochs stay right across roles: a prefill role bumps a block's
+        epoch before its engine may reuse the block (``KVSender.poll_freeable``), its drain
+        serves its leases until they are released or expired, and after it closed (its
+        senders stopped) every block's epoch is bumped (``_switch``), so no copy validated
+        against its tickets can see what a later role writes."""
+        config = self.config
+        if (shared or config.switchable) and config.engine.device == "cpu" and self.segment is None:
+            self.segment = SharedKVPool.create(self.kv_layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
+            self._kv_cache = self.segment.tensor
+        elif self._kv_cache is None:
+            self._kv_cache = self.kv_layout.allocate(device=config.engine.device)
+        return self._kv_cache
 
     # ---- roles -------------------------------------------------------------------------
     @property
@@ -140,27 +200,146 @@ class WorkerShell:
     def switch_role(self, role: Role) -> None:
         """Replace the running role by ``role`` once it has finished what it holds (it takes
         nothing new meanwhile, as on a warm stop, then drains and closes). From any thread.
-        Should ``role`` fail to start, the worker stops with that error."""
+        Should ``role`` fail to start, the worker goes back to a new role of its old kind
+        (and stops with the error if that fails too)."""
         self._next_role = role
 
     def _switch(self) -> None:
         new, self._next_role = self._next_role, None
-        log.info("worker %s: %s -> %s", self.worker_id, self.role.name, new.name)
+        old_name = self.role.name
+        if self.switching is not None:
+            self.switching.drained_at = time.monotonic()
+        log.info("worker %s: %s -> %s", self.worker_id, old_name, new.name)
         self.role.close()
         self._role_open = False
-        self._start_role(new)
+        if self.segment is not None:
+            # Tickets of the old role (a prefill role's leases still held when its drain
+            # ran out of time) can no longer validate a copy: the next role may write any block.
+            self.segment.bump_epochs(range(self.kv_layout.num_blocks))
+        try:
+            self._start_role(new, epoch=self.role_epoch + 1)
+        except Exception as exc:
+            log.exception("worker %s: the %s role failed to start; going back to %s", self.worker_id,
+                          new.name, old_name)
+            if self._role_open:   # it started, and what came after failed
+                self.role.close()
+                self._role_open = False
+            if self.switching is not None:
+                self._switch_event("failed", self.switching, reason=f"{new.name} failed to start: {exc}",
+                                   back_to=old_name)
+                self.switching = None
+            self._start_role(role_for(old_name))   # the epoch stays: nothing changed for a sender
 
-    def _start_role(self, role: Role) -> None:
+    def _start_role(self, role: Role, epoch: int | None = None) -> None:
         role.start(self)   # a role whose start fails releases what it built before raising
         self.role, self._role_open = role, True
-        self.ensure_groups()
+        while True:
+            try:
+                self.ensure_groups()
+                break
+            except REDIS_DOWN as exc:
+                if self.stop.cold.is_set():
+                    raise
+                self._redis_down(exc)
+        if epoch is not None:
+            self.role_epoch, self.role_since_ms = epoch, int(now_ms())
         self.heartbeat.update(**{"role": role.name, "node": "", "endpoints": {}, **role.registration()},
+                              role_epoch=self.role_epoch, role_since_ms=self.role_since_ms, switching_to="",
                               load=self.load())
+        self._beat_now()
+
+    def _switched(self) -> None:
+        """The new role serves (started, its own pending entries taken in): ``done``."""
+        sw, self.switching = self.switching, None
+        if sw is not None:
+            drain_ms = sw.ms_since_read(sw.drained_at) if sw.drained_at is not None else 0.0
+            self._switch_event("done", sw, epoch=self.role_epoch, drain_ms=drain_ms, switch_ms=sw.ms_since_read())
+            log.info("worker %s: now %s (epoch %d): drained in %.0f ms, serving %.0f ms after the command",
+                     self.worker_id, self.role.name, self.role_epoch, drain_ms, sw.ms_since_read())
+
+    def _beat_now(self) -> None:
+        """Write the heartbeat now (a role or switch state others must see at once); the
+        heartbeat thread writes it again soon anyway, should Redis be down."""
+        if self.heartbeat.beats:   # not before the first beat (``_register``)
+            try:
+                self.heartbeat.beat()
+            except REDIS_DOWN as exc:
+                log.warning("heartbeat: redis unavailable (%s)", exc)
+
+    # ---- switch commands (pdqueue.control; the rules: workers/switching.py) --------------
+    def control(self) -> None:
+        """Every ``CONTROL_EVERY_S``: answer the commands waiting on ``control:<id>``."""
+        if not self._control.due():
+            return
+        for entry_id, fields in control.take_commands(self.r, self.keys, self.worker_id):
+            try:
+                self._command(entry_id, fields)
+            except REDIS_DOWN as exc:   # read and deleted, but not answered: the sender times out
+                log.warning("switch command %s not answered: redis unavailable (%s)", entry_id, exc)
+
+    def _command(self, entry_id: str, fields) -> None:
+        read_at = time.monotonic()
+        raw_id = fields.get(b"id", fields.get("id", b""))
+        command_id = (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)) or entry_id
+        try:
+            cmd = control.parse_command(fields)
+        except control.CommandError as exc:
+            self._refuse(command_id, "", str(exc))
+            return
+        command_id = cmd.id or command_id
+        reason = self._refusal(cmd)
+        if reason:
+            self._refuse(command_id, cmd.role, reason)
+            return
+        role = self.role
+        sw = Switching(command_id, role.name, cmd.role, self.role_epoch, held=len(role.held()),
+                       leases=int(role.load().get("leases", 0)), read_at=read_at)
+        self.switching = sw
+        self.heartbeat.update(switching_to=cmd.role)
+        self._beat_now()
+        self._switch_event("accepted", sw, by=cmd.by)
+        log.info("worker %s: switch %s -> %s accepted (command %s by %s; %d in hand, %d leases)", self.worker_id,
+                 role.name, cmd.role, command_id, cmd.by or "?", sw.held, sw.leases)
+        self.switch_role(role_for(cmd.role))
+
+    def _refusal(self, cmd: control.SwitchCommand) -> str | None:
+        """Why this worker will not carry ``cmd`` out, or None (workers/switching.py)."""
+        if not self.config.switchable:
+            return FIXED_ROLE
+        if self.stop.warm.is_set() or self.stop.cold.is_set():
+            return "the worker is stopping"
+        if self.switching is not None or self._next_role is not None:
+            to = self.switching.to_role if self.switching else self._next_role.name
+            return f"a switch to {to} is in progress"
+        if cmd.epoch != self.role_epoch:
+            return f"stale epoch: expected {cmd.epoch}, worker is at {self.role_epoch}"
+        if cmd.role == self.role.name:
+            return f"already {cmd.role}"
+        return backlog_refusal(self.r, self.keys, self.worker_id, self.node, self.role.name, cmd.role)
+
+    def _refuse(self, command_id: str, to: str, reason: str) -> None:
+        log.warning("worker %s: switch command %s refused: %s", self.worker_id, command_id, reason)
+        control.event(self.r, self.keys, control.SWITCH, command=command_id, worker=self.worker_id,
+                      status="refused", reason=reason, **{"from": self.role.name, "to": to}, epoch=self.role_epoch)
+
+    def _switch_event(self, status: str, sw: Switching, **fields) -> None:
+        fields.setdefault("epoch", sw.epoch)
+        try:
+            control.event(self.r, self.keys, control.SWITCH, command=sw.command, worker=self.worker_id,
+                          status=status, **{"from": sw.from_role, "to": sw.to_role}, held=sw.held,
+                          leases=sw.leases, **fields)
+        except REDIS_DOWN as exc:
+            log.warning("switch %s: the %s event was not written (%s)", sw.command, status, exc)
 
     def _resume(self) -> None:
         """Entries of the role's group delivered to this worker id and never acknowledged:
         a restart under the same id picks up what the previous process had taken."""
-        self.role.accept(self.recovery.own_pending(self.role.group, self.role.streams()), resumed=True)
+        try:
+            entries = self.recovery.own_pending(self.role.group, self.role.streams())
+        except REDIS_DOWN as exc:   # Recovery compares our pending list with what we hold later
+            self._redis_down(exc)
+            return
+        self.role.accept(entries, resumed=True)
 
     def _register(self) -> None:
         """The first heartbeat, so the worker is visible; retried while Redis is down."""
@@ -276,8 +455,8 @@ class WorkerShell:
         return inc is not None and inc.decode() == incarnation
 
 
-def make_worker(role_name: str, config: WorkerConfig, loaded) -> WorkerShell:
-    """The worker process for ``pdqueue worker ROLE``."""
+def role_for(role_name: str) -> Role:
+    """A new (not started) role of that name."""
     if role_name == "prefill":
         from workers.prefill import PrefillRole as role_class
     elif role_name == "decode":
@@ -286,4 +465,9 @@ def make_worker(role_name: str, config: WorkerConfig, loaded) -> WorkerShell:
         from workers.colocated import ColocatedRole as role_class
     else:
         raise ValueError(f"unknown role {role_name!r}")
-    return WorkerShell(config, loaded, role_class())
+    return role_class()
+
+
+def make_worker(role_name: str, config: WorkerConfig, loaded) -> WorkerShell:
+    """The worker process for ``pdqueue worker ROLE`` (``--switchable``: ``config.switchable``)."""
+    return WorkerShell(config, loaded, role_for(role_name))

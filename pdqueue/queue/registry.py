@@ -2,7 +2,9 @@
 
 Each worker keeps a hash ``worker:<id>`` with a TTL (``Heartbeat``): fields ``role``,
 ``node``, ``incarnation``, ``endpoints`` (JSON), ``load`` (JSON), ``model``, ``pid``,
-``host``, ``started_ms``, ``beat_ms``. The whole hash is rewritten and its TTL renewed
+``host``, ``started_ms``, ``beat_ms``, and what role switching needs (``pdqueue.control``):
+``role_epoch``, ``switchable`` (0/1), ``role_since_ms`` and ``switching_to`` (the role an
+accepted switch goes to; empty otherwise). The whole hash is rewritten and its TTL renewed
 every ``ttl_s / 3`` seconds, so a worker that dies (or loses Redis for longer than the
 TTL) simply disappears, and one that comes back re-registers in full. Nobody trusts a
 worker to report its own death; ``remove()`` on a clean stop only makes it quicker.
@@ -31,9 +33,9 @@ from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
-_TOP_LEVEL = ("role", "node", "endpoints", "model")
+_TOP_LEVEL = ("role", "node", "endpoints", "model", "role_epoch", "switchable", "role_since_ms", "switching_to")
 _JSON_FIELDS = ("endpoints", "load")
-_INT_FIELDS = ("pid", "started_ms", "beat_ms")
+_INT_FIELDS = ("pid", "started_ms", "beat_ms", "role_epoch", "switchable", "role_since_ms")
 _RETRY_INITIAL_S = 0.05
 
 
@@ -45,7 +47,8 @@ class Heartbeat:
     """Keeps ``worker:<worker_id>`` alive from a daemon thread until ``stop()``.
 
     ``update(**fields)`` changes what the next beat writes: ``role``, ``node``,
-    ``endpoints`` and ``model`` replace those fields; ``load`` (a dict) replaces the whole
+    ``endpoints``, ``model``, ``role_epoch``, ``switchable``, ``role_since_ms`` and
+    ``switching_to`` replace those fields; ``load`` (a dict) replaces the whole
     load dict; any other name is merged into it (e.g. ``update(running=3, kv_free=120)``).
     """
 
@@ -60,6 +63,7 @@ class Heartbeat:
         self.ttl_s = ttl_s
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()   # one beat at a time: a later snapshot is never overwritten by an earlier one
         self._info: dict[str, Any] = {
             "role": role, "node": node, "incarnation": self.incarnation,
             "endpoints": dict(endpoints or {}), "load": dict(load or {}), "model": model,
@@ -94,16 +98,18 @@ class Heartbeat:
             return json.loads(json.dumps(self._info))
 
     def beat(self) -> None:
-        """One beat: rewrite the hash and renew its TTL in one transaction."""
-        with self._lock:
-            mapping = {name: json.dumps(value, separators=(",", ":")) if name in _JSON_FIELDS
-                       else str(value) for name, value in self._info.items()}
-        mapping["beat_ms"] = str(_now_ms())
-        with self._r.pipeline(transaction=True) as pipe:
-            pipe.hset(self.key, mapping=mapping)
-            pipe.pexpire(self.key, max(1, int(self.ttl_s * 1000)))
-            pipe.execute()
-        self.beats += 1
+        """One beat: rewrite the hash and renew its TTL in one transaction. From any thread
+        (a worker beats at once when its role changes)."""
+        with self._write_lock:
+            with self._lock:
+                mapping = {name: json.dumps(value, separators=(",", ":")) if name in _JSON_FIELDS
+                           else str(value) for name, value in self._info.items()}
+            mapping["beat_ms"] = str(_now_ms())
+            with self._r.pipeline(transaction=True) as pipe:
+                pipe.hset(self.key, mapping=mapping)
+                pipe.pexpire(self.key, max(1, int(self.ttl_s * 1000)))
+                pipe.execute()
+            self.beats += 1
 
     def _run(self) -> None:
         interval = self.ttl_s / 3

@@ -128,6 +128,12 @@ class LeaseTable:
             self._expire_one(lease)
             return True
 
+    def holding(self) -> int:
+        """How many leases a ``hold_until`` condition still holds (a TCP send reading their
+        blocks)."""
+        with self._lock:
+            return sum(1 for lease in self._leases.values() if lease.hold is not None and not lease.hold())
+
     def expire(self, now: float | None = None) -> int:
         """Mark leases past their deadline as expired; returns how many."""
         with self._lock:

@@ -52,7 +52,7 @@ from pdqueue.transfer.tcp import DataServer, send_control, send_views, source_pi
 
 log = logging.getLogger(__name__)
 
-_POLL_MS = 50   # how often the serving thread checks for close()
+_POLL_MS = 10   # how often the serving thread checks for close() (a switch waits for it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,6 +203,10 @@ class DataServer:
     def close(self) -> None:
         """Stop accepting and close every connection (their threads end on their own)."""
         self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)   # wakes a blocked accept() at once (Linux)
+        except OSError:
+            pass
         self._thread.join()
         self._listener.close()
         with self._lock:

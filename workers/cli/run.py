@@ -106,10 +106,14 @@ ROLES = ("prefill", "decode", "colocated")
               help="Work of a live but hung worker is taken over after this idle time.")
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
+@click.option("--switchable", is_flag=True,
+              help="Take role switches (pdqueue.control, e.g. from a planner): ROLE is the first role; the "
+                   "worker changes role in place, the model staying loaded. Without it, switch commands are "
+                   "refused.")
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, policy, max_num_seqs,
            max_batched_tokens, transfer, bind, data_port, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
-           reclaim_idle_ms, worker_id, burst, log_level):
+           reclaim_idle_ms, worker_id, burst, switchable, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from pdqueue.engine.config import EngineConfig
     from workers.common import WorkerConfig, setup_logging
@@ -125,15 +129,11 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
-                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst)
+                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst, switchable=switchable)
     loaded = load(model, device, dtype)
-    if role == "prefill":
-        from workers.prefill import PrefillWorker as Worker
-    elif role == "decode":
-        from workers.decode import DecodeWorker as Worker
-    else:
-        from workers.colocated import ColocatedWorker as Worker
-    w = Worker(config, loaded)
+    from workers.shell import make_worker
+
+    w = make_worker(role, config, loaded)
     w.stop.install()
     w.run()
 
@@ -159,7 +159,9 @@ def check_redis(url: str) -> None:
     """Fail with one clear line when Redis is not reachable."""
     import redis
 
+    from pdqueue.queue.connection import connect
+
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+        connect(url, purpose="check").ping()
     except (redis.ConnectionError, redis.TimeoutError, ValueError) as exc:
         raise UserError(f"cannot reach Redis at {url}: {exc}") from None
