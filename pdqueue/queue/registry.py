@@ -103,6 +103,7 @@ class Heartbeat:
         with self._write_lock:
             with self._lock:
                 mapping = {name: json.dumps(value, separators=(",", ":")) if name in _JSON_FIELDS
+                           else str(int(value)) if isinstance(value, bool)   # "1"/"0", read back as ints
                            else str(value) for name, value in self._info.items()}
             mapping["beat_ms"] = str(_now_ms())
             with self._r.pipeline(transaction=True) as pipe:
