@@ -166,8 +166,9 @@ def _decode_worker(keys: Keys, key: Any, raw: dict) -> dict[str, Any]:
             except ValueError:
                 value = {}
         elif name in _INT_FIELDS:
+            flag = {"true": 1, "yes": 1, "on": 1, "false": 0, "no": 0, "off": 0}.get(value.strip().lower())
             try:
-                value = int(value)
+                value = flag if flag is not None else int(value)   # any client may write the hash
             except ValueError:
                 value = 0
         info[name] = value
