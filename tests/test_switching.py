@@ -100,17 +100,25 @@ class Load:
         self.handles, self.prompt_ids, self.expected, self.sampling = [], [], [], []
 
     def submit(self, n: int, max_tokens, seed: int, ignore_eos: bool = True) -> list:
+        return self.send(self.prepare(n, max_tokens, seed, ignore_eos))
+
+    def prepare(self, n: int, max_tokens, seed: int, ignore_eos: bool = True) -> list[dict]:
+        """``n`` requests (``max_tokens``: a number or a list to pick from), their expected
+        tokens computed now; ``send`` submits them."""
         rng = random.Random(seed)
         prompts = mixed_prompts(n, seed)
         params = [{"max_tokens": max_tokens if isinstance(max_tokens, int) else rng.choice(max_tokens),
                    "temperature": 0.0 if i % 2 else 0.8, "seed": seed * 1000 + i, "ignore_eos": ignore_eos}
                   for i in range(n)]
         ids, expected, sampling = oracle(self.tiny, prompts, params)
-        handles = self.client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
-        self.handles += handles
         self.prompt_ids += ids
         self.expected += expected
         self.sampling += sampling
+        return [dict(prompt=p, **kw) for p, kw in zip(prompts, params)]
+
+    def send(self, requests: list[dict]) -> list:
+        handles = self.client.submit_many(requests)
+        self.handles += handles
         return handles
 
     def check(self, timeout: float = 120) -> list:
@@ -313,7 +321,7 @@ def test_worker_killed_mid_switch(cluster, tiny):
     answered twice, and the switch never reports done."""
     start_all(cluster, ("p", "prefill", FAST), ("d0", "decode", SWITCHABLE), ("d1", "decode", FAST))
     load = Load(cluster, tiny)
-    handles = feed(load, "d0", 6, 400, seed=1)
+    handles = feed(load, "d0", 6, 600, seed=1)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
     cid = send(cluster, "d0", "prefill")
     wait_for(lambda: [e for e in events_of(cluster, cid) if e["status"] == "accepted"], what="accepted")
@@ -383,11 +391,12 @@ def test_last_worker_of_a_role_refuses_to_leave_a_backlog(cluster, tiny):
 
     # the last prefill-capable worker, with requests queued: c reads at most 16 before it
     # next looks at its commands, so 40 sent while it is stopped are still queued then
-    start_all(cluster, ("c", "colocated", SWITCHABLE))
+    start_all(cluster, ("c", "colocated", (*SWITCHABLE, "--heartbeat-ttl-s", "10")))   # (not dead while stopped)
+    epoch, batch = beat(cluster, "c")["role_epoch"], load.prepare(40, 4, seed=4)
     cluster.signal("c", signal.SIGSTOP)
     try:
-        load.submit(40, 4, seed=4)
-        cid = send(cluster, "c", "decode")
+        load.send(batch)
+        cid = send(cluster, "c", "decode", epoch)
     finally:
         cluster.signal("c", signal.SIGCONT)
     event = refused(cluster, cid, "last prefill-capable worker")
