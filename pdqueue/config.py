@@ -25,6 +25,11 @@ class RedisConfig:
     """The client's streams retry a lost connection (a Redis restart is survived) and raise
     ``pdqueue.client.RedisUnavailable`` once it has failed for this long (None: retry until
     the caller's timeout)."""
+    max_connections: int = 10_000
+    """The connection pool's cap. Every stream being read holds one connection while its
+    XREAD blocks, so an ``AsyncClient`` (or a gateway) with N requests in flight needs N;
+    redis-py's default of 100 made the 101st concurrent submit fail with "Too many
+    connections"."""
 
     def redis_kwargs(self) -> dict:
         """Keyword arguments for ``redis.Redis.from_url(self.url, **kwargs)``."""
@@ -32,4 +37,5 @@ class RedisConfig:
             "socket_timeout": self.socket_timeout_s,
             "socket_connect_timeout": self.socket_connect_timeout_s,
             "health_check_interval": self.health_check_interval_s,
+            "max_connections": self.max_connections,
         }

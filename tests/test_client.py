@@ -245,6 +245,27 @@ def test_async_client(redis_url, echo):
     asyncio.run(main())
 
 
+def test_async_client_streams_more_requests_at_once_than_redis_pys_default_pool(redis_url):
+    """Every stream being read holds a connection while its XREAD blocks: 150 requests
+    submitted and read at once need 150 (redis-py's default pool stops at 100, and the
+    101st submit failed with "Too many connections")."""
+    async def one(client, i):
+        handle = await client.submit(f"x{i:03d}", max_tokens=8)
+        return (await handle.result(timeout=60)).text
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            requests = asyncio.gather(*(one(client, i) for i in range(150)))
+            await asyncio.sleep(1.0)   # nobody answers yet: every stream is waiting
+            worker = EchoWorker(redis_url)
+            try:
+                return await requests
+            finally:
+                worker.close()
+
+    assert asyncio.run(main()) == [f"x{i:03d}" for i in range(150)]
+
+
 def test_stream_survives_a_redis_restart(tmp_path):
     with RedisServer(dir=tmp_path, appendonly=True, extra_args=("--appendfsync", "always")) as server:
         worker = EchoWorker(server.url, token_delay_s=0.01)
