@@ -236,12 +236,14 @@ class Record:
     error: str | None = None
 
 
-async def _one(client, planned: Planned, seed: int, record: Record) -> Record:
+async def _one(client, planned: Planned, seed: int, record: Record, timeout_s: float | None = None) -> Record:
+    """Send one request and record its tokens' arrival; an error or ``timeout_s`` (from the
+    submission) is recorded, never raised."""
     record.submitted = time.perf_counter()
     try:
         handle = await client.submit(prompt_ids=planned.prompt_ids, max_tokens=planned.max_tokens,
                                      temperature=0.0, seed=seed, ignore_eos=True)
-        async for event in handle.stream():
+        async for event in handle.stream(timeout=timeout_s):
             now = time.perf_counter()
             for _ in event.token_ids or (0,):
                 record.token_times.append(now)
@@ -254,28 +256,58 @@ async def _one(client, planned: Planned, seed: int, record: Record) -> Record:
 
 
 async def run_requests(client, plan: list[Planned], drain_timeout_s: float,
-                       on_done: Callable[[], None] = lambda: None) -> list[Record]:
+                       on_done: Callable[[], None] = lambda: None,
+                       log: Callable[[str], None] = lambda _m: None, stall_s: float = 60.0) -> list[Record]:
     """Submit ``plan`` at its arrival times; wait for every answer (at most
-    ``drain_timeout_s`` after the last arrival); unfinished ones keep ``finished`` None."""
+    ``drain_timeout_s`` after the last arrival, and each request at most ``drain_timeout_s``
+    after its own submission); unfinished ones keep ``finished`` None. If nothing is
+    submitted or answered for ``stall_s``, ``log`` gets a report of what is waiting where."""
     start = time.perf_counter()
     records = [Record(p) for p in plan]
-    tasks = []
-    for i, (planned, record) in enumerate(zip(plan, records)):
-        delay = start + planned.at_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(_one(client, planned, i, record))
-        task.add_done_callback(lambda _t: on_done())
-        tasks.append(task)
-    _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.wait(pending)
+    tasks: list[asyncio.Task] = []
+    watchdog = asyncio.create_task(_watch_stalls(records, tasks, stall_s, log))
+    try:
+        for i, (planned, record) in enumerate(zip(plan, records)):
+            delay = start + planned.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(_one(client, planned, i, record, drain_timeout_s))
+            task.add_done_callback(lambda _t: on_done())
+            tasks.append(task)
+        _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+    finally:
+        watchdog.cancel()
+        await asyncio.gather(watchdog, return_exceptions=True)
     for record in records:
         if record.finished is None and record.error is None:
             record.error = f"unfinished after {drain_timeout_s:.0f}s"
     return records
+
+
+async def _watch_stalls(records: list[Record], tasks: list[asyncio.Task], stall_s: float,
+                        log: Callable[[str], None]) -> None:
+    """Report a run that stopped moving: how many requests are submitted, answered and
+    waiting, and where the waiting ones are suspended (their coroutine stacks)."""
+    last = None
+    while True:
+        await asyncio.sleep(stall_s)
+        state = (len(tasks), sum(t.done() for t in tasks))
+        if state == last:
+            waiting = [t for t in tasks if not t.done()]
+            where: dict[str, int] = {}
+            for t in waiting[:50]:
+                frames = t.get_stack(limit=8)
+                key = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "?"
+                where[key] = where.get(key, 0) + 1
+            no_token = sum(1 for r in records[:len(tasks)] if r.submitted and not r.token_times)
+            log(f"stalled for {stall_s:.0f}s: {state[0]}/{len(records)} submitted, {state[1]} answered, "
+                f"{len(waiting)} waiting ({no_token} without a first token); suspended at: "
+                + "; ".join(f"{n}x {k}" for k, n in where.items()))
+        last = state
 
 
 def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dict, dict]:
@@ -315,8 +347,9 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
 # -- the whole bench ------------------------------------------------------------------------
 
 def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] = print,
-        log_dir: Path | None = None) -> dict:
-    """Every mode at every rate; returns the result object (see ``--json``)."""
+        log_dir: Path | None = None, on_mode: Callable[[dict], None] | None = None) -> dict:
+    """Every mode at every rate; returns the result object (see ``--json``). ``on_mode``
+    gets the result so far after each mode (a later mode that fails loses nothing)."""
     import redis
 
     from pdqueue.queue.redis_server import RedisServer
@@ -344,6 +377,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
                 running.stop()
             result["modes"][mode] = _pool_rates(by_rate, raw, settings)
             result["raw"][mode] = raw
+            if on_mode is not None:
+                on_mode(result)
     finally:
         server.stop()
     if settings.phases:
@@ -399,7 +434,7 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
         idle = []
         for i in range(settings.probes):
             planned = Planned(0.0, "probe", tuple(3 + (i + j) % 200 for j in range(24)), 1)
-            record = await _one(client, planned, i, Record(planned))
+            record = await _one(client, planned, i, Record(planned), settings.drain_timeout_s)
             if record.finished is not None and record.token_times:
                 idle.append((record.token_times[0] - record.submitted) * 1e3 - record.completion.prefill_ms)
         by_rate["idle_overhead_ms"] = summary(idle)
@@ -412,7 +447,7 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline))
                 try:
                     records = await run_requests(client, plan, settings.drain_timeout_s,
-                                                 on_done=lambda: bar.advance(task))
+                                                 on_done=lambda: bar.advance(task), log=progress)
                 finally:
                     sampler.cancel()
                     await asyncio.gather(sampler, return_exceptions=True)
@@ -423,7 +458,7 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 plan = plan_requests(settings, rate, settings.requests_at(rate))
                 task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
                 records = await run_requests(client, plan, settings.drain_timeout_s,
-                                             on_done=lambda: bar.advance(task))
+                                             on_done=lambda: bar.advance(task), log=progress)
                 by_rate[_key(rate)], raw[_key(rate)] = metrics(records, rate, settings)
                 by_rate[_key(rate)]["records"] = records
     return by_rate, raw
@@ -445,7 +480,8 @@ def phase_metrics(records: list[Record], settings: Settings) -> dict:
 
 async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s: float = 0.5) -> None:
     """Every ``every_s``: each worker's role and the request and handoff backlogs (acked
-    entries are deleted, so a stream's length is what is still to be done)."""
+    entries are deleted, so a stream's length is what is still to be done), and the
+    planner's decision (``plan``) whenever its reason changed."""
     import redis.asyncio
 
     from pdqueue.keys import Keys
@@ -453,6 +489,7 @@ async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s
     keys = Keys(cluster)
     start = time.perf_counter()
     r = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    last_reason = None
     try:
         while True:
             try:
@@ -465,8 +502,14 @@ async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s
                 requests = sum([await r.xlen(s) for s in keys.request_streams])
                 handoff_keys = [k async for k in r.scan_iter(match=keys.handoff + "*", count=200)]
                 handoffs = sum([await r.xlen(k) for k in handoff_keys])
-                timeline.append({"t": round(time.perf_counter() - start, 2), "roles": roles,
-                                 "request_backlog": requests, "handoff_backlog": handoffs})
+                sample = {"t": round(time.perf_counter() - start, 2), "roles": roles,
+                          "request_backlog": requests, "handoff_backlog": handoffs}
+                plan = await r.hmget(keys.plan, "action", "reason")
+                gist = plan[1] and plan[1].split(":")[0]   # e.g. "hold 1P+1D, healthy" (no figures)
+                if gist and gist != last_reason:   # the adaptive mode's planner said something new
+                    last_reason = gist
+                    sample["plan"] = {"action": plan[0], "reason": plan[1]}
+                timeline.append(sample)
             except redis.RedisError:
                 pass
             await asyncio.sleep(every_s)

@@ -166,6 +166,15 @@ def bench_transfer(as_json, quick, repeats, out, check):
         click.secho(f"targets not met: {', '.join(missed)}", fg="red", err=True)
         sys.exit(3)
 
+def _write_partial(out: str, partial: dict) -> None:
+    """The modes measured so far, in OUT/serve.partial.json (replaced after each mode)."""
+    from pdqueue.bench.stats import round_floats
+
+    path = Path(out) / "serve.partial.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(round_floats({k: v for k, v in partial.items() if k != "raw"}), indent=2, default=str))
+
+
 @bench.command("serve")
 @click.option("--model", envvar="PDQ_MODEL", default="smollm2", show_default=True,
               help="smollm2, tiny, or a path.")
@@ -219,7 +228,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens)
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
-                                 log_dir=Path(out) / "logs" if out else None)
+                                 log_dir=Path(out) / "logs" if out else None,
+                                 on_mode=(lambda partial: _write_partial(out, partial)) if out else None)
     except serve_bench.BenchError as exc:
         raise UserError(str(exc)) from None
     result = round_floats(result)
