@@ -4,8 +4,11 @@ against. They check shape, not speed (benchmarks are commands, not timed tests).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,3 +46,46 @@ def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):
         assert set(figures["queue_overhead_ms"]) >= {"p50", "p99"}
         assert figures["by_rate"]["4"]["tbt_ms"]["p50"] > 0
     assert (tmp_path / "serve.json").exists()
+
+
+def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path):
+    """The bench's workers run in their own sessions: a SIGTERM to the bench must stop them
+    (and its Redis server) as Ctrl-C does."""
+    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny", "--modes",
+                             "disagg", "--rates", "50", "--num-requests", "5000", "--warmup", "0",
+                             "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    marker = str(tmp_path / "logs")   # every worker of this bench has its log under it
+
+    def ours() -> list[int]:
+        out = subprocess.run(["pgrep", "-f", "--", "workers worker"], capture_output=True, text=True).stdout
+        pids = []
+        for pid in out.split():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if marker.encode() in env or marker.encode() in cmdline or _log_in(pid, marker):
+                pids.append(int(pid))
+        return pids
+
+    deadline = time.monotonic() + 120
+    while len(ours()) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert len(ours()) == 2, "the bench's two workers never started"
+    time.sleep(3)   # the bench is sending its requests
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=90)
+    deadline = time.monotonic() + 30
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ours() == [], "workers left running after the bench got SIGTERM"
+
+
+def _log_in(pid: str, marker: str) -> bool:
+    """Whether the process writes into a file under ``marker`` (its log)."""
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(marker) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False

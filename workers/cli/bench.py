@@ -100,13 +100,14 @@ def bench():
 @click.option("--prompt-lens", default="128,512,2048", show_default=True)
 @click.option("--batch-sizes", default="1,8,32", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_engine(model, device, dtype, threads, kv_cache_mb, prompt_lens, batch_sizes, as_json):
+def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, prompt_lens, batch_sizes, as_json):
     """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound."""
     from pdqueue.engine.config import EngineConfig
 
     check_model(model)
     lens, sizes = positive_ints("--prompt-lens", prompt_lens), positive_ints("--batch-sizes", batch_sizes)
-    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb)
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
+                          prefix_caching=prefix_caching)
     check_device(device)
     check_kv_pool(model, config)
     from pdqueue.bench import engine_bench
@@ -166,6 +167,19 @@ def bench_transfer(as_json, quick, repeats, out, check):
         click.secho(f"targets not met: {', '.join(missed)}", fg="red", err=True)
         sys.exit(3)
 
+def _end_on_term() -> None:
+    """SIGTERM and SIGHUP end the bench as Ctrl-C does: its ``finally`` blocks stop the
+    workers and the Redis server it started (they run in their own sessions, so a plain
+    SIGTERM left them running)."""
+    import signal
+
+    def on_signal(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+
 def _write_partial(out: str, partial: dict) -> None:
     """The modes measured so far, in OUT/serve.partial.json (replaced after each mode)."""
     from pdqueue.bench.stats import round_floats
@@ -214,6 +228,7 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     from pdqueue.bench import plots, serve_bench
     from pdqueue.bench.stats import round_floats
 
+    _end_on_term()
     mode_list = _csv(modes, str, "--modes")
     unknown = [m for m in mode_list if m not in serve_bench.MODES]
     if unknown:
@@ -235,3 +250,49 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     result = round_floats(result)
     _write_out(out, "serve", result, plots.plot_serve)
     click.echo(json.dumps(result, indent=2) if as_json else serve_bench.format_table(result))
+
+
+@bench.command("gateway")
+@click.option("--model", envvar="PDQ_MODEL", default="tiny", show_default=True,
+              help="The workers' model (tiny: the gateway's share of the time is largest).")
+@click.option("--pairs", type=click.IntRange(min=1), default=40, show_default=True,
+              help="Latency: requests per path (gateway, client), alternating.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=16, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Throughput: closed-loop clients.")
+@click.option("--duration", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              help="Throughput: seconds per path.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_gateway(model, pairs, max_tokens, concurrency, duration, as_json):
+    """The OpenAI gateway against pdqueue.Client on the same 1 prefill + 1 decode workers:
+    added TTFT and ITL (the same requests, alternating) and the requests/s one gateway serves."""
+    import dataclasses
+
+    from pdqueue.bench import gateway_bench
+    from pdqueue.bench.stats import round_floats
+    from pdqueue.client import Client
+    from pdqueue.queue.redis_server import free_port
+    from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
+
+    check_model(model)
+    settings = gateway_bench.Settings(pairs=pairs, max_tokens=max_tokens, concurrency=concurrency,
+                                      duration_s=duration)
+    lc = LocalCluster(LocalClusterConfig(model=model, cluster="bench-gateway", redis_port=free_port(), threads=1,
+                                         kv_cache_mb=64, gateway_port=0))
+    try:
+        lc.start_server()
+        lc.start_workers()
+        lc.start_gateway()
+        _progress(f"loading {model} in 1 prefill + 1 decode worker; gateway {lc.gateway_url}")
+        lc.wait_ready(600)
+        with Client(lc.url, lc.config.cluster) as client:
+            lat = gateway_bench.latency(client, lc.gateway_url, settings, _progress)
+        thr = gateway_bench.throughput(lc.url, lc.config.cluster, lc.gateway_url, lc.gateway.proc.pid, settings,
+                                       _progress)
+    except (WorkerFailed, TimeoutError, RuntimeError) as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        lc.stop(grace_s=30)
+    result = round_floats({"model": model, "settings": dataclasses.asdict(settings), "latency": lat,
+                           "throughput": thr})
+    click.echo(json.dumps(result, indent=2) if as_json else gateway_bench.format_table(result))
