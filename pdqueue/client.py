@@ -106,11 +106,15 @@ def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | 
               have_client: bool) -> tuple[RedisConfig, str]:
     """The config and the cluster of a client. The URL: ``redis_url``, else the config's,
     else (no client given either) ``pdqueue.discovery.resolve``; the cluster: ``cluster``,
-    else resolved for that URL."""
+    else resolved for that URL. A URL without credentials that names a running ``pdqueue
+    up``'s server gets that server's password (``resolve``)."""
     if redis_url is not None:
         config = dataclasses.replace(config, url=redis_url) if config is not None else RedisConfig(url=redis_url)
     if config is not None:
-        return config, cluster or resolve(config.url, None).cluster
+        target = resolve(config.url, cluster)
+        if target.url != config.url:
+            config = dataclasses.replace(config, url=target.url)
+        return config, target.cluster
     if have_client:  # its URL is its own: only PDQ_CLUSTER can name the cluster
         return RedisConfig(), cluster or os.environ.get("PDQ_CLUSTER") or DEFAULT_CLUSTER
     target = resolve(None, cluster)
@@ -121,7 +125,8 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
-                  chat: bool = False, ignore_eos: bool = False, id: str | None = None) -> Request:
+                  chat: bool = False, ignore_eos: bool = False, id: str | None = None,
+                  messages: Sequence[dict] | None = None) -> Request:
     """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given."""
     request_id = id if id is not None else uuid.uuid4().hex
     try:
@@ -132,7 +137,8 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                   seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                  deadline_ms=deadline_ms, priority=priority, chat=chat, ignore_eos=ignore_eos)
+                  deadline_ms=deadline_ms, priority=priority, chat=chat, ignore_eos=ignore_eos,
+                  messages=tuple(dict(m) for m in messages) if messages is not None else None)
     validate_request(req)
     return req
 
@@ -309,13 +315,14 @@ class Client:
                max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
-               chat: bool = False, ignore_eos: bool = False, id: str | None = None) -> RequestHandle:
+               chat: bool = False, ignore_eos: bool = False, id: str | None = None,
+               messages: Sequence[dict] | None = None) -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
         ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
-                            ignore_eos=ignore_eos, id=id)
+                            ignore_eos=ignore_eos, id=id, messages=messages)
         entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return RequestHandle(self, req.id, _str(entry_id))
 
@@ -375,6 +382,30 @@ class AsyncRequestHandle:
             for event in reading.events(reply):
                 yield event
 
+    async def batches(self, timeout: float | None = None) -> AsyncIterator[list[ResultEvent]]:
+        """``stream``, one list per read: the token events that arrived together. After the
+        list that holds the last token, ``completion`` is already set (the done entry comes
+        in the same read as the last token), so a caller can mark that token as the last.
+        A list may be empty when the done entry came alone. An error entry raises
+        ``RequestFailed`` after the tokens before it were yielded."""
+        reading = _Reading(self, timeout)
+        r = self.client.redis
+        while not reading.done:
+            try:
+                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                await asyncio.sleep(reading.read_failed(exc))
+                continue
+            batch: list[ResultEvent] = []
+            try:
+                batch.extend(reading.events(reply))
+            except RequestFailed:
+                if batch:
+                    yield batch
+                raise
+            if batch or reading.done:
+                yield batch
+
     async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         async for event in self.stream(timeout):
             if event.text:
@@ -414,12 +445,12 @@ class AsyncClient:
                      top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                      chat: bool = False, ignore_eos: bool = False,
-                     id: str | None = None) -> AsyncRequestHandle:
+                     id: str | None = None, messages: Sequence[dict] | None = None) -> AsyncRequestHandle:
         """See ``Client.submit``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
-                            ignore_eos=ignore_eos, id=id)
+                            ignore_eos=ignore_eos, id=id, messages=messages)
         entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return AsyncRequestHandle(self, req.id, _str(entry_id))
 

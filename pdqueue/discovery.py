@@ -1,8 +1,11 @@
 """Where a pdqueue cluster is: the state files of running ``pdqueue up``s, and ``resolve``.
 
 Each ``pdqueue up`` writes a state file per cluster, ``up-<cluster>.json`` in
-``$XDG_RUNTIME_DIR/pdqueue/`` (else ``~/.cache/pdqueue/``), with its Redis URL, cluster
-name, pid and workers. ``resolve`` turns "what the caller said" into a ``Target``:
+``$XDG_RUNTIME_DIR/pdqueue/`` (else ``~/.cache/pdqueue/``), mode 0600, with its Redis URL
+(without a password), the password of its embedded server (``password``), cluster name,
+pid and workers. ``resolve`` turns "what the caller said" into a ``Target``, whose URL
+carries that password: a URL given without credentials that names a running ``up``'s
+server gets it too. Show ``Target.shown_url``, never ``url``:
 
 - the URL: the ``redis_url`` argument, else ``$PDQ_REDIS_URL``, else the URL of the
   running ``up`` of the cluster, else ``redis://127.0.0.1:6379/0``;
@@ -13,7 +16,7 @@ name, pid and workers. ``resolve`` turns "what the caller said" into a ``Target`
 
 ``Client()`` and ``AsyncClient()`` without a URL, and ``pdqueue submit``/``status``, use it.
 
-Imports the standard library and pdqueue.procs only (never redis or torch).
+Imports the standard library and pdqueue.procs/config only (never redis or torch).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdqueue.config import redact_url, strip_credentials, with_password
 from pdqueue.procs import pid_alive
 
 __all__ = ["DEFAULT_CLUSTER", "DEFAULT_URL", "DiscoveryError", "Target", "read_state", "remove_state",
-           "resolve", "running_clusters", "state_dir", "state_path", "write_state"]
+           "resolve", "running_clusters", "state_dir", "state_path", "state_url", "write_state"]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_CLUSTER = "default"
@@ -41,9 +45,14 @@ class DiscoveryError(LookupError):
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    url: str
+    url: str     # to connect with: it may hold a password (``shown_url`` for messages)
     cluster: str
     source: str  # how the URL was found, for messages
+
+    @property
+    def shown_url(self) -> str:
+        """The URL without its password, for messages, banners and ``status``."""
+        return redact_url(self.url)
 
 
 # ---- the state files ---------------------------------------------------------------------
@@ -109,6 +118,12 @@ def remove_state(path: Path | None = None, pid: int | None = None, *, cluster: s
 
 # ---- resolve -----------------------------------------------------------------------------
 
+def state_url(state: dict) -> str:
+    """The URL to connect to a running ``up`` with: its ``url`` plus its ``password``."""
+    url = str(state["url"])
+    return with_password(url, str(state["password"])) if state.get("password") else url
+
+
 def _describe(state: dict) -> str:
     return f"the local cluster {state['cluster']!r} of `pdqueue up` (pid {state['pid']})"
 
@@ -123,7 +138,7 @@ def _pick(states: list[dict], what: str) -> dict | None:
     for state in states:
         if state["cluster"] == DEFAULT_CLUSTER:
             return state
-    names = ", ".join(f"{s['cluster']} ({s['url']})" for s in states)
+    names = ", ".join(f"{s['cluster']} ({redact_url(str(s['url']))})" for s in states)
     raise DiscoveryError(f"several local clusters are up{what}: {names}; "
                          "name one with --cluster or PDQ_CLUSTER")
 
@@ -138,9 +153,12 @@ def resolve(redis_url: str | None = None, cluster: str | None = None) -> Target:
     cluster = cluster or os.environ.get("PDQ_CLUSTER") or None
     running = running_clusters()
     if url:  # the URL is known; the cluster is the named one, else that of an `up` serving it
+        serving = [s for s in running if strip_credentials(str(s["url"])) == strip_credentials(url)]
         if cluster is None:
-            state = _pick([s for s in running if s["url"] == url], f" at {url}")
+            state = _pick(serving, f" at {redact_url(url)}")
             cluster = state["cluster"] if state else DEFAULT_CLUSTER
+        if serving and strip_credentials(url) == url:  # no credentials given: those of that server's `up`
+            url = state_url(serving[0])
         return Target(url, cluster, source)
     if cluster is not None:
         state = next((s for s in running if s["cluster"] == cluster), None)
@@ -149,4 +167,4 @@ def resolve(redis_url: str | None = None, cluster: str | None = None) -> Target:
         cluster = state["cluster"] if state else DEFAULT_CLUSTER
     if state is None:
         return Target(DEFAULT_URL, cluster, SOURCE_DEFAULT)
-    return Target(str(state["url"]), cluster, _describe(state))
+    return Target(state_url(state), cluster, _describe(state))

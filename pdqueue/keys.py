@@ -16,10 +16,11 @@ on Redis Cluster.
 | ``dead``               | stream, trimmed          | any worker          | operators          |
 | ``worker:<id>``        | hash, TTL (heartbeat)    | each worker         | everyone           |
 | ``cancel:<request_id>``| string, TTL              | producers           | workers            |
-| ``seen:<request_id>``  | string, TTL              | prefill             | prefill            |
+| ``seen:<request_id>``  | string, TTL              | prefill, batch      | prefill            |
 | ``control:<worker_id>``| stream, TTL              | planners, operators | that worker        |
 | ``events``             | stream, trimmed          | workers, planners   | operators, status  |
 | ``plan``               | hash                     | the planner         | actuators, status  |
+| ``kv_secret``          | string (hex), no TTL     | first worker, SET NX| workers (KV auth)  |
 
 Imports nothing but the standard library.
 """
@@ -142,3 +143,10 @@ class Keys:
     def plan(self) -> str:
         """The planner's desired worker counts per role, with its reason (a hash)."""
         return self.prefix + "plan"
+
+    # -- the KV channel's secret (docs/security.md) --------------------------------------------
+    @property
+    def kv_secret(self) -> str:
+        """The cluster's KV secret (hex), when workers are given none: the first worker
+        creates it (SET NX), every worker reads it. Whoever can read it can fetch KV."""
+        return self.prefix + "kv_secret"

@@ -31,7 +31,10 @@ PROTOCOL_VERSION = 1
 #      prefill_worker, enqueued_ms, prefill_start_ms, prefill_end_ms, first_token_ms,
 #      attempt}.
 #      Later additions, all optional (older workers reject them as unknown fields):
-#      request field ignore_eos; done fields handoff_ms, first_step_ms, ttst_ms.
+#      request field ignore_eos; done fields handoff_ms, first_step_ms, ttst_ms;
+#      request field messages (a conversation, the chat template applied to it);
+#      done field cached_tokens (prompt tokens served from the prefix cache; 0 if absent);
+#      handoff key cached_tokens (the same, carried to the decode worker; 0 if absent).
 
 
 class ResultType(str, Enum):
@@ -100,6 +103,7 @@ class Request:
     priority: Priority = Priority.NORMAL
     chat: bool = False               # apply the model's chat template to ``prompt``
     ignore_eos: bool = False         # generate max_tokens even past end-of-sequence (benchmarks)
+    messages: tuple[dict, ...] | None = None  # [{"role", "content"}]: the chat template is applied to them
     enqueued_ms: int = 0             # unix ms, from the stream entry id (0 if unknown)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,8 @@ class Request:
             object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.messages, list):
+            object.__setattr__(self, "messages", tuple(self.messages))
         if isinstance(self.priority, str) and not isinstance(self.priority, Priority) \
                 and self.priority in ("normal", "high"):
             object.__setattr__(self, "priority", Priority(self.priority))
@@ -125,7 +131,7 @@ class Request:
 
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
-                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos")
+                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages")
 _KNOWN_FIELDS = frozenset(REQUEST_FIELDS)
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INT = re.compile(r"^[+-]?[0-9]{1,30}$")
@@ -148,10 +154,16 @@ def validate_request(req: Request) -> None:
     def fail(reason: str) -> None:
         raise RequestError(reason, rid)
 
-    if req.prompt is None and req.prompt_ids is None:
-        fail("request needs 'prompt' or 'prompt_ids'")
-    if req.prompt is not None and req.prompt_ids is not None:
-        fail("request has both 'prompt' and 'prompt_ids'; give exactly one")
+    given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(req, name) is not None]
+    if not given:
+        fail("request needs 'prompt' or 'prompt_ids' (or 'messages')")
+    if len(given) > 1:
+        fail(f"request has both {' and '.join(repr(g) for g in given)}; give exactly one")
+    if req.messages is not None and (
+            not isinstance(req.messages, (tuple, list)) or not req.messages
+            or not all(isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["role"], str)
+                       and m["role"] and isinstance(m["content"], str) for m in req.messages)):
+        fail('messages must be a non-empty list of {"role": str, "content": str} objects')
     if req.prompt is not None:
         if not isinstance(req.prompt, str):
             fail(f"prompt must be a string, got {type(req.prompt).__name__}")
@@ -163,8 +175,8 @@ def validate_request(req: Request) -> None:
             fail("prompt_ids must be a list of non-negative integers")
         if len(req.prompt_ids) == 0:
             fail("prompt_ids is empty")
-    if req.chat and req.prompt is None:
-        fail("chat=1 needs 'prompt' (the user message), not 'prompt_ids'")
+    if req.chat and req.prompt_ids is not None:
+        fail("chat=1 needs 'prompt' (the user message) or 'messages', not 'prompt_ids'")
     if type(req.max_tokens) is not int or req.max_tokens < 1:
         fail(f"max_tokens must be an integer >= 1, got {_short(req.max_tokens)}")
     if not isinstance(req.temperature, (int, float)) or not math.isfinite(req.temperature) \
@@ -187,6 +199,102 @@ def validate_request(req: Request) -> None:
         fail(f"chat must be a boolean, got {_short(req.chat)}")
     if not isinstance(req.ignore_eos, bool):
         fail(f"ignore_eos must be a boolean, got {_short(req.ignore_eos)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Limits: what a worker takes from one request (the worker's --max-* options)
+# ---------------------------------------------------------------------------------------
+
+MAX_ENTRY_BYTES = 1 << 20
+"""A request entry's size (field names and values, in bytes) a worker takes by default."""
+MAX_PROMPT_CHARS = 1 << 18
+"""Characters of ``prompt`` (or of all ``messages``' contents) a worker takes by default."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+"""Stop strings per request, and characters per stop string, a worker takes by default."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a worker accepts from one request; anything over a limit is answered with an
+    ``error`` entry (code ``too_long`` for sizes, ``bad_request`` for parameters) and a
+    dead-letter copy, like any invalid request. None: no limit of its own (the prompt and
+    the output are still bounded by the model's context and the KV pool)."""
+
+    max_entry_bytes: int = MAX_ENTRY_BYTES
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
+
+    def __post_init__(self) -> None:
+        for name in ("max_entry_bytes", "max_prompt_chars", "max_prompt_tokens", "max_output_tokens",
+                     "max_stop_strings", "max_stop_chars"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < (0 if name == "max_stop_strings" else 1)):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def check_entry(self, entry_id: str | bytes | None, fields: Mapping) -> None:
+        """Before the entry is parsed: its size (``RequestError``, ``too_long``)."""
+        size = entry_bytes(fields)
+        if size > self.max_entry_bytes:
+            raise RequestError(f"the request entry has {size} bytes; this worker takes at most "
+                               f"{self.max_entry_bytes} (--max-entry-bytes)", entry_request_id(entry_id, fields),
+                               ErrorCode.TOO_LONG)
+
+    def check_request(self, req: Request) -> None:
+        """A parsed request: prompt characters, max_tokens, stop strings (``RequestError``)."""
+        if req.prompt is not None:
+            chars = len(req.prompt)
+        elif req.messages is not None:
+            chars = sum(len(m.get("content", "")) + len(m.get("role", "")) for m in req.messages)
+        else:
+            chars = 0
+        if chars > self.max_prompt_chars:
+            raise RequestError(f"the prompt has {chars} characters; this worker takes at most "
+                               f"{self.max_prompt_chars} (--max-prompt-chars)", req.id, ErrorCode.TOO_LONG)
+        if req.prompt_ids is not None:
+            self.check_prompt_tokens(req.id, len(req.prompt_ids))
+        if self.max_output_tokens is not None and req.max_tokens > self.max_output_tokens:
+            raise RequestError(f"max_tokens {req.max_tokens} is over this worker's limit of "
+                               f"{self.max_output_tokens} (--max-output-tokens)", req.id)
+        if len(req.stop) > self.max_stop_strings:
+            raise RequestError(f"stop has {len(req.stop)} strings; this worker takes at most "
+                               f"{self.max_stop_strings} (--max-stop-strings)", req.id)
+        longest = max((len(s) for s in req.stop), default=0)
+        if longest > self.max_stop_chars:
+            raise RequestError(f"a stop string has {longest} characters; this worker takes at most "
+                               f"{self.max_stop_chars} (--max-stop-chars)", req.id)
+
+    def check_prompt_tokens(self, request_id: str, num_tokens: int) -> None:
+        """After tokenizing (the chat template included): ``RequestError``, ``too_long``."""
+        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
+            raise RequestError(f"the prompt has {num_tokens} tokens; this worker takes at most "
+                               f"{self.max_prompt_tokens} (--max-prompt-tokens)", request_id, ErrorCode.TOO_LONG)
+
+
+def entry_bytes(fields: Mapping) -> int:
+    """The size of a stream entry's field names and values in bytes (UTF-8 for strings)."""
+    total = 0
+    for name, value in fields.items():
+        for part in (name, value):
+            total += len(part) if isinstance(part, (bytes, bytearray)) else len(str(part).encode("utf-8", "replace"))
+    return total
+
+
+def entry_request_id(entry_id: str | bytes | None, fields: Mapping) -> str | None:
+    """The request id an entry's answer would go to (its ``id`` field, else the entry id),
+    without parsing the rest; None when it is not a usable id."""
+    raw = fields.get(b"id", fields.get("id")) if isinstance(fields, Mapping) else None
+    if raw is None:
+        raw = entry_id
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return raw if isinstance(raw, str) and _ID.match(raw) else None
 
 
 def request_to_fields(req: Request) -> dict[str, str]:
@@ -216,6 +324,8 @@ def request_to_fields(req: Request) -> dict[str, str]:
         fields["chat"] = "1"
     if req.ignore_eos:
         fields["ignore_eos"] = "1"
+    if req.messages is not None:
+        fields["messages"] = json.dumps(list(req.messages), ensure_ascii=False, separators=(",", ":"))
     return fields
 
 
@@ -303,6 +413,7 @@ def parse_request(entry_id: str | bytes | None,
     prompt_ids = json_list("prompt_ids", "[12, 5, 9]")
     if prompt_ids is not None and not all(type(t) is int and t >= 0 for t in prompt_ids):
         fail("prompt_ids must be a JSON array of non-negative integers")
+    messages = json_list("messages", '[{"role": "user", "content": "Hi"}]')
     stop = json_list("stop", '["\\n\\n"]')
     if stop is not None and not all(isinstance(s, str) for s in stop):
         fail("stop must be a JSON array of strings")
@@ -340,6 +451,7 @@ def parse_request(entry_id: str | bytes | None,
         priority=priority,
         chat=chat,
         ignore_eos=ignore_eos,
+        messages=tuple(messages) if messages is not None else None,
         enqueued_ms=entry_id_ms(eid),
     )
     validate_request(req)
@@ -373,6 +485,7 @@ class Completion:
     prefill_worker: str = ""
     decode_worker: str = ""
     transfer_path: str = ""     # "shm", "tcp", "zmq", "local", "recompute", ...
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache (not computed)
 
     @property
     def num_tokens(self) -> int:
@@ -382,7 +495,7 @@ class Completion:
 _COMPLETION_FLOATS = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_ms", "decode_ms",
                       "handoff_ms", "first_step_ms", "ttst_ms",
                       "tbt_p50_ms", "tbt_max_ms", "e2e_ms")
-_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes")
+_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes", "cached_tokens")   # absent: 0
 _COMPLETION_STRS = ("prefill_worker", "decode_worker", "transfer_path")
 
 
@@ -529,6 +642,7 @@ class Handoff:
     prefill_end_ms: float = 0.0
     first_token_ms: float = 0.0
     attempt: int = 0                 # how many times the request was recomputed
+    cached_tokens: int = 0           # prompt tokens the prefill worker's prefix cache served
 
 
 _HANDOFF_TIMES = ("enqueued_ms", "prefill_start_ms", "prefill_end_ms", "first_token_ms")
@@ -547,6 +661,7 @@ def encode_handoff(h: Handoff) -> dict[str, bytes]:
         "ticket": h.ticket,
         "prefill_worker": h.prefill_worker,
         "attempt": int(h.attempt),
+        "cached_tokens": int(h.cached_tokens),
     }
     for name in _HANDOFF_TIMES:
         body[name] = float(getattr(h, name))
@@ -583,8 +698,9 @@ def decode_handoff(fields: Mapping) -> Handoff:
         raise HandoffError(f"handoff request is invalid: {exc.reason}") from None
     request = dataclasses.replace(request, enqueued_ms=int(body.get("request_enqueued_ms") or 0))
     seed, attempt, worker = body.get("seed"), body.get("attempt", 0), body.get("prefill_worker")
-    if type(seed) is not int or type(attempt) is not int or attempt < 0:
-        raise HandoffError("handoff seed and attempt must be integers")
+    cached = body.get("cached_tokens", 0)   # absent from older prefill workers: 0
+    if type(seed) is not int or type(attempt) is not int or attempt < 0 or type(cached) is not int or cached < 0:
+        raise HandoffError("handoff seed, attempt and cached_tokens must be integers")
     if not isinstance(worker, str):
         raise HandoffError("handoff prefill_worker must be a string")
     ticket = body.get("ticket")
@@ -598,4 +714,4 @@ def decode_handoff(fields: Mapping) -> Handoff:
         times[name] = float(value)
     return Handoff(request=request, prompt_ids=ids("prompt_ids", True),
                    output_ids=ids("output_ids", True), seed=seed, ticket=ticket,
-                   prefill_worker=worker, attempt=attempt, **times)
+                   prefill_worker=worker, attempt=attempt, cached_tokens=cached, **times)

@@ -58,3 +58,18 @@ def r(redis_url):
         yield client
     finally:
         client.close()
+
+
+# The models, loaded once per test module that asks (the real SmolLM2 is marked slow where used).
+@pytest.fixture(scope="module")
+def tiny():
+    from pdqueue.models.loader import load_model
+
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from pdqueue.models.loader import load_model
+
+    return load_model("smollm2")

@@ -25,6 +25,7 @@ import redis
 
 from pdqueue.client import Client
 from pdqueue.config import RedisConfig
+from pdqueue.discovery import state_url
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Completion, FinishReason, done_entry
 from pdqueue.queue.redis_server import RedisServer, free_port, port_is_free
@@ -156,7 +157,7 @@ def test_up_serves_submit_and_status_then_leaves_nothing_behind(tmp_path, env):
         worker_pids = [w["pid"] for w in snap["workers"]]
 
         # Ctrl-C is a warm stop: a request being decoded runs to its end first.
-        client = Client(url)
+        client = Client(state_url(state))   # the URL and the password of `up`'s server
         handle = client.submit(LONG_PROMPT, max_tokens=2000, temperature=0)
         events = handle.stream(timeout=120)
         first = [next(events) for _ in range(5)]
@@ -197,7 +198,7 @@ def test_ctrl_c_in_the_terminal_is_a_warm_stop(tmp_path, env):
     up = Up(tmp_path, env, "--redis-port", str(free_port()), "--log-dir", str(log_dir), *TINY, own_group=True)
     try:
         state = up.wait_ready()
-        client = Client(state["url"], config=RedisConfig(unavailable_after_s=10))
+        client = Client(state_url(state), config=RedisConfig(unavailable_after_s=10))
         handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=2000, temperature=0,
                                            ignore_eos=True) for i in range(4)])  # seconds of decoding
         events = handles[0].stream(timeout=120)

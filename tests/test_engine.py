@@ -31,7 +31,6 @@ from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams
-from pdqueue.models.loader import load_model
 from pdqueue.models.tokenizer import ByteTokenizer
 from tests.oracle import FLIPS, TOL, assert_all_same, assert_same_tokens
 
@@ -59,16 +58,6 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2")
 
 
 def engine(loaded, prefill_only: bool = False, **overrides) -> LLMEngine:

@@ -17,7 +17,6 @@ import redis
 
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, Keys
-from pdqueue.models.loader import load_model
 from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
 from pdqueue.transfer.shm import read_segment_info
@@ -25,11 +24,6 @@ from tests.cluster import Cluster
 from tests.oracle import assert_same_tokens
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 @pytest.fixture
@@ -346,6 +340,20 @@ def test_cancel_and_deadline_stop_the_work_and_free_blocks(cluster, layout):
     assert expired.finish_reason == "expired" and expired.num_tokens < 3000
     assert expired.e2e_ms < 1500 + 1000
     wait_pools_free(cluster)
+
+
+def test_a_handoff_cancelled_before_its_fetch_gives_its_lease_back(cluster):
+    """A decode worker that answers a handoff (cancelled, expired) before fetching its KV
+    releases the ticket: the prefill worker's blocks are free at once, not when the lease
+    (60 s here) expires."""
+    cluster.start("prefill", *FAST, "--lease-s", "60", worker_id="p0")
+    client = Client(cluster.redis_url)
+    handle = client.submit("cancel me once prefilled", max_tokens=50, temperature=0, ignore_eos=True)
+    wait_for(lambda: out_len(cluster, handle.request_id) >= 1, what="token 0 from the prefill worker")
+    client.cancel(handle.request_id)
+    cluster.start("decode", *FAST, worker_id="d0")   # takes the handoff, finds it cancelled
+    assert handle.result(timeout=30).finish_reason == "cancelled"
+    wait_pools_free(cluster, timeout=10)
 
 
 def test_warm_stop_drains_a_decode_worker(cluster, tiny):

@@ -37,16 +37,6 @@ TINY_ATOL = 1e-4
 SMOLLM2_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2")
-
-
 class PagedRunner:
     """Drives ``LlamaModel.forward`` the way an engine would, over a shuffled block pool."""
 

@@ -25,11 +25,6 @@ from tests.oracle import assert_same_tokens
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
 def request_params(i: int, sampled: bool) -> dict:
     if sampled:
         return {"max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 1000 + i}

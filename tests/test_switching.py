@@ -18,17 +18,11 @@ import pytest
 from pdqueue import control
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
-from pdqueue.models.loader import load_model
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
 
 SWITCHABLE = ("--switchable", *FAST)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """KV transport against real processes, shared memory and sockets (no mocks).
 
-A sender runs in a spawned child: it creates its pool in a shm segment, fills it with seeded
-values, and exports tickets on command (over a Pipe). The test process is the receiver.
-Segments use a per-run name prefix in /dev/shm; none may be left behind.
+A sender runs in a spawned child (``tests.kv_peers.SenderProcess``): it creates its pool in a
+shm segment, fills it with seeded values, and exports tickets on command (over a Pipe). The
+test process is the receiver. Segments use a per-run name prefix in /dev/shm; none may be
+left behind. Senders and receivers authenticate with the cluster secret ``AUTH``, as workers
+do by default (tests/test_kv_auth.py tests the authentication itself).
 """
 
 from __future__ import annotations
@@ -21,116 +23,15 @@ import pytest
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import (FailureCode, KVReceiver, KVSender, LeaseTable, SharedKVPool, Ticket, TransferError,
+from pdqueue.transfer import (FailureCode, KVReceiver, LeaseTable, SharedKVPool, Ticket, TransferError,
                               cleanup_segments, node_id)
 from pdqueue.transfer import zmq as wire
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.blocks import plan_frames
 from pdqueue.transfer.tcp import recv_control, send_control
+from tests.kv_peers import NODE, PREFIX, SHM_DIR, SMALL, Receiver, SenderProcess, own_segments, resign, rid
 
 pytestmark = pytest.mark.timeout(120)
-
-SHM_DIR = "/dev/shm"
-# Outside the "pdq-kv-" names that workers sweep: other pdqueue workers on this host (other
-# test runs) leave these tests' segments alone; the tests clean up themselves.
-PREFIX = f"pdqtest-kv-{uuid.uuid4().hex[:8]}"
-NODE = "test-node"
-SMALL = KVCacheLayout(num_layers=2, num_blocks=64, block_size=4, num_kv_heads=2, head_dim=8)   # 64 KiB
-
-
-def pool_values(layout: KVCacheLayout, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layout.shape, generator=gen).to(layout.torch_dtype)
-
-
-def _sender_main(conn, cfg: dict) -> None:
-    torch.set_num_threads(1)
-    layout = KVCacheLayout.from_dict(cfg["layout"])
-    pool = SharedKVPool.create(layout, cfg["prefix"], cfg["worker_id"], cfg["incarnation"], shm_dir=SHM_DIR)
-    pool.tensor.copy_(pool_values(layout, cfg["seed"]))
-    sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=cfg["lease_s"],
-                                      max_frame_bytes=cfg["max_frame_bytes"], data_port=cfg["data_port"])
-    conn.send({"endpoint": sender.endpoint, "segment": pool.name, "nonce": pool.nonce, "pid": os.getpid(),
-               "data_endpoint": sender.data_endpoint})
-    freed = []   # handed back while waiting for blocks to export, reported by the next poll
-    while True:
-        cmd, *args = conn.recv()
-        if cmd == "export":
-            # Like an engine, export a block only once its last lease came back (a release
-            # is fire-and-forget, so it may still be on its way).
-            deadline = time.monotonic() + 5
-            while set(args[1]) & sender.leases.held_blocks():
-                freed += sender.poll_freeable()
-                if time.monotonic() > deadline:
-                    break   # export raises: the test leaked a lease
-                time.sleep(0.005)
-            try:
-                conn.send(sender.export(*args).to_dict())
-            except ValueError as exc:
-                conn.send(exc)
-        elif cmd == "poll":
-            conn.send(freed + sender.poll_freeable())
-            freed = []
-        elif cmd == "close":
-            sender.close()
-            pool.close()
-            conn.send("closed")
-            return
-
-
-class SenderProcess:
-    """A prefill-side sender in a spawned child process."""
-
-    def __init__(self, layout: KVCacheLayout = SMALL, *, seed: int = 1, lease_s: float = 10.0,
-                 max_frame_bytes: int = 1024, incarnation: str | None = None, data_port: int = 0):
-        self.layout = layout
-        self.seed = seed
-        self.worker_id = f"w{uuid.uuid4().hex[:6]}"
-        self.incarnation = incarnation or uuid.uuid4().hex[:12]
-        cfg = {"layout": layout.to_dict(), "prefix": PREFIX, "worker_id": self.worker_id,
-               "incarnation": self.incarnation, "node": NODE, "seed": seed, "lease_s": lease_s,
-               "max_frame_bytes": max_frame_bytes, "data_port": data_port}
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
-        self.proc.start()
-        self.info = self._recv(60)
-
-    def _recv(self, timeout: float):
-        if not self.conn.poll(timeout):
-            raise TimeoutError("sender child did not answer")
-        return self.conn.recv()
-
-    def call(self, *cmd):
-        self.conn.send(cmd)
-        return self._recv(30)
-
-    def export(self, request_id: str, block_ids, lease_s: float | None = None) -> Ticket:
-        num_tokens = len(block_ids) * self.layout.block_size - 1
-        reply = self.call("export", request_id, list(block_ids), num_tokens, lease_s)
-        if isinstance(reply, Exception):
-            raise reply
-        return Ticket.from_dict(reply)
-
-    def poll(self) -> list:
-        return self.call("poll")
-
-    def expected(self) -> torch.Tensor:
-        return pool_values(self.layout, self.seed)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            assert self.call("close") == "closed"
-        self.proc.join(10)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-
-def own_segments() -> list[str]:
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX))
-
 
 @pytest.fixture(scope="module", autouse=True)
 def no_segment_left_behind():
@@ -153,10 +54,6 @@ def local_pool():
     return SMALL.allocate()
 
 
-def rid() -> str:
-    return f"req-{uuid.uuid4().hex[:8]}"
-
-
 def shuffled(n: int, k: int) -> list[int]:
     return random.Random(k * 7919 + n).sample(range(n), k)
 
@@ -174,7 +71,7 @@ def assert_copied(dst_pool, dst_ids, expected, src_ids) -> None:
 def test_fetch_is_bit_exact_into_shuffled_blocks(sender, local_pool, mode, num_blocks):
     src_ids, dst_ids = shuffled(64, num_blocks), shuffled(64, num_blocks)[::-1]
     ticket = sender.export(rid(), src_ids)
-    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         result = receiver.fetch(ticket, dst_ids)
     assert result.path == ("shm" if mode == "auto" else mode)
     assert result.nbytes == num_blocks * 2 * SMALL.num_layers * SMALL.block_nbytes
@@ -184,16 +81,16 @@ def test_fetch_is_bit_exact_into_shuffled_blocks(sender, local_pool, mode, num_b
 def test_auto_across_nodes_prefers_tcp_and_falls_back_to_zmq(sender, local_pool):
     src_ids = shuffled(64, 11)
     assert len(plan_frames(4, 11, SMALL.block_nbytes, 1024)) == 12   # 4 planes x 3 block ranges
-    with KVReceiver(local_pool, SMALL, "another-node", mode="auto", timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, "another-node", mode="auto", timeout_s=5) as receiver:
         ticket = sender.export(rid(), src_ids)
         assert receiver.fetch(ticket.to_dict(), list(range(11))).path == "tcp"
         assert_copied(local_pool, list(range(11)), sender.expected(), src_ids)
         local_pool.zero_()
-        without = dataclasses.replace(sender.export(rid(), src_ids), data_endpoint="")   # a ZeroMQ-only sender
+        without = sender.export(rid(), src_ids, data_endpoint="")   # as a ZeroMQ-only sender issues it
         assert receiver.fetch(without, list(range(11))).path == "zmq"
         assert_copied(local_pool, list(range(11)), sender.expected(), src_ids)
         local_pool.zero_()
-        refused = dataclasses.replace(sender.export(rid(), src_ids), data_endpoint=f"tcp://127.0.0.1:{free_port()}")
+        refused = sender.export(rid(), src_ids, data_endpoint=f"tcp://127.0.0.1:{free_port()}")
         assert receiver.fetch(refused, list(range(11))).path == "zmq"   # e.g. a firewall: ZeroMQ still works
     assert_copied(local_pool, list(range(11)), sender.expected(), src_ids)
 
@@ -220,9 +117,9 @@ def poll_until(sender: SenderProcess, tickets: list[Ticket], timeout: float = 5.
 def test_release_returns_blocks_to_the_engine_exactly_once(sender, local_pool):
     sender.poll()
     tickets = [sender.export(rid(), [10 + i, 30 + i]) for i in range(3)]
-    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as shm, \
-            KVReceiver(local_pool, SMALL, NODE, mode="zmq", timeout_s=5) as zmq, \
-            KVReceiver(local_pool, SMALL, NODE, mode="tcp", timeout_s=5) as tcp:
+    with Receiver(local_pool, SMALL, NODE, timeout_s=5) as shm, \
+            Receiver(local_pool, SMALL, NODE, mode="zmq", timeout_s=5) as zmq, \
+            Receiver(local_pool, SMALL, NODE, mode="tcp", timeout_s=5) as tcp:
         shm.fetch(tickets[0], [0, 1])   # every release is fire-and-forget: poll until they land
         zmq.fetch(tickets[1], [2, 3])
         tcp.fetch(tickets[2], [4, 5])
@@ -243,7 +140,7 @@ def test_expired_lease_frees_blocks_and_fetch_fails(sender, local_pool, mode):
     before = sender.export(rid(), [40, 41], lease_s=0.2)   # fetched after expiry, before poll
     after = sender.export(rid(), [42], lease_s=0.2)        # fetched after the engine polled
     time.sleep(0.4)   # 2x the leases
-    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         if mode == "shm":
             # Past its deadline but not handed back: the blocks are intact, and the epochs
             # say so, so the copy stands (the sender is never asked).
@@ -263,13 +160,13 @@ def test_expired_lease_frees_blocks_and_fetch_fails(sender, local_pool, mode):
 @pytest.mark.parametrize("mode", ["shm", "tcp", "zmq", "auto"])
 def test_stale_incarnation_is_rejected(sender, local_pool, mode):
     ticket = sender.export(rid(), [5])
-    stale = dataclasses.replace(ticket, incarnation="0" * 12)
-    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+    stale = resign(ticket, incarnation="0" * 12)
+    with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         with pytest.raises(TransferError) as err:
             receiver.fetch(stale, [0])
         assert err.value.code == FailureCode.STALE_INCARNATION and not err.value.retryable
         receiver.fetch(ticket, [0])   # the genuine ticket still works
-    checked = KVReceiver(local_pool, SMALL, NODE, is_current=lambda worker, inc: False)
+    checked = Receiver(local_pool, SMALL, NODE, is_current=lambda worker, inc: False)
     with checked, pytest.raises(TransferError) as err:
         checked.fetch(sender.export(rid(), [6], lease_s=0.2), [0])   # never fetched: let it expire
     assert err.value.code == FailureCode.STALE_INCARNATION
@@ -277,8 +174,8 @@ def test_stale_incarnation_is_rejected(sender, local_pool, mode):
 
 @pytest.mark.parametrize("mode", ["shm", "tcp", "zmq", "auto"])
 def test_nonce_mismatch_is_rejected(sender, local_pool, mode):
-    ticket = dataclasses.replace(sender.export(rid(), [7], lease_s=0.2), nonce="ab" * 16)   # never fetched
-    with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
+    ticket = resign(sender.export(rid(), [7], lease_s=0.2), nonce="ab" * 16)   # never fetched
+    with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         with pytest.raises(TransferError) as err:
             receiver.fetch(ticket, [0])
     assert err.value.code == FailureCode.NONCE_MISMATCH
@@ -290,10 +187,10 @@ def test_bad_tickets_are_rejected_before_any_io(sender, local_pool):
     other = dataclasses.replace(SMALL, head_dim=16)
     cases = {
         FailureCode.VERSION_MISMATCH: (dataclasses.replace(ticket, version=99), [0, 1]),
-        FailureCode.LAYOUT_MISMATCH: (dataclasses.replace(ticket, layout=other.to_dict()), [0, 1]),
+        FailureCode.LAYOUT_MISMATCH: (resign(ticket, layout=other.to_dict()), [0, 1]),
         FailureCode.BAD_TICKET: (ticket, [0, 0]),
     }
-    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
         for code, (bad, dst) in cases.items():
             with pytest.raises(TransferError) as err:
                 receiver.fetch(bad, dst)
@@ -307,7 +204,7 @@ def test_bad_tickets_are_rejected_before_any_io(sender, local_pool):
 def test_fetches_from_background_threads(sender, local_pool):
     tickets = [(sender.export(rid(), [50 + i, 20 + i]), [2 * i, 2 * i + 1]) for i in range(6)]
     errors = []
-    with KVReceiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, NODE, timeout_s=5) as receiver:
         def work(items):
             try:
                 for ticket, dst in items:
@@ -333,11 +230,11 @@ def test_killed_sender_fails_fast_and_its_segment_is_cleaned_up(sender, local_po
     assert victim.info["segment"] in own_segments()
     victim.kill()
     # Its segment outlives it, and nobody can rewrite blocks any more: the copy is good.
-    with KVReceiver(local_pool, SMALL, NODE, mode="shm", timeout_s=0.5) as receiver:
+    with Receiver(local_pool, SMALL, NODE, mode="shm", timeout_s=0.5) as receiver:
         receiver.fetch(tickets.pop("shm"), [0, 1])
     assert torch.equal(local_pool[:, :, [0, 1]], victim.expected()[:, :, [1, 10]])
     for mode, ticket in tickets.items():
-        with KVReceiver(local_pool, SMALL, NODE, mode=mode, timeout_s=0.5) as receiver:
+        with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=0.5) as receiver:
             start = time.monotonic()
             with pytest.raises(TransferError) as err:
                 receiver.fetch(ticket, [2, 3])
@@ -351,7 +248,7 @@ def test_killed_sender_fails_fast_and_its_segment_is_cleaned_up(sender, local_po
 
 def test_tcp_reconnects_once_to_a_sender_restarted_on_a_pinned_port(local_pool):
     port = free_port()
-    with KVReceiver(local_pool, SMALL, "another-node", mode="tcp", timeout_s=5) as receiver:
+    with Receiver(local_pool, SMALL, "another-node", mode="tcp", timeout_s=5) as receiver:
         for seed in (5, 6):   # the second sender takes over the port; the kept connection is dead
             proc = SenderProcess(seed=seed, data_port=port)
             try:
@@ -405,6 +302,7 @@ def test_tcp_receiver_refuses_a_misbehaving_sender(sender, local_pool, behaviour
     ticket = dataclasses.replace(sender.export(rid(), [60], lease_s=0.2),
                                  data_endpoint=f"tcp://127.0.0.1:{listener.getsockname()[1]}")
     try:
+        # Without authentication: these servers test the wire's checks behind the handshake.
         with KVReceiver(local_pool, SMALL, "another-node", mode="tcp", timeout_s=0.5) as receiver:
             start = time.monotonic()
             with pytest.raises(TransferError) as err:
@@ -423,7 +321,7 @@ def test_bf16_pool_and_clean_close_leaves_no_segment(local_pool):
     try:
         for mode in ("shm", "tcp", "zmq"):
             ticket = proc.export(rid(), [3, 9, 4])
-            with KVReceiver(dst_pool, layout, NODE, mode=mode, timeout_s=5) as receiver:
+            with Receiver(dst_pool, layout, NODE, mode=mode, timeout_s=5) as receiver:
                 receiver.fetch(ticket, [60, 2, 61])
             assert torch.equal(dst_pool[:, :, [60, 2, 61]], proc.expected()[:, :, [3, 9, 4]])
     finally:
@@ -600,7 +498,7 @@ def test_throughput_sanity(capsys):
         nbytes = num_blocks * 2 * layout.num_layers * layout.block_nbytes
         results = {}
         for mode in ("shm", "tcp", "zmq"):
-            with KVReceiver(dst_pool, layout, NODE, mode=mode, timeout_s=10) as receiver:
+            with Receiver(dst_pool, layout, NODE, mode=mode, timeout_s=10) as receiver:
                 def timed_fetch() -> float:
                     ticket = proc.export(rid(), src_ids)   # waits for the previous release
                     start = time.perf_counter()

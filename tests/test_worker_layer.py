@@ -7,8 +7,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from pdqueue.client import Client
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Completion, ErrorCode, FinishReason
@@ -122,12 +120,6 @@ def test_keep_reports_what_another_worker_took_over(r):
         assert recovery.keep(role) == []   # not again before reclaim_idle_ms / 3
     finally:
         recovery.publisher.close()
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from pdqueue.models.loader import load_model
-    return load_model("tiny")
 
 
 def test_a_worker_switches_its_role_in_place(redis_url, tiny):

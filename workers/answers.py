@@ -21,7 +21,7 @@ on the publisher thread reaches the worker through the publisher's ``on_error`` 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from pdqueue import keys as K
@@ -50,6 +50,17 @@ class Finish:
         ack_and_write(pipe, self.stream, self.group, self.entry_id, list(self.writes))
 
 
+@dataclass(slots=True)
+class Tally:
+    """What a unit answers, for the metrics (pdqueue/metrics.py ``WorkerMetrics.answered``):
+    tokens published, done entries as (finish reason, e2e ms), dead-letter and error codes."""
+
+    tokens: int = 0
+    done: list = field(default_factory=list)
+    dead: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+
 class Unit:
     """The answers of one moment of a worker (a step, an intake batch), written together.
     ``WorkerShell.unit()`` makes one and submits it to the publisher."""
@@ -57,6 +68,7 @@ class Unit:
     def __init__(self, keys: Keys, worker_id: str, group: str):
         self.keys, self.worker_id, self.group = keys, worker_id, group
         self.ops: list = []
+        self.tally = Tally()   # what the metrics count once the unit goes to the publisher
 
     def __bool__(self) -> bool:
         return bool(self.ops)
@@ -64,6 +76,7 @@ class Unit:
     # -- the stream of tokens ----------------------------------------------------------
     def token(self, request_id: str, index: int, token_id: int, text: str) -> None:
         self.ops.append(Write(self.keys.out(request_id), token_entry(index, [token_id], text), ttl_ms=OUT_TTL_MS))
+        self.tally.tokens += 1
 
     # -- outcomes: each finishes one input entry, once -----------------------------------
     def finish(self, stream: str, entry_id: str, writes: list[Write], request_id: str | None = None) -> None:
@@ -78,6 +91,7 @@ class Unit:
     def done(self, stream: str, entry_id: str, c: Completion) -> None:
         """``done`` on ``out:<id>``, its copy on the ``done`` stream."""
         fields = done_entry(c)
+        self.tally.done.append((getattr(c.finish_reason, "value", str(c.finish_reason)), c.e2e_ms))
         self.finish(stream, entry_id, [Write(self.keys.out(c.request_id), fields, ttl_ms=OUT_TTL_MS),
                                        Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN)], c.request_id)
 
@@ -85,6 +99,7 @@ class Unit:
               index: int | None = None) -> None:
         """``error`` on ``out:<id>`` (a request that failed while it ran)."""
         writes = [Write(self.keys.out(request_id), error_entry(reason, code, index), ttl_ms=OUT_TTL_MS)]
+        self.tally.errors.append(getattr(code, "value", str(code)))
         self.finish(stream, entry_id, writes, request_id)
 
     def handoff(self, stream: str, entry_id: str, request_id: str, handoff_stream: str,
@@ -103,6 +118,7 @@ class Unit:
             writes.append(Write(self.keys.out(request_id), error_entry(reason, code), ttl_ms=OUT_TTL_MS))
         writes.append(Write(self.keys.dead, dead_record(fields or {}, reason, stream, entry_id, code=code,
                                                         worker=self.worker_id), maxlen=K.DEAD_MAXLEN))
+        self.tally.dead.append(code)
         self.finish(stream, entry_id, writes, request_id)
 
 

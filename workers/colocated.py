@@ -35,7 +35,8 @@ class ColocatedRole(RequestRole):
         self._check = Every(CHECK_EVERY_S)
 
     def load(self) -> dict:
-        return {**super().load(), "step_ms": round(self.step_s * 1000, 2)}
+        return {**super().load(), "step_ms": round(self.step_s * 1000, 2),
+                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def read_limit(self) -> int:
         """No more than the free batch slots: the rest stays in Redis for other workers."""
@@ -62,6 +63,10 @@ class ColocatedRole(RequestRole):
         with self.shell.unit() as unit:
             for out in outputs:
                 it = self.inflight[out.request_id]
+                if it.token_times_ms:
+                    self.shell.metrics.token_gap(t - it.token_times_ms[-1])
+                else:
+                    self.shell.metrics.first_token(t - it.request.enqueued_ms, len(it.prompt_ids))
                 it.token_times_ms.append(t)
                 unit.token(out.request_id, out.index, out.token_id, out.text)
                 if out.finished:
@@ -75,5 +80,5 @@ class ColocatedRole(RequestRole):
                         queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
                         decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
                         prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id,
-                        transfer_path="local"))
+                        transfer_path="local", cached_tokens=out.cached_tokens))
 

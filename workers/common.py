@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdqueue.engine.config import EngineConfig
+from pdqueue.protocol import Limits
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -40,6 +41,53 @@ class WorkerConfig:
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
     switchable: bool = False        # takes role switches from control:<id> (pdqueue.control)
+    kv_auth: bool = True            # authenticate the KV channels, sign tickets (docs/security.md)
+    kv_secret_file: str | None = None   # the cluster's KV secret(s), hex; else PDQ_KV_SECRET, else Redis
+    kv_secret: str | None = field(default=None, repr=False)   # the secret(s) once resolved (hex, comma-separated)
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0: any free one; None: not served)
+    metrics_host: str = "127.0.0.1"  # ... bound on this host (0.0.0.0: every interface)
+    metrics_advertise: str | None = None  # the host put in the heartbeat when bound to 0.0.0.0 (None: resolved)
+    limits: Limits = field(default_factory=Limits)  # what intake takes from one request (--max-* options)
+
+
+KV_SECRET_ENV = "PDQ_KV_SECRET"
+
+
+def kv_secrets(config: WorkerConfig, r=None, keys=None) -> tuple[list, str]:
+    """The cluster's KV secret(s) (the first signs) and where they came from, first found of:
+    ``config.kv_secret`` (already resolved), ``--kv-secret-file``, ``PDQ_KV_SECRET`` (hex),
+    the Redis key ``keys.kv_secret`` (created once with SET NX by the first worker: Redis is
+    then the trust root). ValueError or OSError when the one given is unusable."""
+    from pdqueue.transfer.auth import generate_secret, parse_secrets, read_secret_file, secret_file_too_open
+
+    if config.kv_secret:
+        return parse_secrets(config.kv_secret, "the configured KV secret"), "the configuration"
+    if config.kv_secret_file:
+        if secret_file_too_open(config.kv_secret_file):
+            log.warning("KV secret file %s can be read by other users (chmod 600 it)", config.kv_secret_file)
+        return read_secret_file(config.kv_secret_file), f"file {config.kv_secret_file}"
+    if os.environ.get(KV_SECRET_ENV):
+        return parse_secrets(os.environ[KV_SECRET_ENV], KV_SECRET_ENV), KV_SECRET_ENV
+    if r is None or keys is None:
+        raise ValueError("no KV secret: give --kv-secret-file or PDQ_KV_SECRET, or a Redis connection")
+    r.set(keys.kv_secret, generate_secret().hex(), nx=True)
+    value = r.get(keys.kv_secret)
+    if value is None:
+        raise ValueError(f"Redis key {keys.kv_secret} vanished right after SET NX")
+    return parse_secrets(value, f"Redis key {keys.kv_secret}"), f"Redis key {keys.kv_secret}"
+
+
+def kv_auth_for(config: WorkerConfig, r=None, keys=None):
+    """The ``KVAuth`` a role gives its KV sender or receiver, or None with ``--kv-auth off``
+    (logged as a warning)."""
+    if not config.kv_auth:
+        log.warning("KV channel authentication is OFF (--kv-auth off): anyone who can reach this worker's "
+                    "KV endpoints can fetch KV, and tickets are not checked")
+        return None
+    from pdqueue.transfer.auth import KVAuth
+
+    secrets_, _source = kv_secrets(config, r, keys)
+    return KVAuth(secrets_, config.cluster)
 
 
 def new_worker_id(role: str) -> str:

@@ -43,7 +43,7 @@ from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
 from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff
 from pdqueue.transfer.receiver import KVReceiver
-from workers.common import Every, now_ms, tbt_stats
+from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
 from workers.role import IDLE_BLOCK_MS, Role
 
@@ -87,8 +87,9 @@ class DecodeRole(Role):
         self.shell = shell
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node,
-                                   mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s)
-        self.fetcher = Fetcher(self.receiver)
+                                   mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s,
+                                   auth=kv_auth_for(shell.config, shell.r, shell.keys))
+        self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
         self.jobs: dict[str, Job] = {}
         self._step_s = 0.05   # moving average of an engine step
         self._check = Every(CHECK_EVERY_S)
@@ -104,7 +105,8 @@ class DecodeRole(Role):
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "fetching": self.fetcher.in_flight, "backlog": len(self.in_state(JobState.BACKLOG)),
                 "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
-                "step_ms": round(self._step_s * 1000, 2)}
+                "step_ms": round(self._step_s * 1000, 2), "auth_failures": self.receiver.auth_failures,
+                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -252,6 +254,8 @@ class DecodeRole(Role):
                            ErrorCode.INTERNAL, len(h.output_ids))
             return
         job.handoff = replace(h, attempt=h.attempt + 1)
+        self.shell.metrics.recomputed("no_ticket" if h.ticket is None else "fetch_failed",
+                                      len(h.prompt_ids) + len(h.output_ids))
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
@@ -274,8 +278,12 @@ class DecodeRole(Role):
             # FETCHING: the blocks go back once the fetch thread is done with them (admit_fetched)
 
     def answer_done(self, job: Job, output_ids, reason: FinishReason) -> None:
-        """A request stopped before its end: done published, the handoff finished."""
+        """A request stopped before its end: done published, the handoff finished. One
+        that never fetched gives its ticket's lease back, so the prefill worker frees those
+        blocks now rather than when the lease expires."""
         del self.jobs[job.request_id]
+        if job.state is JobState.BACKLOG and job.handoff.ticket is not None:
+            self.fetcher.release(job.handoff.ticket)
         c = self.completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason)
         with self.shell.unit() as unit:
             unit.done(job.stream, job.entry_id, c)
@@ -286,6 +294,12 @@ class DecodeRole(Role):
         with self.shell.unit() as unit:
             for out in outputs:
                 job = self.jobs[out.request_id]
+                # The gap to the previous token: decode's first one starts at prefill's token 0
+                # (unknown when the request resumed after tokens published elsewhere).
+                if job.token_times_ms:
+                    self.shell.metrics.token_gap(t - job.token_times_ms[-1])
+                elif out.index == 1 and job.handoff.first_token_ms:
+                    self.shell.metrics.token_gap(t - job.handoff.first_token_ms)
                 job.token_times_ms.append(t)
                 unit.token(out.request_id, out.index, out.token_id, out.text)
                 if out.finished:
@@ -300,7 +314,8 @@ class DecodeRole(Role):
         second = job.token_times_ms[0] if job.token_times_ms else 0.0
         return Completion(
             req.id, text, tuple(output_ids), reason,
-            num_prompt_tokens=len(h.prompt_ids), ttft_ms=h.first_token_ms - req.enqueued_ms,
+            num_prompt_tokens=len(h.prompt_ids), cached_tokens=h.cached_tokens,
+            ttft_ms=h.first_token_ms - req.enqueued_ms,
             queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
             transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
             decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,

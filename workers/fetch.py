@@ -1,7 +1,9 @@
 """The decode role's fetch thread: KV copied into reserved blocks off the step loop.
 
 The loop hands a fetch over (``submit``: a key, the ticket, the destination blocks) and
-later collects ``(key, FetchOutcome)`` pairs (``collect``). The thread touches nothing of
+later collects ``(key, FetchOutcome)`` pairs (``collect``); a ticket whose KV is no longer
+wanted goes back through the same thread (``release``: the receiver's sockets are the
+thread's). The thread touches nothing of
 the loop's: it reads what it was given and returns an immutable outcome.
 """
 
@@ -34,9 +36,13 @@ class FetchOutcome:
     done_ms: float = 0.0
 
 
+_RELEASE = object()   # the key of a release in the thread's queue
+
+
 class Fetcher:
-    def __init__(self, receiver: KVReceiver):
+    def __init__(self, receiver: KVReceiver, metrics=None):
         self.receiver = receiver
+        self.metrics = metrics        # pdqueue.metrics.WorkerMetrics: bytes and seconds by path, failures
         self.in_flight = 0            # submitted, not yet collected (loop thread only)
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
@@ -46,6 +52,10 @@ class Fetcher:
     def submit(self, key: Any, ticket: dict, block_ids: list[int]) -> None:
         self.in_flight += 1
         self._todo.put((key, ticket, block_ids))
+
+    def release(self, ticket: dict) -> None:
+        """Release the ticket's lease on the sender (no outcome to collect)."""
+        self._todo.put((_RELEASE, ticket, None))
 
     def collect(self, wait_s: float = 0.0) -> Iterator[tuple[Any, FetchOutcome]]:
         """The finished fetches, each as soon as it is there; with ``wait_s``, waiting up
@@ -72,12 +82,24 @@ class Fetcher:
             if item is None:
                 return
             key, ticket, block_ids = item
+            if key is _RELEASE:
+                try:
+                    self.receiver.release(ticket)
+                except Exception:   # fire-and-forget: the lease expires anyway
+                    log.exception("release of %s failed", ticket.get("request_id"))
+                continue
             try:
                 result = self.receiver.fetch(ticket, block_ids)
                 outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms())
+                if self.metrics is not None:
+                    self.metrics.transferred(result.path, result.nbytes, result.seconds)
             except TransferError as exc:
                 outcome = FetchOutcome(error=str(exc))
+                if self.metrics is not None:
+                    self.metrics.fetch_failed(exc.code.value)
             except Exception as exc:  # never let the fetch thread die
                 log.exception("fetch of %s failed", ticket.get("request_id"))
                 outcome = FetchOutcome(error=f"internal: {exc}")
+                if self.metrics is not None:
+                    self.metrics.fetch_failed("internal")
             self._done.put((key, outcome))

@@ -2,13 +2,17 @@
 
 In this order (prefill and colocated workers):
 
+0. the entry's size against ``Limits.max_entry_bytes`` (before anything is parsed; the
+   dead-letter copy of an oversized entry keeps the first ``DEAD_VALUE_BYTES`` of each value);
 1. ``parse_request`` parses the entry (an entry deleted while pending is only acknowledged);
 2. one pipelined round trip (``streams.claim_request``): ``seen:<id>`` is set to the entry
    id unless another entry holds the id (then this one is a duplicate: dead-lettered, and
    nothing on ``out:<id>``, which belongs to the first), and ``cancel:<id>`` is read;
 3. an expired deadline finishes the request as ``done``/``expired``, a cancel as
    ``done``/``cancelled``;
-4. the prompt is tokenized (with the chat template when asked);
+4. the request's limits (``Limits``: prompt characters, max_tokens, stop strings), then
+   the prompt is tokenized (with the chat template when asked) and its tokens counted
+   against ``max_prompt_tokens``;
 5. ``engine.check_prompt``: context and KV pool sizes;
 6. the seed is the request's, or a random 63-bit one;
 7. ``engine.add_request``.
@@ -28,12 +32,15 @@ import redis
 
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Request, RequestError, parse_request
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Limits, Request, RequestError, parse_request
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms
 
 log = logging.getLogger("pdqueue.worker")
+
+DEAD_VALUE_BYTES = 1024
+"""An oversized entry's dead-letter copy keeps this many bytes of each value."""
 
 
 @dataclass(slots=True)
@@ -49,8 +56,9 @@ class Admitted:
 
 
 class Intake:
-    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded):
+    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None):
         self.r, self.keys, self.worker_id = r, keys, worker_id
+        self.limits = limits or Limits()
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
 
@@ -60,6 +68,11 @@ class Intake:
         try:
             if fields is None:  # deleted while pending
                 unit.ack(stream, entry_id)
+                return None
+            try:
+                self.limits.check_entry(entry_id, fields)
+            except RequestError as exc:
+                unit.reject(stream, entry_id, _cut(fields), exc.request_id, exc.reason, exc.code)
                 return None
             req = parse_request(entry_id, fields)
             may_run, cancelled = streams.claim_request(self.r, self.keys, req.id, entry_id)   # one round trip
@@ -73,7 +86,9 @@ class Intake:
             if cancelled:
                 self.finish_early(unit, stream, entry_id, req, FinishReason.CANCELLED)
                 return None
+            self.limits.check_request(req)
             prompt_ids = self.tokenize(req)
+            self.limits.check_prompt_tokens(req.id, len(prompt_ids))
             reason = engine.check_prompt(len(prompt_ids))
             if reason:
                 raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
@@ -103,6 +118,8 @@ class Intake:
             if bad:
                 raise RequestError(f"prompt_ids has token id {bad[0]}; the vocabulary has {self.vocab_size} ids",
                                    req.id)
+        elif req.messages is not None:
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template([dict(m) for m in req.messages]))
         else:
             text = req.prompt
             if req.chat:
@@ -111,3 +128,12 @@ class Intake:
         if not ids:
             raise RequestError("the prompt is empty (no tokens)", req.id)
         return ids
+
+
+def _cut(fields: dict, max_fields: int = 64) -> dict:
+    """An oversized entry's dead letter: its first ``max_fields`` fields, names and values cut
+    to ``DEAD_VALUE_BYTES``."""
+    def cut(part) -> bytes:
+        return (part if isinstance(part, (bytes, bytearray)) else str(part).encode())[:DEAD_VALUE_BYTES]
+
+    return {cut(name): cut(value) for name, value in list(fields.items())[:max_fields]}

@@ -35,8 +35,9 @@ import time
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, encode_handoff
 from pdqueue.queue.registry import list_workers
+from pdqueue.transfer.leases import LeaseState
 from pdqueue.transfer.sender import KVSender
-from workers.common import Every, now_ms
+from workers.common import Every, kv_auth_for, now_ms
 from workers.recovery import REDIS_DOWN
 from workers.role import RequestRole
 
@@ -55,16 +56,20 @@ class PrefillRole(RequestRole):
         # CPU, so decode workers on this node copy from it.
         kv_cache = shell.kv_pool(shared=True)
         self.pool = shell.segment
-        self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True)
+        # Prefix caching: a block handed back by a lease stays cached, intact; its epoch is
+        # bumped only when the engine rewrites it (on_rewrite), and leases may share blocks.
+        self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True,
+                                on_rewrite=self.pool.bump_epochs if self.pool is not None else None)
+        auth = kv_auth_for(config, shell.r, shell.keys)   # signs tickets; peers must prove the secret
         if self.pool is not None:
             self.sender = KVSender.for_shared_pool(self.pool, shell.node, endpoint=config.bind,
                                                    advertise=config.advertise, lease_s=config.lease_s,
-                                                   data_port=config.data_port)
+                                                   data_port=config.data_port, auth=auth, shared_blocks=True)
         else:
             # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ.
             self.sender = KVSender(kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
                                    shell.node, endpoint=config.bind, advertise=config.advertise,
-                                   lease_s=config.lease_s)
+                                   lease_s=config.lease_s, auth=auth, shared_blocks=True)
         self._decode_nodes: set[str] = set()
         self._decode_nodes_every = Every(DECODE_NODES_EVERY_S)
         log.info("prefill: node %s, kv %s, data %s, segment %s", shell.node, self.sender.endpoint,
@@ -75,15 +80,18 @@ class PrefillRole(RequestRole):
         return {"node": self.shell.node, "endpoints": {k: v for k, v in endpoints.items() if v}}
 
     def load(self) -> dict:
-        return {**super().load(), "leases": len(self.sender.leases)}
+        return {**super().load(), "leases": len(self.sender.leases), "auth_failures": self.sender.auth_failures,
+                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def housekeeping(self) -> None:
         self.free_released()
 
     def free_released(self) -> None:
         """Blocks of released or expired leases go back to the engine."""
-        for _request_id, block_ids in self.sender.poll_freeable():
+        for request_id, block_ids in self.sender.poll_freeable():
             self.engine.free_blocks(list(block_ids))
+            if self.sender.leases.last_state(request_id) is LeaseState.EXPIRED:   # never released
+                self.shell.metrics.lease_expired()
 
     # ---- the first token out -------------------------------------------------------------
     def publish(self, outputs) -> None:
@@ -94,19 +102,21 @@ class PrefillRole(RequestRole):
                 it = self.inflight.pop(out.request_id)
                 req = it.request
                 unit.token(req.id, out.index, out.token_id, out.text)
+                self.shell.metrics.first_token(t - req.enqueued_ms, len(it.prompt_ids))
                 if out.finished:  # max_tokens 1, EOS or a stop string at once: no decode needed
                     unit.done(it.stream, it.entry_id, Completion(
                         req.id, out.full_text or "", (out.token_id,), out.finish_reason,
                         num_prompt_tokens=len(it.prompt_ids), ttft_ms=t - req.enqueued_ms,
                         queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=t - it.read_ms,
-                        e2e_ms=t - req.enqueued_ms, prefill_worker=self.shell.worker_id, transfer_path="none"))
+                        e2e_ms=t - req.enqueued_ms, prefill_worker=self.shell.worker_id, transfer_path="none",
+                        cached_tokens=out.cached_tokens))
                     continue
                 ticket = self.sender.export(req.id, out.detached_blocks, len(it.prompt_ids))
                 exported = True
                 handoff = Handoff(request=req, prompt_ids=it.prompt_ids, output_ids=[out.token_id],
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
-                                  prefill_end_ms=t, first_token_ms=t)
+                                  prefill_end_ms=t, first_token_ms=t, cached_tokens=out.cached_tokens)
                 unit.handoff(it.stream, it.entry_id, req.id, self.handoff_stream(), encode_handoff(handoff))
             if exported and self.pool:
                 # Before any of these tickets is out: should we die, the segment stays while

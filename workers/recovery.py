@@ -47,8 +47,10 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Recovery:
-    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, reclaim_idle_ms: int, publisher: Publisher):
+    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, reclaim_idle_ms: int, publisher: Publisher,
+                 metrics=None):
         self.r, self.keys, self.worker_id = r, keys, worker_id
+        self.metrics = metrics        # pdqueue.metrics.WorkerMetrics: entries reclaimed, by cause
         self.reclaim_idle_ms = reclaim_idle_ms
         self.publisher = publisher
         self._reclaim = Every(RECLAIM_EVERY_S)
@@ -109,6 +111,8 @@ class Recovery:
         if lost:
             log.warning("taking in again %d entries delivered to us while Redis failed: %s",
                         len(lost), [e[1] for e in lost])
+            if self.metrics is not None:
+                self.metrics.reclaim(role.group, "redelivered", len(lost))
         return lost
 
     def reclaim(self, group: str, stream_names, limit: int) -> list:
@@ -124,13 +128,17 @@ class Recovery:
                 dead_ids = [p["message_id"] for p in entries if not alive[p["consumer"]]]
                 hung_ids = [p["message_id"] for p in entries
                             if alive[p["consumer"]] and p["time_since_delivered"] >= self.reclaim_idle_ms]
-                for ids, min_idle in ((dead_ids, DEAD_CLAIM_MIN_IDLE_MS), (hung_ids, self.reclaim_idle_ms)):
+                for cause, ids, min_idle in (("dead", dead_ids, DEAD_CLAIM_MIN_IDLE_MS),
+                                             ("hung", hung_ids, self.reclaim_idle_ms)):
                     ids = ids[: limit - len(claimed)]
                     if not ids:
                         continue
+                    before = len(claimed)
                     for entry_id, fields in self.r.xclaim(stream, group, self.worker_id, min_idle, ids):
                         if entry_id is not None:
                             claimed.append((stream, entry_id.decode(), fields))
+                    if self.metrics is not None:
+                        self.metrics.reclaim(group, cause, len(claimed) - before)
         except REDIS_DOWN as exc:
             log.warning("reclaim: redis unavailable (%s)", exc)
             self.on_redis_error()

@@ -86,7 +86,7 @@ class RequestRole(Role):
 
     def start(self, shell) -> None:
         self.shell = shell
-        self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded)
+        self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits)
         self.inflight: dict[str, Admitted] = {}
         self.step_s = 0.0   # moving average of an engine step
 
@@ -127,6 +127,7 @@ class RequestRole(Role):
                 admitted = self.intake.take(self.engine, stream, entry_id, fields, unit)
                 if admitted:
                     self.inflight[admitted.request.id] = admitted
+                    self.shell.metrics.queued(admitted.read_ms - admitted.request.enqueued_ms)
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (a.stream, a.entry_id) for rid, a in self.inflight.items()}

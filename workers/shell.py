@@ -4,8 +4,10 @@ The shell is what lives as long as the process, all made in ``__init__`` before 
 runs: the configuration and the loaded model, the worker id and incarnation, the Redis
 client (``pdqueue.queue.connection.connect``), the stop flag (a first SIGTERM/SIGINT asks
 for a warm stop, a second for a cold one), the publisher (its thread runs from here on),
-the heartbeat, ``Recovery``, the sweep of dead owners' KV segments (a first one here,
-before the KV pool takes room), the role epoch; and the KV pool, made when the first role
+the heartbeat, the metrics (``pdqueue.metrics.WorkerMetrics``; served over HTTP when
+``config.metrics_port`` is set, and advertised as ``metrics`` in the heartbeat),
+``Recovery``, the sweep of dead owners' KV segments (a first one here, before the KV pool
+takes room), the role epoch; and the KV pool, made when the first role
 asks for it (``kv_pool``) and used by every role after it. ``run()``:
 
     start  role.start(shell) (its engine, on the shell's KV pool); the consumer groups
@@ -50,6 +52,7 @@ import redis
 from pdqueue import control
 from pdqueue.engine.llm_engine import kv_layout_for
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.metrics import WorkerMetrics, advertised, serve_metrics, stop_metrics
 from pdqueue.protocol import FinishReason, Request
 from pdqueue.queue import streams
 from pdqueue.queue.connection import connect
@@ -84,7 +87,9 @@ class WorkerShell:
         self.failed_units = 0                # units the publisher dropped (see _unit_failed)
         self.publisher = Publisher(lambda: connect(config.redis_url), name=f"pdq-publisher-{self.worker_id}",
                                    on_error=self._unit_failed)
-        self.recovery = Recovery(self.r, self.keys, self.worker_id, config.reclaim_idle_ms, self.publisher)
+        self.metrics = WorkerMetrics(config.engine.model)   # recorded always; served with a metrics_port
+        self.recovery = Recovery(self.r, self.keys, self.worker_id, config.reclaim_idle_ms, self.publisher,
+                                 metrics=self.metrics)
         # The role epoch starts at the process's start time (ms) and grows by one per switch,
         # so a command aimed at an earlier process under this worker id is stale too.
         self.role_epoch = self.role_since_ms = int(now_ms())
@@ -92,7 +97,15 @@ class WorkerShell:
         self.heartbeat = Heartbeat(self.r, self.keys, self.worker_id, role=role.name, incarnation=self.incarnation,
                                    model=config.engine.model, ttl_s=config.heartbeat_ttl_s)
         self.heartbeat.update(role_epoch=self.role_epoch, switchable=int(config.switchable),
-                              role_since_ms=self.role_since_ms, switching_to="")
+                              role_since_ms=self.role_since_ms, switching_to="",
+                              max_model_len=min(config.engine.max_model_len or loaded.config.max_position_embeddings,
+                                                loaded.config.max_position_embeddings))
+        self.metrics_port: int | None = None
+        if config.metrics_port is not None:   # before the first beat, which advertises it
+            self.metrics_port = serve_metrics(self.metrics.registry, config.metrics_host, config.metrics_port)
+            shown = advertised(config.metrics_host, self.metrics_port, config.metrics_advertise)
+            self.heartbeat.update(metrics=shown)
+            log.info("metrics: http://%s/metrics", shown)
         self._sweep = Every(min(config.heartbeat_ttl_s, config.lease_s) / 3)
         self._control = Every(CONTROL_EVERY_S)
         self._next_role: Role | None = None
@@ -151,7 +164,9 @@ class WorkerShell:
         """After each step (and while a role drains): the switch commands waiting for us
         (every ``CONTROL_EVERY_S``) and the heartbeat's load."""
         self.control()
-        self.heartbeat.update(load=self.load())
+        load = self.load()
+        self.heartbeat.update(load=load)
+        self.metrics.set_load(load)
 
     def close(self) -> None:
         if self.switching is not None:   # a stop came before the new role served
@@ -163,6 +178,8 @@ class WorkerShell:
         if self.segment is not None:
             self.segment.close(unlink=True)
         self.heartbeat.stop()
+        if self.metrics_port is not None:
+            stop_metrics(self.metrics_port)
         log.info("%s worker %s stopped", self.role.name, self.worker_id)
 
     def load(self) -> dict:
@@ -179,7 +196,7 @@ class WorkerShell:
         ``--switchable``). On an accelerator it is an ordinary device tensor.
 
         The segment's block epochs stay right across roles: a prefill role bumps a block's
-        epoch before its engine may reuse the block (``KVSender.poll_freeable``), its drain
+        epoch before its engine writes new content into it (the engine's ``on_rewrite``), its drain
         serves its leases until they are released or expired, and after it closed (its
         senders stopped) every block's epoch is bumped (``_switch``), so no copy validated
         against its tickets can see what a later role writes."""
@@ -231,6 +248,7 @@ class WorkerShell:
             self._start_role(role_for(old_name))   # the epoch stays: nothing changed for a sender
 
     def _start_role(self, role: Role, epoch: int | None = None) -> None:
+        self.metrics.activate(role.name)   # what the role observes carries its name
         role.start(self)   # a role whose start fails releases what it built before raising
         self.role, self._role_open = role, True
         while True:
@@ -362,6 +380,7 @@ class WorkerShell:
         yield unit
         if unit:
             self.publisher.submit(unit.ops)
+            self.metrics.answered(unit.tally)
 
     def take(self, limit: int, block_ms: int) -> None:
         """Input for the role: what Recovery finds (resumed), else up to ``limit`` new
@@ -427,6 +446,7 @@ class WorkerShell:
         """Publisher thread: a unit was dropped or a command in it failed. Its entries may
         be pending for us with nobody holding them: Recovery takes them in again."""
         self.failed_units += 1
+        self.metrics.unit_failed()
         log.error("a unit of answers failed (%s); entries of %s are taken in again if still pending",
                   exc, request_ids(ops) or "tokens only")
         self.recovery.on_unit_failed()

@@ -51,7 +51,9 @@ def bench_prefill(engine: LLMEngine, num_tokens: int, repeats: int = 2) -> float
     vocab = engine.model_config.vocab_size
     best = float("inf")
     for r in range(repeats + 1):
-        prompt = torch.randint(3, vocab, (num_tokens,), generator=torch.Generator().manual_seed(r)).tolist()
+        # A seed per (run, length): prompts sharing a prefix would be served from the prefix cache.
+        seed = r * 1_000_003 + num_tokens
+        prompt = torch.randint(3, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
         engine.add_request(f"p{num_tokens}-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
         t = time.perf_counter()
         while engine.has_unfinished:

@@ -122,6 +122,9 @@ class Settings:
     plan_dwell_s: float = 15.0
     plan_cooldown_s: float = 8.0
     plan_window_s: float = 20.0
+    openai_url: str | None = None      # drive this OpenAI-compatible server instead of starting workers
+    openai_model: str | None = None    # its model (default: the first of GET /v1/models)
+    api_key: str | None = None
 
     @classmethod
     def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,
@@ -239,6 +242,8 @@ class Record:
 async def _one(client, planned: Planned, seed: int, record: Record, timeout_s: float | None = None) -> Record:
     """Send one request and record its tokens' arrival; an error or ``timeout_s`` (from the
     submission) is recorded, never raised."""
+    if isinstance(client, OpenAIClient):
+        return await client.one(planned, seed, record, timeout_s)
     record.submitted = time.perf_counter()
     try:
         handle = await client.submit(prompt_ids=planned.prompt_ids, max_tokens=planned.max_tokens,
@@ -253,6 +258,126 @@ async def _one(client, planned: Planned, seed: int, record: Record, timeout_s: f
     except Exception as exc:   # a failed request is a result, not a crash of the bench
         record.error = f"{type(exc).__name__}: {exc}"
     return record
+
+
+@dataclass(frozen=True, slots=True)
+class HttpCompletion:
+    """What an OpenAI-compatible server tells of a finished request: no worker timings
+    (NaN), so the queue-overhead figures are left out for it."""
+    num_tokens: int
+    prefill_ms: float = math.nan
+    queue_ms: float = math.nan
+    transfer_ms: float = 0.0
+    transfer_path: str = ""
+
+
+class OpenAIClient:
+    """The load sent to an OpenAI-compatible server (pdqueue's gateway, vLLM, SGLang, ...):
+    ``POST /v1/completions``, streamed, the prompt as token ids, greedy, with vLLM's
+    ``ignore_eos`` and the request's seed; one HTTP/1.1 connection per request, spoken with
+    asyncio streams (no HTTP library to install). Each SSE chunk's arrival is recorded once:
+    a server that puts several tokens in one chunk (pdqueue's gateway sends what one read of
+    ``out:<id>`` brought) shows fewer, longer gaps than it has tokens."""
+
+    def __init__(self, url: str, model: str | None, api_key: str | None):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise BenchError(f"--openai-url {url!r}: expected http://HOST[:PORT]")
+        self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
+        self.base = parts.path.rstrip("/")
+        self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.model = model
+
+    async def __aenter__(self) -> "OpenAIClient":
+        if self.model is None:
+            import json
+
+            try:
+                status, body = await self._request("GET", "/v1/models")
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
+                self.model = json.loads(body)["data"][0]["id"]
+            except Exception as exc:
+                raise BenchError(f"{self.url}/v1/models: {exc}") from None
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        pass
+
+    async def _open(self, method: str, path: str, body: bytes = b""):
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"{method} {self.base}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        writer.write(head.encode() + body)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        chunked = False
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "transfer-encoding" and "chunked" in value.lower():
+                chunked = True
+        return reader, writer, status, chunked
+
+    @staticmethod
+    async def _body(reader, chunked: bool):
+        """The response body, piece by piece as it arrives."""
+        if not chunked:
+            while data := await reader.read(65536):
+                yield data
+            return
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)
+
+    async def _request(self, method: str, path: str) -> tuple[int, bytes]:
+        reader, writer, status, chunked = await self._open(method, path)
+        try:
+            return status, b"".join([piece async for piece in self._body(reader, chunked)])
+        finally:
+            writer.close()
+
+    async def one(self, planned: Planned, seed: int, record: Record, timeout_s: float | None) -> Record:
+        import json
+
+        body = json.dumps({"model": self.model, "prompt": list(planned.prompt_ids), "max_tokens": planned.max_tokens,
+                           "temperature": 0, "seed": seed, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+
+        async def stream() -> int:
+            tokens, buffer = 0, b""
+            reader, writer, status, chunked = await self._open("POST", "/v1/completions", body)
+            try:
+                if status != 200:
+                    error = b"".join([piece async for piece in self._body(reader, chunked)])
+                    raise RuntimeError(f"HTTP {status}: {error[:200]!r}")
+                async for piece in self._body(reader, chunked):
+                    buffer += piece
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                            continue
+                        chunk = json.loads(event[6:])
+                        if chunk.get("choices"):
+                            record.token_times.append(time.perf_counter())
+                        if chunk.get("usage"):
+                            tokens = int(chunk["usage"]["completion_tokens"])
+            finally:
+                writer.close()
+            return tokens or len(record.token_times)
+
+        record.submitted = time.perf_counter()
+        try:
+            tokens = await asyncio.wait_for(stream(), timeout_s)
+            record.finished = time.perf_counter()
+            record.completion = HttpCompletion(tokens)
+        except Exception as exc:   # a failed request is a result, not a crash of the bench
+            record.error = f"{type(exc).__name__}: {exc}"
+        return record
 
 
 async def run_requests(client, plan: list[Planned], drain_timeout_s: float,
@@ -319,7 +444,7 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
     tbt_server = [g for r in ok for g in gaps(r.token_entry_ms)]
     met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
     span = (max(r.finished for r in ok) - min(r.submitted for r in records)) if ok else math.inf
-    prefill_ms = [r.completion.prefill_ms for r in ok]
+    prefill_ms = [r.completion.prefill_ms for r in ok]   # NaN from an OpenAI server: left out below
     second = [r for r in ok if len(r.token_times) > 1]
     gap01 = [(r.token_times[1] - r.token_times[0]) * 1e3 for r in second]
     steady = [g for r in second for g in gaps(r.token_times[1:])]
@@ -335,9 +460,9 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
         "throughput_tok_s": sum(len(r.token_times) for r in ok) / span,
         "slo_attainment": met / len(records) if records else 0.0,
         "goodput_rps": rate * met / len(records) if records else 0.0,
-        "queue_overhead_ms": summary(t - p for t, p in zip(ttft, prefill_ms)),
-        "queue_ms": summary(r.completion.queue_ms for r in ok),
-        "prefill_ms": summary(prefill_ms),
+        "queue_overhead_ms": summary(t - p for t, p in zip(ttft, prefill_ms) if not math.isnan(p)),
+        "queue_ms": summary(r.completion.queue_ms for r in ok if not math.isnan(r.completion.queue_ms)),
+        "prefill_ms": summary(p for p in prefill_ms if not math.isnan(p)),
         "transfer_ms": summary(r.completion.transfer_ms for r in ok if r.completion.transfer_path not in ("", "local")),
     }
     figures["tbt_p99_over_p50"] = figures["tbt_ms"]["p99"] / figures["tbt_ms"]["p50"] if tbt else None
@@ -350,6 +475,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
         log_dir: Path | None = None, on_mode: Callable[[dict], None] | None = None) -> dict:
     """Every mode at every rate; returns the result object (see ``--json``). ``on_mode``
     gets the result so far after each mode (a later mode that fails loses nothing)."""
+    if settings.openai_url:
+        return _run_openai(settings, progress, on_mode)
     import redis
 
     from pdqueue.queue.redis_server import RedisServer
@@ -391,6 +518,25 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
     return result
 
 
+def _run_openai(settings: Settings, progress, on_mode) -> dict:
+    """The same load against an OpenAI-compatible server that is already running: one mode,
+    ``openai``, its figures from the client side only."""
+    result = {"bench": "serve", "model": settings.model, "rates": list(settings.rates), "target": settings.openai_url,
+              "slo": {"ttft_ms": settings.slo_ttft_ms, "tbt_ms": settings.slo_tbt_ms},
+              "workload": _workload_dict(settings), "modes": {}, "raw": {}}
+    by_rate, raw = asyncio.run(_run_mode(settings, "openai", "", "", progress))
+    result["modes"]["openai"] = _pool_rates(by_rate, raw, settings)
+    result["raw"]["openai"] = raw
+    if on_mode is not None:
+        on_mode(result)
+    if settings.phases:
+        result["rates"] = []
+        result["phases"] = [{"name": p.name, "long_fraction": p.long_fraction, "rate": p.rate,
+                             "duration_s": p.duration_s} for p in settings.phases]
+    result["claim"] = {}
+    return result
+
+
 async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progress) -> tuple[dict, dict]:
     by_rate, raw = {}, {}
     adapting = _start_adapting(settings, url, cluster) if mode == "adaptive" else None
@@ -427,7 +573,9 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
 
     from pdqueue.client import AsyncClient
 
-    async with AsyncClient(url, cluster) as client:
+    target = OpenAIClient(settings.openai_url, settings.openai_model, settings.api_key) if mode == "openai" \
+        else AsyncClient(url, cluster)
+    async with target as client:
         if settings.warmup:
             progress(f"{mode}: {settings.warmup} warm-up requests")
             await run_requests(client, warmup_requests(settings), settings.drain_timeout_s)
@@ -435,7 +583,7 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
         for i in range(settings.probes):
             planned = Planned(0.0, "probe", tuple(3 + (i + j) % 200 for j in range(24)), 1)
             record = await _one(client, planned, i, Record(planned), settings.drain_timeout_s)
-            if record.finished is not None and record.token_times:
+            if record.finished is not None and record.token_times and not math.isnan(record.completion.prefill_ms):
                 idle.append((record.token_times[0] - record.submitted) * 1e3 - record.completion.prefill_ms)
         by_rate["idle_overhead_ms"] = summary(idle)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -444,7 +592,7 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 plan = plan_phases(settings)
                 task = bar.add_task(f"{mode}: {'/'.join(p.name for p in settings.phases)}", total=len(plan))
                 timeline: list[dict] = []
-                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline))
+                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
                 try:
                     records = await run_requests(client, plan, settings.drain_timeout_s,
                                                  on_done=lambda: bar.advance(task), log=progress)

@@ -7,14 +7,21 @@ handler and a bytes message: what one would write without pdqueue) and through R
 ticket (or request) to the blocks in its own pool,
 - ``memcpy``: a plain torch copy of the same number of bytes in one process (the shm limit);
 - ``shm``, ``tcp`` and ``zmq``: ``KVReceiver.fetch`` forced to each path (tcp: ZeroMQ's
-  fallback's sibling, the TCP data wire that auto mode prefers across hosts);
+  fallback's sibling, the TCP data wire that auto mode prefers across hosts), with
+  authentication as workers run by default (a cluster secret: signed tickets, authenticated
+  channels); ``shm_noauth``, ``tcp_noauth`` and ``zmq_noauth``: the same without it (a second
+  sender on the same pool, as ``--kv-auth off``), so that the cost of authentication is
+  measured in the same rounds (``auth``: on/off per path at 512 tokens and above, and the
+  time to open a connection, handshake included);
 - ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the limit
   of the network paths);
 - ``grpc``: gather + ``tobytes`` on the sender, one unary call, ``frombuffer`` + scatter;
 - ``redis_pickle``: pickle + SET on the sender, GET + unpickle + scatter here.
 Each path gets warm-up runs (the first one is checked bit for bit), then the repeats run
-in rounds over all paths so that noise from other processes hits them alike; the median
-counts. Both processes run torch with one thread, like a worker started with ``--threads 1``.
+in rounds over all paths so that noise from other processes hits them alike (every other
+round in reverse order, so each authenticated path and its unauthenticated twin alternate
+which goes first); the median counts. Both processes run torch with one thread, like a
+worker started with ``--threads 1``.
 
 Who frees what: the child owns its segment (unlinked on close, and on exit by the parent's
 ``finally``); the parent owns the Redis server it starts. Imports torch, zmq, redis; grpc
@@ -39,16 +46,23 @@ import torch
 
 from pdqueue.bench.stats import median
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import KVReceiver, KVSender, SharedKVPool, Ticket, node_id
+from pdqueue.transfer import KVAuth, KVReceiver, KVSender, SharedKVPool, Ticket, generate_secret, node_id
 from pdqueue.transfer.blocks import copy_blocks, planes
+from pdqueue.transfer.tcp import DataClient
+from pdqueue.transfer.zmq import ControlClient
 
-PATHS = ("memcpy", "shm", "tcp", "zmq", "raw_socket", "grpc", "redis_pickle")
+PATHS = ("memcpy", "shm", "shm_noauth", "tcp", "tcp_noauth", "zmq", "zmq_noauth", "raw_socket", "grpc", "redis_pickle")
+AUTH_PATHS = ("shm", "tcp", "zmq")   # each also runs as <path>_noauth
+AUTH_FROM_TOKENS = 512               # the auth summary covers these sizes and above
+CONNECT_REPEATS = 20                 # fresh connections timed per wire, with and without authentication
+BENCH_CLUSTER = "bench"
 SMOLLM2 = dict(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32")   # 45 KiB/token
 SYNTHETIC = dict(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32")  # 256 KiB/token
 FULL_CASES = {"smollm2": (128, 256, 512, 1024, 2048, 4096), "synthetic": (256, 512, 1024)}   # up to 189/256 MiB
 QUICK_CASES = {"smollm2": (128, 512)}
 RATIO_AT = ("smollm2", 512)
-TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0, "tcp_vs_raw_socket": 0.8}
+TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0, "tcp_vs_raw_socket": 0.8,
+           "shm_auth_vs_noauth": 0.95, "tcp_auth_vs_noauth": 0.95, "zmq_auth_vs_noauth": 0.95}
 _GRPC_METHOD = "/pdq.bench.KV/Fetch"
 _GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
@@ -71,7 +85,9 @@ def _peer_main(conn, cfg: dict) -> None:
         torch.manual_seed(0)
         pool.tensor.uniform_(-1, 1)
         src_planes = planes(pool.tensor)
-        sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=120)
+        auth = KVAuth(bytes.fromhex(cfg["secret"]), BENCH_CLUSTER)
+        senders = {True: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120, auth=auth),
+                   False: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120)}   # as with --kv-auth off
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_serve_raw, args=(listener, pool.tensor), daemon=True).start()
         grpc_server, grpc_port = _start_grpc(src_planes) if cfg["grpc"] else (None, None)
@@ -79,20 +95,23 @@ def _peer_main(conn, cfg: dict) -> None:
         if cfg["redis_url"]:
             import redis
             r = redis.Redis.from_url(cfg["redis_url"])
-        conn.send({"segment": pool.name, "nonce": pool.nonce, "endpoint": sender.endpoint,
+        conn.send({"segment": pool.name, "nonce": pool.nonce,
+                   "endpoints": {authed: (s.endpoint, s.data_endpoint) for authed, s in senders.items()},
                    "raw_port": listener.getsockname()[1], "grpc_port": grpc_port})
         while True:
             cmd, *args = conn.recv()
             if cmd == "export":
+                sender = senders[args[0]]
                 _wait_for_blocks(sender)   # the previous fetch's release is fire-and-forget
-                conn.send(sender.export(*args).to_dict())
+                conn.send(sender.export(*args[1:]).to_dict())
             elif cmd == "redis_put":
                 key, ids = args
                 r.set(key, pickle.dumps(src_planes[:, ids]))
                 conn.send("ok")
             elif cmd == "close":
                 break
-        sender.close()
+        for sender in senders.values():
+            sender.close()
         if grpc_server is not None:
             grpc_server.stop(0)
     finally:
@@ -142,9 +161,10 @@ def _start_grpc(src_planes: torch.Tensor):
 class Peer:
     """The prefill-side child process (see the module docstring)."""
 
-    def __init__(self, layout: KVCacheLayout, node: str, redis_url: str | None, use_grpc: bool):
+    def __init__(self, layout: KVCacheLayout, node: str, redis_url: str | None, use_grpc: bool, secret: bytes):
         cfg = {"layout": layout.to_dict(), "prefix": f"pdq-kv-bench{uuid.uuid4().hex[:6]}",
-               "worker_id": "bench-prefill", "node": node, "redis_url": redis_url, "grpc": use_grpc}
+               "worker_id": "bench-prefill", "node": node, "redis_url": redis_url, "grpc": use_grpc,
+               "secret": secret.hex()}
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main, args=(child, cfg), daemon=True)
@@ -197,13 +217,15 @@ class Case:
 class DecodeSide:
     """Everything this process needs for one layout: pool, receivers, sockets, channels."""
 
-    def __init__(self, peer: Peer, layout: KVCacheLayout, node: str, redis_url: str | None):
-        self.peer, self.layout = peer, layout
+    def __init__(self, peer: Peer, layout: KVCacheLayout, node: str, redis_url: str | None, auth: KVAuth):
+        self.peer, self.layout, self.auth = peer, layout, auth
         self.pool = layout.allocate()
         self.pool.fill_(0)   # touch every page now, not inside a timed run
         self.planes = planes(self.pool)
         self.flat = self.pool.view(-1).view(torch.uint8)
-        self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60) for m in ("shm", "tcp", "zmq")}
+        self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60, auth=auth) for m in AUTH_PATHS}
+        self.receivers.update({f"{m}_noauth": KVReceiver(self.pool, layout, node, mode=m, timeout_s=60)
+                               for m in AUTH_PATHS})
         self.source = SharedKVPool.attach(peer.info["segment"], peer.info["nonce"])   # for checks only
         self.raw = socket.create_connection(("127.0.0.1", peer.info["raw_port"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -240,11 +262,11 @@ class DecodeSide:
             src, dst = self.memcpy_src[:case.nbytes], self.memcpy_dst[:case.nbytes]
             return lambda: _timed(lambda: dst.copy_(src))
         if path in self.receivers:
-            receiver = self.receivers[path]
+            receiver, authed = self.receivers[path], not path.endswith("_noauth")
 
             def fetch() -> float:
                 self._seq += 1
-                ticket = Ticket.from_dict(self.peer.call("export", f"r{self._seq}", ids, case.num_tokens))
+                ticket = Ticket.from_dict(self.peer.call("export", authed, f"r{self._seq}", ids, case.num_tokens))
                 return _timed(lambda: receiver.fetch(ticket, ids))
             return fetch
         if path == "raw_socket":
@@ -276,6 +298,27 @@ class DecodeSide:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             src = torch.frombuffer(payload, dtype=self.layout.torch_dtype).view(self.planes.shape[0], len(ids), -1)
         copy_blocks(src, range(len(ids)), self.planes, ids)
+
+    def connect_ms(self) -> dict:
+        """Median ms to open a fresh connection to the sender, per wire, with authentication
+        (TCP connect + handshake; a ZeroMQ DEALER + handshake) and without (the bare
+        connect; a ZeroMQ connect returns at once, the first request pays the rest)."""
+        endpoints = self.peer.info["endpoints"]
+        out = {}
+        for authed in (True, False):
+            auth = self.auth if authed else None
+            zmq_endpoint, data_endpoint = endpoints[authed]
+            tcp_s, zmq_s = [], []
+            for _ in range(CONNECT_REPEATS):
+                client = DataClient(10, auth)
+                tcp_s.append(_timed(lambda: client.connect(data_endpoint)))
+                client.close()
+                control = ControlClient(10, auth)
+                zmq_s.append(_timed(lambda: control.open(zmq_endpoint)))
+                control.close()
+            suffix = "" if authed else "_noauth"
+            out[f"tcp{suffix}"], out[f"zmq{suffix}"] = median(tcp_s) * 1e3, median(zmq_s) * 1e3
+        return out
 
     def clear(self, case: Case) -> None:
         self.planes[:, :case.num_blocks].zero_()
@@ -328,21 +371,23 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
     except (FileNotFoundError, RuntimeError) as exc:
         notes.append(f"no Redis server ({exc}): the redis_pickle path was skipped")
     node = node_id()
-    results = []
+    secret = generate_secret()
+    results, connect = [], []
     try:
         for layout_name, token_counts in cases_by_layout.items():
             dims = SMOLLM2 if layout_name == "smollm2" else SYNTHETIC
             max_blocks = -(-max(token_counts) // dims["block_size"])
             layout = KVCacheLayout(num_blocks=max_blocks, **dims)
             progress(f"{layout_name}: starting the prefill-side process ({layout.nbytes / 2**20:.0f} MiB pool)")
-            peer = Peer(layout, node, server.url if server else None, use_grpc)
+            peer = Peer(layout, node, server.url if server else None, use_grpc, secret)
             side = None
             try:
-                side = DecodeSide(peer, layout, node, server.url if server else None)
+                side = DecodeSide(peer, layout, node, server.url if server else None, KVAuth(secret, BENCH_CLUSTER))
                 for num_tokens in token_counts:
                     case = Case(layout_name, num_tokens, layout)
                     progress(f"{layout_name} {num_tokens} tokens ({case.nbytes / 2**20:.1f} MiB)")
                     results.append(_run_case(side, case, repeats, warmup))
+                connect.append(side.connect_ms())
             finally:
                 if side is not None:
                     side.close()
@@ -350,7 +395,7 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
     finally:
         if server is not None:
             server.stop()
-    return _result(results, quick, repeats, warmup, notes)
+    return _result(results, quick, repeats, warmup, notes, connect)
 
 
 def _run_case(side: DecodeSide, case: Case, repeats: int, warmup: int) -> dict:
@@ -363,9 +408,10 @@ def _run_case(side: DecodeSide, case: Case, repeats: int, warmup: int) -> dict:
         for _ in range(warmup - 1):
             fn()
     seconds: dict[str, list[float]] = {p: [] for p in runners}
-    for _ in range(repeats):
-        for path, fn in runners.items():
-            seconds[path].append(fn())
+    for round_ in range(repeats):
+        order = list(runners) if round_ % 2 == 0 else list(reversed(runners))   # on/off twins alternate
+        for path in order:
+            seconds[path].append(runners[path]())
     row = {"layout": case.layout_name, "tokens": case.num_tokens, "bytes": case.nbytes, "paths": {}}
     for path, values in seconds.items():
         s = median(values)
@@ -380,12 +426,14 @@ def ratios_of(row: dict) -> dict:
         return p[a]["gb_s"] / p[b]["gb_s"] if a in p and b in p else None
 
     return {"shm_vs_memcpy": ratio("shm", "memcpy"), "zmq_vs_raw_socket": ratio("zmq", "raw_socket"),
+            **{f"{m}_auth_vs_noauth": ratio(m, f"{m}_noauth") for m in AUTH_PATHS},
             "zmq_vs_grpc": ratio("zmq", "grpc"), "tcp_vs_raw_socket": ratio("tcp", "raw_socket"),
             "tcp_vs_grpc": ratio("tcp", "grpc"), "tcp_vs_zmq": ratio("tcp", "zmq"), "shm_vs_grpc": ratio("shm", "grpc"),
             "zmq_vs_redis_pickle": ratio("zmq", "redis_pickle"), "shm_vs_zmq": ratio("shm", "zmq")}
 
 
-def _result(rows: list[dict], quick: bool, repeats: int, warmup: int, notes: list[str]) -> dict:
+def _result(rows: list[dict], quick: bool, repeats: int, warmup: int, notes: list[str],
+            connect: list[dict] | None = None) -> dict:
     at = next(r for r in rows if (r["layout"], r["tokens"]) == RATIO_AT)
     for row in rows:
         row["ratios"] = ratios_of(row)
@@ -395,7 +443,27 @@ def _result(rows: list[dict], quick: bool, repeats: int, warmup: int, notes: lis
         "layouts": {"smollm2": SMOLLM2, "synthetic": SYNTHETIC},
         "ratios_at": {"layout": RATIO_AT[0], "tokens": RATIO_AT[1], "bytes": at["bytes"]},
         "ratios": at["ratios"], "targets": TARGETS, "sizes": rows, "notes": notes,
+        "auth": auth_summary(rows, connect or []),
     }
+
+
+def auth_summary(rows: list[dict], connect: list[dict]) -> dict:
+    """Authentication on vs off: per path, the on/off throughput ratio of every size of at
+    least AUTH_FROM_TOKENS tokens and their median; the same ratio taken round by round
+    (``paired``: off ms / on ms of the same round, whose two runs were adjacent in time, so
+    slow drifts of the machine's load cancel out), median over every such round; and the
+    median ms to open a connection (handshake included when on), over the layouts run."""
+    big = [r for r in rows if r["tokens"] >= AUTH_FROM_TOKENS]
+    ratios = {m: [r["ratios"][f"{m}_auth_vs_noauth"] for r in big
+                  if r["ratios"].get(f"{m}_auth_vs_noauth") is not None] for m in AUTH_PATHS}
+    paired = {m: [off / on for r in big if m in r["paths"] and f"{m}_noauth" in r["paths"]
+                  for on, off in zip(r["paths"][m]["ms_all"], r["paths"][f"{m}_noauth"]["ms_all"])]
+              for m in AUTH_PATHS}
+    return {"from_tokens": AUTH_FROM_TOKENS,
+            "ratios": {m: values for m, values in ratios.items()},
+            "median_ratio": {m: median(values) if values else None for m, values in ratios.items()},
+            "paired_ratio": {m: median(values) if values else None for m, values in paired.items()},
+            "connect_ms": {k: median([c[k] for c in connect]) for k in (connect[0] if connect else {})}}
 
 
 def missed_targets(result: dict) -> list[str]:
@@ -406,7 +474,7 @@ def missed_targets(result: dict) -> list[str]:
 
 
 def format_table(result: dict) -> str:
-    paths = [p for p in PATHS if any(p in r["paths"] for r in result["sizes"])]
+    paths = [p for p in PATHS if any(p in r["paths"] for r in result["sizes"]) and not p.endswith("_noauth")]
     lines = ["GB/s (median ms) per path; end to end: ticket/request -> blocks in the receiving pool",
              f"{'layout':<10}{'tokens':>7}{'MiB':>8}  " + "".join(f"{p:>20}" for p in paths)]
     for row in result["sizes"]:
@@ -423,5 +491,27 @@ def format_table(result: dict) -> str:
         verdict = "" if target is None or value is None else (
             f"  (target >= {target}x: {'met' if value >= target else 'NOT met'})")
         lines.append(f"  {name:<22} " + ("n/a" if value is None else f"{value:.2f}x") + verdict)
+    auth = result.get("auth")
+    if auth:
+        lines.append(f"authentication on vs off (GB/s on / off = ratio; target >= 0.95x), "
+                     f"sizes of {auth['from_tokens']} tokens and above:")
+        for row in result["sizes"]:
+            if row["tokens"] < auth["from_tokens"]:
+                continue
+            cells = []
+            for m in AUTH_PATHS:
+                on, off = row["paths"].get(m), row["paths"].get(f"{m}_noauth")
+                cells.append(f"{m} {on['gb_s']:.2f}/{off['gb_s']:.2f} = {on['gb_s'] / off['gb_s']:.2f}x"
+                             if on and off else f"{m} -")
+            lines.append(f"  {row['layout']:<10}{row['tokens']:>6}  " + "   ".join(cells))
+        lines.append("  median ratio: " + "   ".join(
+            f"{m} " + ("n/a" if v is None else f"{v:.2f}x") for m, v in auth["median_ratio"].items()))
+        lines.append("  paired, round by round: " + "   ".join(
+            f"{m} " + ("n/a" if v is None else f"{v:.2f}x") for m, v in auth["paired_ratio"].items()))
+        if auth["connect_ms"]:
+            c = auth["connect_ms"]
+            lines.append(f"  opening a connection (median ms): tcp {c['tcp']:.2f} with the handshake, "
+                         f"{c['tcp_noauth']:.2f} without; zmq {c['zmq']:.2f} with, {c['zmq_noauth']:.2f} without "
+                         "(once per sender and receiver pair)")
     lines.extend(f"note: {n}" for n in result["notes"])
     return "\n".join(lines)

@@ -1,76 +1,247 @@
-"""Owner of the KV pool's blocks: which are free, which belong to which sequence.
+"""Owner of the KV pool's blocks: which are free, which are cached, who holds which.
 
 Check/act pairs, as in nano-vllm: the caller asks ``can_allocate``/``can_append`` and only
 then calls ``allocate``/``append``, so running out of blocks is a scheduling decision, not
-an exception. A sequence's blocks are freed by ``free(seq)``; blocks detached from a
+an exception. A sequence's blocks are released by ``free(seq)``; blocks detached from a
 sequence (exported to a decode worker under a lease) come back through ``free_blocks``.
+
+**Automatic prefix caching** (``enable_caching``):
+
+- *Identity.* A full block is named by a hash chained over the token ids of every block
+  before it and its own: ``h[i] = blake2b(h[i-1] || tokens of block i)``, where ``h[-1]``
+  is ``root``, a digest of what else decides the KV (the model's identity and config, the
+  weights' and the KV pool's dtypes, the block size; ``LLMEngine`` builds it). Equal hashes
+  mean equal token prefixes, so equal KV. Only full blocks are ever named; a partial last
+  block belongs to its sequence alone. The hashes of a sequence are kept on it
+  (``Sequence.block_hashes``) and extended as its tokens grow.
+- *Reference counts.* Every block has a count of its holders: each sequence whose block
+  table names it, and each caller holding detached blocks (the prefill role's leases, one
+  reference per lease). Blocks with the same prefix are shared (count > 1). A block is
+  written only while its count is 1 and it is not in the cache's index: a hit block is
+  only ever read, and a sequence writes only the blocks ``allocate``/``append`` gave it.
+- *Hits.* ``allocate`` on a sequence with no blocks takes the longest chain of its full
+  blocks found in the index (a reference each) and sets ``num_cached_tokens`` past them;
+  only the rest is computed. The last token is always computed (its logits are needed):
+  when every block of the sequence is cached, the last one is not taken from the cache
+  but recomputed into a fresh block, as vLLM does (rewriting a shared block in place,
+  even with the same values, could race with a reader of it).
+- *Registration.* Once a step computed a block in full (``cache_computed``), its hash goes
+  into the index, unless another block already holds that hash (two sequences computed the
+  same prefix at once: the later block stays unnamed and is plainly freed later).
+- *Free list, LRU.* A block whose count drops to zero stays in the pool, with its KV: named
+  blocks go to the end of ``_evictable`` (least recently used first), unnamed ones to
+  ``_free``. A new block comes from ``_free`` first, then by evicting the least recently
+  used named block (its hash leaves the index). A referenced block is never evicted. A
+  sequence's blocks are released last-first, so a chain's tail goes before its head
+  (the head is the most likely to be shared). ``num_free_blocks`` counts both lists: every
+  block that can be handed out.
+- *Epochs* (``on_rewrite``, wired by the prefill role to the shared segment's
+  ``bump_epochs``): called with the blocks handed out for new content (``allocate``,
+  ``append``), before the step that writes them. That is exactly when a block's bytes can
+  change: a block that comes back from a lease or a finished sequence keeps its bytes (and
+  its epoch) while it waits in ``_evictable``/``_free``, so shm copies of it stay valid
+  until it is reused, and a cached block leased again carries the same epoch.
 
 Imports nothing but sequence.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from typing import Callable
 
 from pdqueue.engine.sequence import Sequence
 
+_DIGEST = 16   # bytes of blake2b per block hash (collisions: ~2^-64 at 2^32 blocks)
+
+
+def prefix_root(*parts) -> bytes:
+    """The hash before a sequence's first block: a digest of ``parts`` (their reprs)."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=_DIGEST).digest()
+
+
+def chain_hashes(parent: bytes, token_ids, block_size: int) -> list[bytes]:
+    """The chained hashes of the full blocks of ``token_ids`` after the block hashed
+    ``parent`` (token ids as little-endian int64, one conversion for all blocks)."""
+    data = array("q", token_ids).tobytes()
+    step = 8 * block_size
+    out = []
+    for start in range(0, len(data) - step + 1, step):
+        parent = hashlib.blake2b(parent + data[start:start + step], digest_size=_DIGEST).digest()
+        out.append(parent)
+    return out
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False,
+                 root: bytes = b"", on_rewrite: Callable[[list[int]], None] | None = None):
+        """``enable_caching``: automatic prefix caching (see the module docstring) with
+        ``root`` as the chain's start. ``on_rewrite(block_ids)``: called before blocks get
+        new content."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self.enable_caching = enable_caching
+        self.root = prefix_root(root) if not root else root
+        self.on_rewrite = on_rewrite
+        self._free: deque[int] = deque(range(num_blocks))      # count 0, unnamed
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # count 0, named; LRU first
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._index: dict[bytes, int] = {}                      # hash -> the block holding it
+        self.queries = 0   # tokens of sequences looked up in the cache (at each admission)
+        self.hits = 0      # of those, tokens found cached
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache's index (held or evictable)."""
+        return len(self._index)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._hash[block_id] is not None
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_for(seq.num_tokens) - len(seq.block_table) <= len(self._free)
+    # ---- prefix lookup -----------------------------------------------------------------
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks (memoized on it)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        if num_blocks > len(hashes):
+            parent = hashes[-1] if hashes else self.root
+            hashes += chain_hashes(parent, seq.token_ids[len(hashes) * bs:num_blocks * bs], bs)
+        return hashes
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all of its current tokens."""
-        needed = self.blocks_for(seq.num_tokens) - len(seq.block_table)
-        if needed > len(self._free):
-            raise RuntimeError(f"allocate without can_allocate: need {needed}, free {len(self._free)}")
-        for _ in range(needed):
-            seq.block_table.append(self._take())
+    def _hit_blocks(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``allocate`` would give ``seq``: the longest chain of its full
+        blocks in the index, never covering its last token."""
+        if not self.enable_caching or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        if max_blocks:
+            index = self._index
+            for h in self.block_hashes(seq, max_blocks):
+                block_id = index.get(h)
+                if block_id is None:
+                    break
+                hit.append(block_id)
+        return hit
+
+    def num_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` that ``allocate`` would serve from the cache now."""
+        return len(self._hit_blocks(seq)) * self.block_size
+
+    # ---- check/act pairs ---------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        hit = self._hit_blocks(seq)
+        needed = self.blocks_for(seq.num_tokens) - len(seq.block_table) - len(hit)
+        evictable_hits = sum(1 for b in hit if self._ref[b] == 0)   # taken as hits, not handed out
+        return needed <= self.num_free_blocks - evictable_hits
+
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give ``seq`` blocks for all of its current tokens: cached ones for the longest
+        cached prefix (``use_cache``, when it holds none yet), fresh ones for the rest.
+        ``use_cache=False``: fresh blocks only (the decode role copies KV into them)."""
+        hit = self._hit_blocks(seq) if use_cache else []
+        needed = self.blocks_for(seq.num_tokens) - len(seq.block_table) - len(hit)
+        available = self.num_free_blocks - sum(1 for b in hit if self._ref[b] == 0)
+        if needed > available:
+            raise RuntimeError(f"allocate without can_allocate: need {needed}, free {available}")
+        if self.enable_caching and use_cache and not seq.block_table:
+            for block_id in hit:
+                self._hold(block_id)
+            seq.block_table = hit
+            seq.num_hashed_blocks = len(hit)
+            seq.num_cached_tokens = len(hit) * self.block_size
+            if seq.num_preemptions == 0:   # the first admission: what the request saved
+                seq.cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            self.queries += seq.num_tokens
+            self.hits += seq.num_cached_tokens
+        if needed > 0:
+            fresh = [self._take() for _ in range(needed)]
+            seq.block_table.extend(fresh)
+            if self.on_rewrite is not None:
+                self.on_rewrite(fresh)
 
     def can_append(self, seq: Sequence) -> bool:
         """Room to compute the sequence's next token (its last one) without a new block, or a free block."""
-        return len(seq.block_table) * self.block_size >= seq.num_tokens or len(self._free) >= 1
+        return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks >= 1
 
     def append(self, seq: Sequence) -> None:
         if len(seq.block_table) * self.block_size < seq.num_tokens:
-            if not self._free:
+            if not self.num_free_blocks:
                 raise RuntimeError("append without can_append")
-            seq.block_table.append(self._take())
+            block_id = self._take()
+            seq.block_table.append(block_id)
+            if self.on_rewrite is not None:
+                self.on_rewrite([block_id])
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Name the blocks of ``seq`` that are now computed in full (after a step)."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_cached_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        hashes = self.block_hashes(seq, num_full)
+        for i in range(seq.num_hashed_blocks, num_full):
+            block_id, h = seq.block_table[i], hashes[i]
+            if h not in self._index and self._hash[block_id] is None:
+                self._index[h] = block_id
+                self._hash[block_id] = h
+        seq.num_hashed_blocks = num_full
+
+    # ---- giving blocks back ------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         self.free_blocks(seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
 
     def detach(self, seq: Sequence) -> list[int]:
-        """Take the blocks away from ``seq`` without freeing them; the caller returns them
-        with ``free_blocks`` (after the lease on them ends)."""
+        """Take the blocks away from ``seq`` without releasing them: its references are now
+        the caller's, who returns them with ``free_blocks`` (after the lease on them ends).
+        Meanwhile they are never rewritten; cached ones may be shared by new sequences."""
         block_ids, seq.block_table = seq.block_table, []
+        seq.num_hashed_blocks = 0
         return block_ids
 
     def free_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block (last first: see the module docstring)."""
         for block_id in block_ids:
-            if block_id not in self._used:
+            if self._ref[block_id] <= 0:
                 raise RuntimeError(f"block {block_id} freed twice or never allocated")
-            self._used.remove(block_id)
-            self._free.append(block_id)
+        for block_id in reversed(block_ids):
+            self._ref[block_id] -= 1
+            if self._ref[block_id] == 0:
+                if self._hash[block_id] is not None:
+                    self._evictable[block_id] = None   # most recently used: evicted last
+                else:
+                    self._free.append(block_id)
+
+    def _hold(self, block_id: int) -> None:
+        if self._ref[block_id] == 0:
+            del self._evictable[block_id]
+        self._ref[block_id] += 1
 
     def _take(self) -> int:
-        block_id = self._free.popleft()
-        self._used.add(block_id)
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)   # the least recently used
+            del self._index[self._hash[block_id]]
+            self._hash[block_id] = None
+        self._ref[block_id] = 1
         return block_id

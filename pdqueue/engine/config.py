@@ -39,6 +39,7 @@ class EngineConfig:
     policy: PrefillPolicy = PrefillPolicy.PREFILL_FIRST
     max_model_len: int | None = None  # None: the model's context length
     num_threads: int | None = None    # torch intra-op threads; None: torch's default
+    prefix_caching: bool = True       # reuse the KV of cached full prompt blocks (block_manager.py)
 
     def __post_init__(self):
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))

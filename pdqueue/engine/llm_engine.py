@@ -12,17 +12,26 @@ disaggregated workers use the same engine in two roles:
 Lifecycle of a sequence: ``add_request`` -> waiting -> running (prefill, then decode;
 preempted back to waiting by recompute if blocks run out) -> finished (blocks freed).
 
+Prefix caching (``EngineConfig.prefix_caching``, every role; see block_manager.py): a
+sequence admitted with a cached prefix computes only the rest; each step names the blocks it
+filled. Blocks a finished sequence or an ended lease gives back stay cached until evicted.
+``StepOutput.cached_tokens`` is what a request saved; ``prefix_cache_queries`` and
+``prefix_cache_hits`` count tokens looked up and found, over the engine's life. The hash
+chain starts from the model's identity and config, its weights' dtype, the KV dtype and the
+block size, so blocks are never shared across anything that changes the KV.
+
 Imports torch, models, and the engine modules; never redis or zmq.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
-from pdqueue.engine.block_manager import BlockManager
+from pdqueue.engine.block_manager import BlockManager, prefix_root
 from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.engine.model_runner import ModelRunner
@@ -50,6 +59,7 @@ class StepOutput:
     seq: Sequence | None = None
     detached_blocks: list[int] | None = None  # prefill role: blocks now owned by the caller
     full_text: str | None = None  # on the last output: the whole completion's text
+    cached_tokens: int = 0   # prompt tokens served from the prefix cache (not computed)
 
     @property
     def finished(self) -> bool:
@@ -72,9 +82,11 @@ def kv_layout_for(model_config, config: EngineConfig) -> KVCacheLayout:
 
 class LLMEngine:
     def __init__(self, loaded, config: EngineConfig, kv_cache: torch.Tensor | None = None,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, on_rewrite: Callable[[list[int]], None] | None = None):
         """``loaded``: a models.loader.LoadedModel. ``kv_cache``: a pool tensor to use (for
-        example one inside shared memory); by default one is allocated."""
+        example one inside shared memory); by default one is allocated. ``on_rewrite``:
+        called with blocks about to get new content, before the step that writes them (the
+        prefill role bumps their epochs in the shared segment)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -89,7 +101,9 @@ class LLMEngine:
         self.kv_cache = kv_cache
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.block_manager = BlockManager(self.layout.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.layout.num_blocks, config.block_size,
+                                          enable_caching=config.prefix_caching,
+                                          root=self._prefix_root(loaded), on_rewrite=on_rewrite)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.model, kv_cache, config.block_size, config.device)
         self.prefill_only = prefill_only
@@ -97,6 +111,27 @@ class LLMEngine:
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, OutputText] = {}
+
+    def _prefix_root(self, loaded) -> bytes:
+        """What besides the tokens decides a block's KV (the prefix cache's chain start)."""
+        weights = next(iter(loaded.model.parameters()), None)
+        return prefix_root("pdqueue-kv-1", self.config.model, asdict(loaded.config),
+                           str(weights.dtype) if weights is not None else "", self.layout.dtype,
+                           self.config.block_size)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.block_manager.enable_caching
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache (every admission, preemptions included)."""
+        return self.block_manager.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of ``prefix_cache_queries``, tokens found cached (not computed)."""
+        return self.block_manager.hits
 
     # ---- admission -------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> str | None:
@@ -136,7 +171,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, params, output_ids)
         if not self.can_reserve(seq.num_tokens):
             raise RuntimeError("reserve without can_reserve")
-        self.block_manager.allocate(seq)
+        # Fresh blocks only: the caller writes all of them (a cached block is never rewritten).
+        self.block_manager.allocate(seq, use_cache=False)
         return seq
 
     def unreserve(self, seq: Sequence) -> None:
@@ -152,7 +188,8 @@ class LLMEngine:
         self._texts[seq.request_id] = OutputText(self.tokenizer, seq.params.stop, prior_ids)
 
     def free_blocks(self, block_ids: list[int]) -> None:
-        """Prefill role: blocks detached in a StepOutput come back here when their lease ends."""
+        """Prefill role: blocks detached in a StepOutput come back here when their lease ends
+        (full ones stay cached, with their KV and epochs, until evicted)."""
         self.block_manager.free_blocks(block_ids)
 
     # ---- stepping --------------------------------------------------------------------
@@ -176,6 +213,7 @@ class LLMEngine:
         logits, sample_seqs = self.runner.run(batch)
         for seq, num_new in batch:
             seq.num_cached_tokens += num_new
+            self.block_manager.cache_computed(seq)
         outputs: list[StepOutput] = []
         if sample_seqs:
             indices = [seq.num_output_tokens for seq in sample_seqs]
@@ -203,7 +241,7 @@ class LLMEngine:
             # The last check: computing the next token needs KV slots for all current ones;
             # past the whole pool the sequence could never run again (it would wait forever).
             reason = FinishReason.LENGTH
-        out = StepOutput(seq.request_id, index, token_id, delta, reason, seq)
+        out = StepOutput(seq.request_id, index, token_id, delta, reason, seq, cached_tokens=seq.cached_tokens)
         if reason is not None:
             out.text += text.flush()
             out.full_text = text.text

@@ -11,7 +11,10 @@ A step is a list of ``(sequence, num_new_tokens)``. Two policies:
 
 When the pool runs out of blocks the newest running sequence is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue with its generated
-tokens, to be prefilled again.
+tokens, to be prefilled again (from its own blocks, if the prefix cache still has them).
+
+Admission asks the block manager how much of a waiting sequence's prefix is cached: only
+the rest counts against the token budget and is computed.
 
 Imports config, sequence, block_manager.
 """
@@ -75,13 +78,15 @@ class Scheduler:
         batch: ScheduledBatch = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            # A waiting sequence holds no blocks; a prefix cache hit is not computed again.
+            num_new = seq.num_uncomputed_tokens - self.block_manager.num_hit_tokens(seq)
             if whole_prompts and batch and num_new > budget:
                 break  # the first prompt may exceed the budget; later ones wait
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
+            assert seq.num_uncomputed_tokens == num_new
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if not whole_prompts:

@@ -2,7 +2,8 @@
 
 ``num_cached_tokens`` counts the leading tokens whose KV is in the pool; a step computes
 tokens ``[num_cached_tokens, num_cached_tokens + n)`` and samples only when it reaches the
-last token. Prefill, chunked prefill, decode and recompute are all this one rule.
+last token. Prefill, chunked prefill, decode and recompute are all this one rule. A prefix
+cache hit (block_manager.py) only starts ``num_cached_tokens`` above zero.
 
 Imports nothing but sampling.
 """
@@ -34,6 +35,13 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # Prefix caching (see block_manager.py): the chained hash of each full block of
+        # ``token_ids`` computed so far (tokens only grow, so they stay valid), and how many
+        # leading blocks of ``block_table`` are already in the cache's index (hits, or
+        # registered once computed).
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0
+        self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -1,4 +1,4 @@
-"""The one place Redis clients are made, with their timeouts.
+"""The one place Redis clients are made, with their timeouts, credentials and TLS.
 
 ``connect(url, purpose=...)`` picks the timeouts by what the client is for:
 
@@ -11,6 +11,14 @@
 - ``admin``: commands run by an operator's tool (``status``, ``submit``): fail within
   seconds rather than hang.
 - ``supervisor``: ``pdqueue up`` watching its own workers and server.
+- ``poll``: a background poll of the cluster's state (the gateway's ``ClusterView``).
+
+Credentials and TLS come from ``pdqueue.config.redis_security``: the URL's user and
+password, else ``PDQ_REDIS_USERNAME`` / ``PDQ_REDIS_PASSWORD_FILE`` / ``PDQ_REDIS_PASSWORD``;
+for ``rediss://`` URLs ``PDQ_REDIS_CA``, ``PDQ_REDIS_CERT``, ``PDQ_REDIS_KEY`` (the CLI's
+``--redis-*`` options set these). ``RedisConfig.redis_kwargs`` (the Client) applies the
+same function, so every connection pdqueue makes is secured the same way.
+``connect_async`` is the ``redis.asyncio`` twin.
 
 Imports redis only.
 """
@@ -20,6 +28,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import redis
+import redis.asyncio
+
+from pdqueue.config import redis_security
 
 
 class Timeouts(NamedTuple):
@@ -33,11 +44,22 @@ TIMEOUTS: dict[str, Timeouts] = {
     "check": Timeouts(socket_s=3.0, connect_s=3.0),
     "admin": Timeouts(socket_s=10.0, connect_s=3.0),
     "supervisor": Timeouts(socket_s=5.0, connect_s=3.0),
+    "poll": Timeouts(socket_s=5.0, connect_s=5.0),
 }
 
 
-def connect(url: str, *, purpose: str = "worker") -> redis.Redis:
-    """A ``redis.Redis`` for ``url`` (bytes replies) with the timeouts of ``purpose``."""
+def _kwargs(url: str, purpose: str) -> dict:
     t = TIMEOUTS[purpose]
-    return redis.Redis.from_url(url, socket_timeout=t.socket_s, socket_connect_timeout=t.connect_s,
-                                health_check_interval=t.health_check_s)
+    return {"socket_timeout": t.socket_s, "socket_connect_timeout": t.connect_s,
+            "health_check_interval": t.health_check_s, **redis_security(url)}
+
+
+def connect(url: str, *, purpose: str = "worker") -> redis.Redis:
+    """A ``redis.Redis`` for ``url`` (bytes replies) with the timeouts of ``purpose`` and
+    the credentials and TLS settings in force (ValueError if those cannot be used)."""
+    return redis.Redis.from_url(url, **_kwargs(url, purpose))
+
+
+def connect_async(url: str, *, purpose: str = "worker") -> redis.asyncio.Redis:
+    """``connect`` for asyncio: a ``redis.asyncio.Redis`` (bytes replies)."""
+    return redis.asyncio.Redis.from_url(url, **_kwargs(url, purpose))

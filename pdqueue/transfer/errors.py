@@ -23,6 +23,7 @@ class FailureCode(str, Enum):
     PEER_TIMEOUT = "peer_timeout"              # the sender did not answer in time (dead or stuck)
     BAD_REPLY = "bad_reply"                    # the sender's reply failed validation
     CLOSED = "closed"                          # this receiver or sender was closed
+    AUTH_FAILED = "auth_failed"                # a peer or ticket failed authentication (transfer.auth)
 
 
 class TransferError(Exception):

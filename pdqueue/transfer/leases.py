@@ -15,6 +15,11 @@ Ownership, the rule every caller follows:
   blocks belong to the engine again (free or reuse them). ``revoke`` hands back a lease early
   (the ticket was never published).
 
+Shared blocks (``shared_blocks=True``, the prefill role with its engine's prefix cache): a
+block may belong to several leases at once (requests with the same cached prefix); the
+engine holds one reference per lease, so it neither frees nor rewrites a block before its
+last lease is handed back. Without it a block already under a lease is refused.
+
 All methods are thread-safe (one lock): the serving thread acquires and releases while the
 engine thread exports and polls. Deadlines are in the table's clock (monotonic by default).
 Imports the standard library only.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
@@ -49,28 +54,31 @@ class Lease:
     deadline: float
     state: LeaseState = LeaseState.LEASED
     hold: Callable[[], bool] | None = None   # see hold_until
+    mac: str = ""                            # the MAC of the ticket issued for it (set_mac)
 
 
 class LeaseTable:
-    def __init__(self, lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 shared_blocks: bool = False):
         self.lease_s = lease_s
         self.clock = clock
+        self.shared_blocks = shared_blocks   # see the module docstring
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self._leased_blocks: set[int] = set()   # blocks of every lease not yet handed back
+        self._leased_blocks: Counter[int] = Counter()   # block -> leases not yet handed back
         self._freeable: list[str] = []   # request ids in RELEASED/EXPIRED, not yet handed back
         self._recent: OrderedDict[str, LeaseState] = OrderedDict()   # final states of handed-back leases
 
     def add(self, request_id: str, block_ids, num_tokens: int, lease_s: float | None = None) -> float:
         """Lease the blocks; returns the deadline. A request id may hold one lease at a time, and
-        a block belongs to one lease at a time."""
+        a block belongs to one lease at a time unless ``shared_blocks``."""
         lease_s = self.lease_s if lease_s is None else lease_s
         block_ids = tuple(block_ids)
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            if not self._leased_blocks.isdisjoint(block_ids):
-                raise ValueError(f"blocks {sorted(self._leased_blocks.intersection(block_ids))} are already leased")
+            if not self.shared_blocks and not self._leased_blocks.keys().isdisjoint(block_ids):
+                raise ValueError(f"blocks {sorted(self._leased_blocks.keys() & set(block_ids))} are already leased")
             deadline = self.clock() + lease_s
             self._leases[request_id] = Lease(request_id, block_ids, num_tokens, lease_s, deadline)
             self._leased_blocks.update(block_ids)
@@ -100,6 +108,13 @@ class LeaseTable:
                 self._freeable.append(request_id)
             lease.state = LeaseState.RELEASED
             return True
+
+    def set_mac(self, request_id: str, mac: str) -> None:
+        """Remember the MAC of the ticket issued for the lease: a request must present it."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.mac = mac
 
     def hold_until(self, request_id: str, done: Callable[[], bool]) -> None:
         """Do not hand the lease back before ``done()`` is true (see the module docstring)."""
@@ -155,7 +170,10 @@ class LeaseTable:
                     held.append(rid)
                     continue
                 del self._leases[rid]
-                self._leased_blocks.difference_update(lease.block_ids)
+                for block_id in lease.block_ids:
+                    self._leased_blocks[block_id] -= 1
+                    if not self._leased_blocks[block_id]:
+                        del self._leased_blocks[block_id]
                 handed.append((rid, lease.block_ids))
                 self._recent[rid] = lease.state
             self._freeable = held

@@ -8,13 +8,15 @@ the caller owns throughout and must treat as garbage if ``fetch`` raises.
   epochs (LEASE_EXPIRED if the blocks went back to the sender's engine already) -> copy ->
   check them again (LEASE_LOST: they went back while we copied; the copy is discarded) ->
   a fire-and-forget release. No round trip: the epochs say what the sender would.
-- tcp: one connection per sender data endpoint (tcp.py); a ``fetch`` request, the reply
+- tcp: one connection per sender data endpoint (tcp.py), authenticated when it is made
+  if the receiver has the cluster's ``KVAuth``; a ``fetch`` request (sealed), the reply
   header validated like zmq's, then ``recvmsg_into`` straight into the destination blocks,
   one buffer per run of consecutive (source, destination) blocks per plane; then a
   fire-and-forget release. Any failure closes the connection. Chosen before zmq in auto
   mode when the ticket names a data endpoint; a data endpoint that refuses connections
   lets auto mode fall back to zmq.
-- zmq: one ``fetch`` request; the reply header is validated (request, blocks, shape, dtype,
+- zmq: one ``fetch`` request (sealed, after a handshake on a new socket, with ``KVAuth``);
+  the reply header is validated (request, blocks, shape, dtype,
   frame plan and count) before a byte is copied, then each data frame as it arrives (its
   size against the plan) and copied while the next one is on the wire; then a
   fire-and-forget release (the sender read every frame under a held lease, or sent an
@@ -157,7 +159,7 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: ReceiveContext):
         super().__init__(ctx)
-        self.client = DataClient(ctx.timeout_s)
+        self.client = DataClient(ctx.timeout_s, ctx.auth)
         self._seq = itertools.count(1)
         on_host = ctx.pool.device.type == "cpu"
         self._pool_bytes = memoryview(ctx.pool.view(-1).view(torch.uint8).numpy()) if on_host else None
@@ -206,7 +208,12 @@ class TcpTransport(Transport):
         for attempt in range(2):
             conn, reused = self.client.connect(endpoint)
             try:
-                send_control(conn, wire.request("fetch", next(self._seq), ticket))
+                seq = next(self._seq)
+                raw = wire.request("fetch", seq, ticket)
+                session = self.client.sessions.get(endpoint)
+                if session is not None:
+                    raw = wire.seal(session, raw, seq)
+                send_control(conn, raw)
                 header = recv_control(conn)
                 if header is None:
                     raise ConnectionError("the sender closed the connection")

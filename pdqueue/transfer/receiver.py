@@ -1,12 +1,15 @@
 """The receiver half (decode worker): fetch a ticket's KV blocks into the local pool.
 
-``fetch(ticket, dst_block_ids)`` validates the ticket (version, layout, block ids, and the
-sender's incarnation when an ``is_current`` check is given), picks a backend (mode "auto":
+``fetch(ticket, dst_block_ids)`` validates the ticket (version, its MAC when the receiver
+has the cluster's ``KVAuth``, layout, block ids, and the sender's incarnation when an
+``is_current`` check is given), picks a backend (mode "auto":
 the first registered backend in ``AUTO_ORDER`` that can serve the ticket and whose
 ``check`` passes, i.e. shm on the same node when the segment maps, else tcp when the ticket
 names a data endpoint and a connection can be made, else zmq; or the one named by
 ``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce) the
-cached mapping, connection or socket of that sender is dropped.
+cached mapping, connection or socket of that sender is dropped. With ``auth`` the tcp and
+zmq channels are authenticated both ways (transfer.auth); ``auth_failures`` counts the
+fetches refused for authentication (a ticket's MAC, a sender's proof or refusal).
 
 Ownership: the caller allocates ``dst_block_ids`` and owns them throughout; it must not let
 the engine read or write them before ``fetch`` returns, and must free them (and recompute)
@@ -25,6 +28,7 @@ import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import paths  # noqa: F401  (registers the shm, tcp and zmq backends)
+from pdqueue.transfer.auth import KVAuth
 from pdqueue.transfer.base import AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket, Transport
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR
@@ -33,14 +37,16 @@ from pdqueue.transfer.zmq import ControlClient
 log = logging.getLogger(__name__)
 
 _FORGET_ON = {FailureCode.PEER_TIMEOUT, FailureCode.STALE_INCARNATION, FailureCode.NONCE_MISMATCH,
-              FailureCode.BAD_REPLY, FailureCode.VERSION_MISMATCH}
+              FailureCode.BAD_REPLY, FailureCode.VERSION_MISMATCH, FailureCode.AUTH_FAILED}
 
 
 class KVReceiver:
     def __init__(self, pool_tensor: torch.Tensor, layout: KVCacheLayout, node: str, mode: str = "auto",
-                 timeout_s: float = 5.0, *, shm_dir: str = DEFAULT_SHM_DIR, is_current=None):
+                 timeout_s: float = 5.0, *, shm_dir: str = DEFAULT_SHM_DIR, is_current=None,
+                 auth: KVAuth | None = None):
         """``is_current(worker_id, incarnation) -> bool``, if given (e.g. a registry lookup),
-        rejects tickets of replaced senders without any I/O."""
+        rejects tickets of replaced senders without any I/O. ``auth``: the cluster's secret
+        and name; tickets must carry its MAC and senders must prove it (None: no checks)."""
         if mode != "auto" and mode not in TRANSPORTS:
             raise ValueError(f"unknown transfer mode {mode!r}; expected auto or one of {sorted(TRANSPORTS)}")
         layout.check_pool(pool_tensor)
@@ -48,8 +54,10 @@ class KVReceiver:
         self.node = node
         self.mode = mode
         self.is_current = is_current
-        self._ctx = ReceiveContext(pool_tensor, layout, node, timeout_s, ControlClient(timeout_s),
-                                   extra={"shm_dir": shm_dir})
+        self.auth = auth
+        self.auth_failures = 0
+        self._ctx = ReceiveContext(pool_tensor, layout, node, timeout_s, ControlClient(timeout_s, auth),
+                                   extra={"shm_dir": shm_dir}, auth=auth)
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -66,15 +74,33 @@ class KVReceiver:
             if self._closed:
                 raise TransferError("receiver is closed", False, FailureCode.CLOSED)
             start = time.perf_counter()
-            self._validate(ticket, dst_block_ids)
-            transport = self._choose(ticket)
             try:
-                nbytes = transport.fetch(ticket, dst_block_ids)
+                self._validate(ticket, dst_block_ids)
+                transport = self._choose(ticket)
+                try:
+                    nbytes = transport.fetch(ticket, dst_block_ids)
+                except TransferError as exc:
+                    if exc.code in _FORGET_ON:
+                        transport.forget(ticket)
+                    raise
             except TransferError as exc:
-                if exc.code in _FORGET_ON:
-                    transport.forget(ticket)
+                if exc.code == FailureCode.AUTH_FAILED:
+                    self.auth_failures += 1
                 raise
             return FetchResult(nbytes, time.perf_counter() - start, transport.name)
+
+    def release(self, ticket: Ticket | dict) -> None:
+        """Give a ticket's lease back without fetching (its request ended before its KV was
+        needed): fire-and-forget, like the release after a fetch; otherwise the sender
+        keeps those blocks until the lease expires. A malformed ticket is ignored."""
+        if isinstance(ticket, dict):
+            try:
+                ticket = Ticket.from_dict(ticket)
+            except (ValueError, TypeError, KeyError):
+                return
+        with self._lock:
+            if not self._closed:
+                self._ctx.control.release_nowait(ticket)
 
     def close(self) -> None:
         with self._lock:
@@ -95,6 +121,11 @@ class KVReceiver:
         if ticket.version != TRANSFER_VERSION:
             raise TransferError(f"ticket version {ticket.version}, receiver speaks {TRANSFER_VERSION}",
                                 False, FailureCode.VERSION_MISMATCH)
+        if self.auth is not None and not self.auth.verify_ticket(ticket):
+            why = ("it is unsigned (its sender runs without KV authentication?)" if not ticket.mac else
+                   f"it names cluster {ticket.cluster!r}" if ticket.cluster != self.auth.cluster else
+                   "its MAC does not verify (forged or altered, or signed with another secret)")
+            raise TransferError(f"ticket of {ticket.request_id!r} refused: {why}", False, FailureCode.AUTH_FAILED)
         try:
             src_layout = ticket.kv_layout
         except (KeyError, TypeError, ValueError) as exc:

@@ -11,11 +11,24 @@ into a staging buffer under the lease and sends each frame as its own message as
 it is staged, so that staging, the wire and the receiver's copying overlap) -> the receiver
 ``release``s (fire-and-forget) -> ``poll_freeable`` bumps the blocks' epochs and hands them
 back to the engine thread, which frees them. Leases that are never released expire.
+With ``shared_blocks`` (the prefill role: its engine caches prefixes) leases may share
+blocks and ``poll_freeable`` bumps nothing: the engine bumps a block's epoch when it
+rewrites it (``LLMEngine(on_rewrite=)``), since a handed-back block stays cached, intact.
 
-Both wires carry the same requests, and ``_answer`` decides every one of them: it checks
-the version, incarnation, nonce and op, releases, or acquires the fetch's lease and
-describes its reply header (``_Fetch``); the wire then only does its own I/O (staged frames
-on the ROUTER, ``sendmsg`` on a data connection).
+Both wires carry the same requests, and two methods decide every one of them: ``_admit``
+takes a message's bytes from a peer (a ZeroMQ identity or a TCP connection, each with its
+``auth.Peer``) and answers a handshake itself (``hello``: a fresh challenge and this
+sender's proof) or opens a ``sealed`` request (the client's proof against the challenge it
+was issued, the tag, the growing ``seq``); ``_answer`` checks the version, authentication,
+incarnation, nonce, the ticket's MAC against the lease's and the op, releases, or acquires
+the fetch's lease and describes its reply header (``_Fetch``); the wire then only does its
+own I/O (staged frames on the ROUTER, ``sendmsg`` on a data connection).
+
+Authentication (``auth``: the cluster's ``KVAuth``; None: off): before a peer has proved
+the cluster secret it gets nothing but a challenge, or a refusal; a release needs no
+session, only the ticket's MAC (it serves nothing). Every refusal is counted in
+``auth_failures`` (read by the worker's heartbeat and metrics) and logged once per peer
+address; a bad message never stops the serving threads.
 
 Who owns what: the engine owns the pool and writes only blocks it owns; leased blocks are
 read-only for everyone until ``poll_freeable`` returns them (see leases.py); a lease lost
@@ -24,17 +37,19 @@ thread owns the ROUTER socket, its zmq context and the staging buffer (zmq may s
 from it after ``_send_staged`` returns: a busy buffer is never reused, one abandoned midway
 is dropped); the ``DataServer`` owns its listener, connections and their threads;
 ``close()`` stops both and frees them.
-Requests are answered for tickets of this incarnation and segment nonce only (the nonce,
-random and known only from tickets, is what a peer must show). Encryption is not done yet
-(TODO: CURVE here and in ControlClient, TLS on the data wire); bind to a private interface
-meanwhile. Imports torch, zmq, msgpack, socket (through transfer.tcp).
+Requests are answered for tickets of this incarnation and segment nonce only. The bytes
+are not encrypted (docs/security.md): bind to a private interface. Imports torch, zmq,
+msgpack, socket (through transfer.tcp).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +58,8 @@ import zmq
 
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import zmq as wire
+from pdqueue.transfer.auth import (HANDSHAKE_TIMEOUT_S, MAX_PEERS, NONCE_BYTES, PENDING_TTL_S, SESSION_IDLE_S,
+                                   KVAuth, Peer, constant_time_equal)
 from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
 from pdqueue.transfer.blocks import MAX_FRAME_BYTES, copy_blocks, plan_frames, planes
 from pdqueue.transfer.errors import FailureCode
@@ -53,6 +70,7 @@ from pdqueue.transfer.tcp import DataServer, send_control, send_views, source_pi
 log = logging.getLogger(__name__)
 
 _POLL_MS = 10   # how often the serving thread checks for close() (a switch waits for it)
+_MAX_LOGGED_PEERS = 1024   # peer addresses whose first refusal was logged (later ones: counted only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +95,19 @@ class KVSender:
                  endpoint: str = "tcp://127.0.0.1:*", lease_s: float = 30.0, *,
                  advertise: str | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
                  shared_pool: SharedKVPool | None = None,
-                 data_port: int | None = 0, data_timeout_s: float = 30.0):
+                 data_port: int | None = 0, data_timeout_s: float = 30.0, auth: KVAuth | None = None,
+                 shared_blocks: bool = False):
         """``endpoint``: bind address; ``advertise``: the address put in tickets (default: the
         bound one, which is wrong for wildcard hosts such as 0.0.0.0); a trailing ``:*`` in
         it stands for the port actually bound (``tcp://10.0.0.5:*``). ``shared_pool``: the
         segment ``pool_tensor`` lives in, whose block epochs this sender keeps (see shm.py).
         ``data_port``: the TCP data server's port on the same host (0: any free one; None: no
         data server; only for a pool in host memory), advertised with the host of the
-        ZeroMQ endpoint."""
+        ZeroMQ endpoint. ``auth``: the cluster's secret and name; tickets are signed and
+        both wires serve only peers that prove the secret (None: no authentication).
+        ``shared_blocks``: the engine shares blocks between requests (prefix caching) and
+        bumps a block's epoch itself before it rewrites it; leases may then overlap and
+        handing one back bumps nothing (see the module docstring)."""
         layout.check_pool(pool_tensor)
         self.layout = layout
         self.worker_id = worker_id
@@ -95,7 +118,14 @@ class KVSender:
         self.max_frame_bytes = max_frame_bytes
         on_host = pool_tensor.device.type == "cpu"
         self._shared = shared_pool
-        self.leases = LeaseTable(lease_s)
+        self.leases = LeaseTable(lease_s, shared_blocks=shared_blocks)
+        self.shared_blocks = shared_blocks
+        self.auth = auth
+        self.auth_failures = 0   # refused messages and connections (see the module docstring)
+        self._auth_lock = threading.Lock()
+        self._logged_peers: set[str] = set()
+        self._peers: OrderedDict[bytes, Peer] = OrderedDict()   # ZeroMQ identities (serving thread only)
+        self._open_peer = Peer(address="any")   # without authentication every peer is this one
         self._planes = planes(pool_tensor)
         self._staging: torch.Tensor | None = None     # flat uint8, pre-faulted, reused
         self._staging_tracker: zmq.MessageTracker | None = None   # its last frame in flight, if any
@@ -120,7 +150,9 @@ class KVSender:
         if data_port is not None and on_host:
             try:
                 self._data = DataServer(_bind_host(endpoint), data_port, self._serve_data, data_timeout_s,
-                                        name=f"kv-data-{worker_id}")
+                                        name=f"kv-data-{worker_id}",
+                                        handshake_timeout_s=HANDSHAKE_TIMEOUT_S if auth is not None else None,
+                                        on_refused=lambda peer, reason: self._refuse(peer, None, reason))
             except BaseException:
                 self._sock.close(linger=0)
                 self._context.term()
@@ -148,16 +180,22 @@ class KVSender:
             raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks")
         epochs = tuple(self._shared.epochs_of(block_ids)) if self._shared is not None else ()
         deadline = self.leases.add(request_id, block_ids, num_tokens, lease_s)
-        return Ticket(TRANSFER_VERSION, request_id, self.worker_id, self.incarnation, self.node,
-                      self.segment_name, self.nonce, block_ids, num_tokens, self.layout.to_dict(),
-                      self.endpoint, time.time() + (deadline - self.leases.clock()), epochs, self.data_endpoint)
+        ticket = Ticket(TRANSFER_VERSION, request_id, self.worker_id, self.incarnation, self.node,
+                        self.segment_name, self.nonce, block_ids, num_tokens, self.layout.to_dict(),
+                        self.endpoint, time.time() + (deadline - self.leases.clock()), epochs, self.data_endpoint,
+                        cluster=self.auth.cluster if self.auth is not None else "")
+        if self.auth is not None:
+            ticket = dataclasses.replace(ticket, mac=self.auth.ticket_mac(ticket))
+            self.leases.set_mac(request_id, ticket.mac)   # until then no request can match it
+        return ticket
 
     def poll_freeable(self) -> list[tuple[str, tuple[int, ...]]]:
         """(request_id, block_ids) of leases released or expired since the last call: the
         engine owns (and should free) these blocks now. Call from the engine thread. Their
-        epochs are bumped first, so shm copies of them can no longer validate."""
+        epochs are bumped first, so shm copies of them can no longer validate; not with
+        ``shared_blocks``, where the engine bumps them when it rewrites them."""
         handed = self.leases.poll_freeable()
-        if self._shared is not None and handed:
+        if self._shared is not None and handed and not self.shared_blocks:
             self._shared.bump_epochs([b for _rid, block_ids in handed for b in block_ids])
         return handed
 
@@ -185,22 +223,84 @@ class KVSender:
 
     # -- one request, either wire ----------------------------------------------------------
 
-    def _answer(self, msg: dict, *, answer_release: bool,
+    def _admit(self, raw: bytes, peer: Peer) -> tuple[dict | None, bool, bytes | None]:
+        """A message's bytes from ``peer``: ``(request, authenticated, None)`` for ``_answer``,
+        or ``(None, keep, reply)``: a handshake's answer or a refusal to send as it is (None:
+        nothing), and whether the peer may go on (a TCP connection is closed otherwise)."""
+        try:
+            msg = wire.unpack(raw)
+        except Exception as exc:
+            if self.auth is not None and peer.session is None:
+                return None, False, self._refuse(peer, None, f"undecodable message ({exc})")
+            return None, True, wire.error_reply(None, FailureCode.BAD_REPLY, f"undecodable request: {exc}")
+        seq, op = msg.get("seq"), msg.get("op")
+        if msg.get("v") != TRANSFER_VERSION:
+            return None, True, self._version_error(msg)
+        if op not in ("hello", "sealed"):
+            return msg, self.auth is None, None
+        auth = self.auth
+        if auth is None:
+            return None, True, wire.error_reply(seq, FailureCode.AUTH_FAILED,
+                                                f"{self.worker_id} runs without KV authentication (--kv-auth off)")
+        now = time.monotonic()
+        if op == "hello":
+            cn = msg.get("cn")
+            if not isinstance(cn, bytes) or len(cn) != NONCE_BYTES:
+                return None, False, self._refuse(peer, seq, "malformed hello")
+            sn = secrets.token_bytes(NONCE_BYTES)
+            peer.challenge, peer.session = (sn, cn, now), None
+            return None, True, wire.ok_reply(seq, sn=sn, proof=auth.server_proof(sn, cn))
+        proof = msg.get("proof")
+        if proof is not None:
+            challenge, peer.challenge = peer.challenge, None   # one answer per challenge
+            if challenge is None or now - challenge[2] > PENDING_TTL_S:
+                return None, False, self._refuse(peer, seq, "a proof without a fresh challenge (a replayed handshake?)")
+            sn, cn, _ = challenge
+            key = auth.verify_proof("c2s", sn, cn, proof)
+            if key is None:
+                return None, False, self._refuse(peer, seq, "wrong proof (not this cluster's secret)")
+            peer.session = auth.session(key, sn, cn)
+        session = peer.session
+        if session is None:
+            return None, False, self._refuse(peer, seq, "a sealed request without a session", handshake=True)
+        body = msg.get("body")
+        if not session.verify(body, msg.get("tag")):
+            return None, False, self._refuse(peer, seq, "a sealed request with a wrong tag")
+        try:
+            request = wire.unpack(body)
+        except Exception as exc:
+            return None, True, wire.error_reply(seq, FailureCode.BAD_REPLY, f"undecodable request: {exc}")
+        inner_seq = request.get("seq")
+        if type(inner_seq) is not int or inner_seq <= session.last_seq or inner_seq != seq:
+            return None, False, self._refuse(peer, seq, f"request number {inner_seq!r} not above "
+                                                        f"{session.last_seq} (a replayed request?)")
+        session.last_seq, session.used = inner_seq, now
+        return request, True, None
+
+    def _answer(self, msg: dict, *, authenticated: bool, peer: Peer, answer_release: bool,
                 hold: Callable[[], bool] | None = None) -> _Fetch | bytes | None:
         """Decide a request of either wire: a reply to send as it is (a refusal, an error, a
         release's answer when ``answer_release`` and the request wants one), None (nothing
         to send), or a ``_Fetch`` whose lease is acquired (and, given ``hold``, not handed
-        back before ``hold()``) and whose data the wire sends."""
+        back before ``hold()``) and whose data the wire sends. ``authenticated``: it came in
+        a session (or authentication is off)."""
         seq, op, request_id = msg.get("seq"), msg.get("op"), msg.get("request_id")
         if msg.get("v") != TRANSFER_VERSION:
-            return wire.error_reply(seq, FailureCode.VERSION_MISMATCH,
-                                    f"request version {msg.get('v')}, sender speaks {TRANSFER_VERSION}")
+            return self._version_error(msg)
+        if self.auth is not None and not authenticated:
+            if op == "release" and msg.get("noreply"):
+                self._release_by_capability(msg, peer)
+                return None
+            return self._refuse(peer, seq, f"{op!r} without authentication")
         if msg.get("incarnation") != self.incarnation:
             return wire.error_reply(seq, FailureCode.STALE_INCARNATION,
                                     f"ticket names incarnation {msg.get('incarnation')} of {self.worker_id}, "
                                     f"which now runs incarnation {self.incarnation}")
         if msg.get("nonce") != self.nonce:
             return wire.error_reply(seq, FailureCode.NONCE_MISMATCH, "ticket nonce does not match the segment")
+        if self.auth is not None and op in ("fetch", "release") and not self._mac_matches(request_id, msg):
+            return self._refuse(peer, seq, f"the ticket MAC of {request_id!r} is not the one issued (a forged "
+                                           "ticket, or another cluster's or secret's)", tell=True)
         if op == "release":
             valid = self.leases.release(request_id)
             return wire.ok_reply(seq, valid=valid) if answer_release and not msg.get("noreply") else None
@@ -217,6 +317,45 @@ class KVSender:
         return _Fetch(seq, request_id, lease.block_ids,
                       [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim],
                       layout.dtype)
+
+    def _mac_matches(self, request_id, msg: dict) -> bool:
+        """The request presents the MAC of the ticket issued for its lease (a request for
+        no lease passes: it gets the lease error)."""
+        lease = self.leases.get(request_id) if isinstance(request_id, str) else None
+        return lease is None or (bool(lease.mac) and constant_time_equal(lease.mac, msg.get("mac")))
+
+    def _release_by_capability(self, msg: dict, peer: Peer) -> None:
+        """A fire-and-forget release outside a session: done only when it shows the ticket's
+        MAC (the shm path releases so, without a handshake); nothing is answered."""
+        request_id = msg.get("request_id")
+        if msg.get("incarnation") != self.incarnation or msg.get("nonce") != self.nonce:
+            return   # a stale ticket: its lease is not here
+        if not isinstance(request_id, str) or self.leases.get(request_id) is None:
+            return
+        if self._mac_matches(request_id, msg):
+            self.leases.release(request_id)
+        else:
+            self._refuse(peer, msg.get("seq"), f"a release of {request_id!r} with a wrong ticket MAC")
+
+    def _refuse(self, peer: Peer, seq, reason: str, tell: bool = False, handshake: bool = False) -> bytes:
+        """Count a refusal, log it if it is this peer address's first, and return the error
+        reply (``reason`` in it only when ``tell``: the peer is authenticated; ``handshake``:
+        it says that a handshake would help, e.g. to a receiver whose session this sender
+        does not know after a restart on the same port)."""
+        with self._auth_lock:
+            self.auth_failures += 1
+            first = peer.address not in self._logged_peers and len(self._logged_peers) < _MAX_LOGGED_PEERS
+            if first:
+                self._logged_peers.add(peer.address)
+        if first:
+            log.warning("KV sender %s: refused a peer at %s: %s (later refusals of this address are counted in "
+                        "auth_failures, not logged)", self.worker_id, peer.address, reason)
+        extra = {"handshake": True} if handshake else {}
+        return wire.error_reply(seq, FailureCode.AUTH_FAILED, reason if tell else "authentication failed", **extra)
+
+    def _version_error(self, msg: dict) -> bytes:
+        return wire.error_reply(msg.get("seq"), FailureCode.VERSION_MISMATCH,
+                                f"request version {msg.get('v')}, sender speaks {TRANSFER_VERSION}")
 
     def _lease_error(self, seq, request_id) -> bytes:
         state = self.leases.last_state(request_id)
@@ -236,20 +375,40 @@ class KVSender:
             try:
                 if not self._sock.poll(_POLL_MS, zmq.POLLIN):
                     continue
-                frames = self._sock.recv_multipart()
-                reply = self._handle(frames[0], frames[-1])
+                frames = self._sock.recv_multipart(copy=False)
+                identity = frames[0].bytes
+                reply = self._handle(identity, frames[-1].bytes, frames[-1])
                 if reply:
-                    self._sock.send_multipart([frames[0], *reply])
+                    self._sock.send_multipart([identity, *reply])
             except Exception:   # never let one bad request stop the server
                 log.exception("KV sender %s: failed to serve a request", self.worker_id)
 
-    def _handle(self, identity: bytes, raw: bytes) -> list:
+    def _peer(self, identity: bytes, frame: zmq.Frame) -> Peer:
+        """The state of a ZeroMQ identity (LRU, at most MAX_PEERS; an idle session expires)."""
+        if self.auth is None:
+            return self._open_peer
+        peer = self._peers.get(identity)
+        if peer is None:
+            try:
+                address = frame.get("Peer-Address")
+            except Exception:
+                address = "?"
+            peer = self._peers[identity] = Peer(address=f"zmq:{address}")
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(identity)
+            if peer.session is not None and time.monotonic() - peer.session.used > SESSION_IDLE_S:
+                peer.session = None
+        return peer
+
+    def _handle(self, identity: bytes, raw: bytes, frame: zmq.Frame) -> list:
+        peer = self._peer(identity, frame)
+        msg, authenticated, reply = self._admit(raw, peer)
+        if msg is None:
+            return [reply] if reply else []
         try:
-            msg = wire.unpack(raw)
-        except Exception as exc:
-            return [wire.error_reply(None, FailureCode.BAD_REPLY, f"undecodable request: {exc}")]
-        try:
-            answer = self._answer(msg, answer_release=True)
+            answer = self._answer(msg, authenticated=authenticated, peer=peer, answer_release=True)
             if isinstance(answer, _Fetch):
                 return self._send_staged(identity, answer)
             return [] if answer is None else [answer]
@@ -294,23 +453,31 @@ class KVSender:
 
     # -- the TCP data wire: the DataServer's connection threads -----------------------------
 
-    def _serve_data(self, conn, msg: dict) -> None:
-        """Serve one request of the TCP data wire (see tcp.py); an exception closes the
-        connection. A fetch's lease is held until its ``sendmsg`` calls have returned."""
+    def _serve_data(self, conn, raw: bytes, peer: Peer) -> bool:
+        """Serve one message of the TCP data wire (see tcp.py); False (or an exception)
+        closes the connection. A fetch's lease is held until its ``sendmsg`` calls have
+        returned. A peer without a session that gets any reply is refused: it is closed."""
+        msg, authenticated, reply = self._admit(raw, peer)
+        if msg is None:
+            if reply is not None:
+                send_control(conn, reply)
+            return authenticated   # here: whether the peer may go on
         sending = threading.Event()
         sending.set()
         try:
-            answer = self._answer(msg, answer_release=False, hold=lambda: not sending.is_set())
+            answer = self._answer(msg, authenticated=authenticated, peer=peer, answer_release=False,
+                                  hold=lambda: not sending.is_set())
             if not isinstance(answer, _Fetch):
                 if answer is not None:
                     send_control(conn, answer)
-                return
+                return authenticated or answer is None
             num_planes, block_nbytes = self._planes.shape[0], self.layout.block_nbytes
             plane_nbytes = self._planes.shape[1] * block_nbytes
             send_control(conn, answer.header(nbytes=num_planes * len(answer.block_ids) * block_nbytes))
             send_views(conn, [self._pool_bytes[start:start + n * block_nbytes]   # from the pool, no copy
                               for p, first, n in source_pieces(num_planes, answer.block_ids)
                               for start in (p * plane_nbytes + first * block_nbytes,)])
+            return True
         finally:
             sending.clear()   # sent: the kernel holds copies, the blocks may go back
 

@@ -7,8 +7,9 @@ tensor. The magic is written last, so a segment without it is still being create
 creator died doing so).
 
 Block epochs let a reader validate a copy without asking the owner (a seqlock per block):
-the owner bumps a block's epoch every time the block leaves a lease and goes back to its
-engine (``bump_epochs``, before the engine may write it again); a ticket carries the epochs
+the owner bumps a block's epoch every time its engine hands the block out for new content
+(``bump_epochs``, through the engine's ``on_rewrite``, before the step that writes it; a
+block that leaves a lease keeps its epoch and its KV, for the prefix cache); a ticket carries the epochs
 of its blocks at export; a reader copies, then re-reads the epochs: unchanged means the
 blocks were never handed back, so never rewritten, while it copied. This relies on the
 owner's epoch store being visible before its later KV stores, and the reader's copy loads

@@ -11,9 +11,13 @@ ZeroMQ stays the fallback path (``mode="zmq"``, tickets without a data endpoint)
 
 Messages on one connection (one request at a time, the receiver asks, the sender answers):
 - a control message: 4-byte little-endian length + msgpack map. A request is
-  ``{v, op, seq, request_id, incarnation, nonce}`` (op ``fetch``, or ``release`` which gets no
-  answer); a reply is the ZeroMQ wire's reply header (``ok``; on error ``code, reason,
-  retryable``; a fetch reply adds ``request_id, block_ids, shape, dtype, nbytes``);
+  ``{v, op, seq, request_id, incarnation, nonce, mac}`` (op ``fetch``, or ``release`` which gets
+  no answer); a reply is the ZeroMQ wire's reply header (``ok``; on error ``code, reason,
+  retryable``; a fetch reply adds ``request_id, block_ids, shape, dtype, nbytes``). With
+  authentication (transfer.auth) the receiver's first message is ``hello`` (answered with the
+  sender's challenge and proof, before any other request) and every fetch is ``sealed``, the
+  first one carrying the receiver's proof, as on the ZeroMQ wire; a connection that fails
+  authentication, or is not authenticated within ``auth.HANDSHAKE_TIMEOUT_S``, is closed;
 - after a successful fetch reply, exactly ``nbytes`` raw bytes: for each plane of the pool,
   the ticket's blocks in sequence order (``stream_pieces``).
 A sender that fails after its reply closes the connection: the receiver sees the stream end
@@ -21,8 +25,10 @@ early and fails the fetch. Anything unexpected closes the connection on either s
 
 ``DataServer`` (sender side) accepts connections on its own thread and serves each on a
 thread of its own (at most MAX_CONNECTIONS), so a slow receiver stalls only itself; every
-socket has a timeout, after which it is closed. ``DataClient`` (receiver side) keeps one
-connection per sender endpoint (LRU, at most MAX_CONNECTIONS) and is not thread-safe
+socket has a timeout, after which it is closed; each connection has its ``auth.Peer`` (its
+address, challenge and session), which the handler reads and writes. ``DataClient`` (receiver side) keeps one
+connection per sender endpoint (LRU, at most MAX_CONNECTIONS), authenticated when it is
+given the cluster's ``KVAuth`` (the handshake runs when it connects), and is not thread-safe
 (``KVReceiver`` serialises calls). Each owns its sockets and threads and frees them on
 ``close()``. Imports the standard library, and msgpack through transfer.zmq's pack/unpack
 (which loads pyzmq too).
@@ -34,12 +40,14 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
+from pdqueue.transfer.auth import ClientHandshake, KVAuth, Peer, Session
 from pdqueue.transfer.blocks import block_runs, position_runs
 from pdqueue.transfer.errors import FailureCode, TransferError
-from pdqueue.transfer.zmq import pack, unpack
+from pdqueue.transfer.zmq import ControlClient, hello, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +83,20 @@ def send_control(sock: socket.socket, message: dict | bytes) -> None:
 def recv_control(sock: socket.socket) -> dict | None:
     """One control message; None if the peer closed cleanly before it. Raises ValueError on
     a malformed one, OSError (socket.timeout included) on the socket's failures."""
+    raw = recv_frame(sock)
+    return None if raw is None else unpack(raw)
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """One control message's bytes, undecoded; None if the peer closed cleanly before it.
+    ValueError when its length is over MAX_CONTROL_BYTES."""
     head = _recv_exactly(sock, _LENGTH.size, eof_ok=True)
     if head is None:
         return None
     (length,) = _LENGTH.unpack(head)
     if length > MAX_CONTROL_BYTES:
         raise ValueError(f"control message of {length} bytes (at most {MAX_CONTROL_BYTES})")
-    return unpack(_recv_exactly(sock, length))
+    return _recv_exactly(sock, length)
 
 
 _IOV_MAX = 1024   # buffers per sendmsg / recvmsg_into call (Linux's IOV_MAX)
@@ -143,13 +158,19 @@ def _tune(sock: socket.socket, timeout_s: float) -> None:
 class DataServer:
     """The sender's listening socket and connection threads (see the module docstring).
 
-    ``handle(conn, message)`` serves one request on ``conn`` (control reply and data); an
-    exception from it closes the connection."""
+    ``handle(conn, raw, peer)`` serves one control message's bytes on ``conn`` (control reply
+    and data) and returns whether to keep the connection; an exception from it closes the
+    connection too. With ``handshake_timeout_s``, a connection whose ``peer.session`` is
+    still None that long after it opened is closed, and so is one that sends a message over
+    MAX_CONTROL_BYTES before it has a session: ``on_refused(peer, reason)`` is told."""
 
-    def __init__(self, host: str, port: int, handle: Callable[[socket.socket, dict], None],
-                 timeout_s: float = 30.0, name: str = "kv-data"):
+    def __init__(self, host: str, port: int, handle: Callable[[socket.socket, bytes, Peer], bool],
+                 timeout_s: float = 30.0, name: str = "kv-data", *, handshake_timeout_s: float | None = None,
+                 on_refused: Callable[[Peer, str], None] | None = None):
         self._handle = handle
         self.timeout_s = timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self._on_refused = on_refused or (lambda peer, reason: None)
         self._listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
         self._listener.settimeout(0.2)   # how often the accept loop checks for close()
         self.address = self._listener.getsockname()[:2]
@@ -177,19 +198,31 @@ class DataServer:
                     conn.close()
                     continue
                 self._conns.add(conn)
-            _tune(conn, self.timeout_s)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+            _tune(conn, self.timeout_s if self.handshake_timeout_s is None else self.handshake_timeout_s)
+            threading.Thread(target=self._serve, args=(conn, Peer(address=str(peer[0]))), name=f"{self._name}-conn",
+                             daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        pending = self.handshake_timeout_s is not None   # no session yet: the short timeout applies
         try:
             while not self._stop.is_set():
+                if pending and peer.session is not None:
+                    pending = False
+                    conn.settimeout(self.timeout_s)
                 try:
-                    message = recv_control(conn)
+                    raw = recv_frame(conn)
                 except socket.timeout:
+                    if pending and time.monotonic() - peer.opened >= self.handshake_timeout_s:
+                        self._on_refused(peer, f"not authenticated within {self.handshake_timeout_s:g}s")
+                        return
                     continue   # an idle receiver: keep its connection
-                if message is None:
+                except ValueError as exc:
+                    if pending:
+                        self._on_refused(peer, str(exc))
+                        return
+                    raise
+                if raw is None or not self._handle(conn, raw, peer):
                     return
-                self._handle(conn, message)
         except (OSError, ValueError) as exc:
             if not self._stop.is_set():
                 log.info("%s: dropping a connection: %r", self._name, exc)
@@ -220,11 +253,14 @@ class DataServer:
 
 
 class DataClient:
-    """The receiver's connections, one per sender data endpoint ``tcp://host:port``."""
+    """The receiver's connections, one per sender data endpoint ``tcp://host:port``; with
+    ``auth``, each authenticated (``sessions``: the session of each connection)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, auth: KVAuth | None = None):
         self.timeout_s = timeout_s
+        self.auth = auth
         self._conns: OrderedDict[str, socket.socket] = OrderedDict()
+        self.sessions: dict[str, Session] = {}
 
     def connect(self, endpoint: str) -> tuple[socket.socket, bool]:
         """(the open connection to ``endpoint``, whether it was kept from before), made if
@@ -241,12 +277,41 @@ class DataClient:
             raise TransferError(f"cannot connect to KV data endpoint {endpoint}: {exc}", True,
                                 FailureCode.PEER_TIMEOUT) from None
         _tune(conn, self.timeout_s)
+        if self.auth is not None:
+            try:
+                session = self._handshake(conn, endpoint)
+            except BaseException:
+                conn.close()
+                raise
         if len(self._conns) >= MAX_CONNECTIONS:
             self.forget(next(iter(self._conns)))
         self._conns[endpoint] = conn
+        if self.auth is not None:
+            self.sessions[endpoint] = session
         return conn, False
 
+    def _handshake(self, conn: socket.socket, endpoint: str) -> Session:
+        """hello -> the sender's challenge and proof, checked; TransferError otherwise."""
+        handshake = ClientHandshake(self.auth)
+        try:
+            send_control(conn, hello(0, handshake))
+            reply = recv_control(conn)
+        except (OSError, ValueError) as exc:
+            # Retryable: mode "auto" then tries ZeroMQ (e.g. the sender is at its connection limit).
+            raise TransferError(f"KV data endpoint {endpoint} failed the handshake: {exc!r}", True,
+                                FailureCode.PEER_TIMEOUT) from None
+        if reply is None:
+            raise TransferError(f"KV data endpoint {endpoint} closed the connection at the handshake", True,
+                                FailureCode.PEER_TIMEOUT)
+        ControlClient.check_reply(endpoint, "hello", reply)   # e.g. a sender without authentication
+        session = handshake.finish(reply)
+        if session is None:
+            raise TransferError(f"{endpoint} did not prove this cluster's KV secret (an impostor, or a sender of "
+                                "another cluster or secret)", False, FailureCode.AUTH_FAILED)
+        return session
+
     def forget(self, endpoint: str) -> None:
+        self.sessions.pop(endpoint, None)
         conn = self._conns.pop(endpoint, None)
         if conn is not None:
             conn.close()

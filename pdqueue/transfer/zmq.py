@@ -1,8 +1,14 @@
 """The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER), and the request
 and reply messages that the TCP data wire (tcp.py) speaks too.
 
-Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce}`` with
-``op`` one of ``fetch`` or ``release`` (``noreply`` for fire-and-forget). A reply is a msgpack
+Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce, mac}`` with
+``op`` one of ``fetch`` or ``release`` (``noreply`` for fire-and-forget; ``mac`` is the
+ticket's, which the sender compares with the one it issued). With authentication
+(transfer.auth) a receiver first sends ``{v, op: hello, seq, cn}`` and gets ``{v, seq, ok,
+sn, proof}``; every later request goes inside ``{v, op: sealed, seq, body, tag[, proof]}``
+(``body``: the packed request; the client's ``proof`` on the first one). A release is
+accepted without a session on the strength of the ticket's MAC alone (it serves nothing and
+gets no answer), so the shm path's fire-and-forget release never waits for a handshake. A reply is a msgpack
 header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a ``fetch`` reply
 adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes, frames``
 (``"staged"``) and is followed by ``num_frames`` messages
@@ -14,8 +20,10 @@ reply instead of the next data message. The version is ``base.TRANSFER_VERSION``
 log there).
 
 ``ControlClient`` is the receiver's end (the ``base.ControlChannel`` of the backends): one
-DEALER per sender endpoint, every receive bounded by a timeout, after which the socket is
-dropped (linger 0) so a late reply cannot be taken for the next one. It is not
+DEALER per sender endpoint (and, with authentication, one session each: the handshake runs
+before the first fetch on a new socket, and again on a new socket after
+``auth.CLIENT_REFRESH_S`` idle), every receive bounded by a timeout, after which the socket
+is dropped (linger 0) so a late reply cannot be taken for the next one. It is not
 thread-safe: ``KVReceiver`` serialises all calls. It owns its sockets and its zmq context
 and frees them on ``close()``.
 Imports zmq, msgpack, transfer.base (the one direction: base never imports this module).
@@ -31,6 +39,7 @@ from typing import Iterator
 import msgpack
 import zmq
 
+from pdqueue.transfer.auth import CLIENT_REFRESH_S, ClientHandshake, KVAuth, Session
 from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
 from pdqueue.transfer.errors import FailureCode, TransferError
 
@@ -53,16 +62,29 @@ def unpack(raw: bytes) -> dict:
 
 def request(op: str, seq: int, ticket: Ticket, **extra) -> bytes:
     return pack({"v": TRANSFER_VERSION, "op": op, "seq": seq, "request_id": ticket.request_id,
-                 "incarnation": ticket.incarnation, "nonce": ticket.nonce, **extra})
+                 "incarnation": ticket.incarnation, "nonce": ticket.nonce, "mac": ticket.mac, **extra})
+
+
+def hello(seq: int, handshake: ClientHandshake) -> bytes:
+    return pack({"v": TRANSFER_VERSION, "seq": seq, **handshake.hello_fields()})
+
+
+def seal(session: Session, body: bytes, seq: int) -> bytes:
+    """A request (``body``, packed, with this ``seq``) inside a sealed message; the first one
+    of a session carries the client's proof."""
+    message = {"v": TRANSFER_VERSION, "op": "sealed", "seq": seq, "body": body, "tag": session.tag(body)}
+    if session.proof is not None:
+        message["proof"], session.proof = session.proof, None
+    return pack(message)
 
 
 def data_tag(seq: int, index: int) -> bytes:
     return pack({"v": TRANSFER_VERSION, "seq": seq, "i": index})
 
 
-def error_reply(seq, code: FailureCode, reason: str, retryable: bool = False) -> bytes:
+def error_reply(seq, code: FailureCode, reason: str, retryable: bool = False, **extra) -> bytes:
     return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": False, "code": code.value,
-                 "reason": reason, "retryable": retryable})
+                 "reason": reason, "retryable": retryable, **extra})
 
 
 def ok_reply(seq, **fields) -> bytes:
@@ -72,10 +94,12 @@ def ok_reply(seq, **fields) -> bytes:
 class ControlClient:
     """Request/reply to KVSender endpoints (see the module docstring)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, auth: KVAuth | None = None):
         self.timeout_s = timeout_s
+        self.auth = auth
         self._context = zmq.Context()
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._sessions: dict[str, Session] = {}
         self._seq = itertools.count(1)
 
     def release_nowait(self, ticket: Ticket) -> None:
@@ -84,6 +108,14 @@ class ControlClient:
             self._socket(ticket.endpoint).send(request("release", 0, ticket, noreply=True), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def open(self, endpoint: str) -> None:
+        """Make the socket to ``endpoint`` now, and with authentication its session (a
+        handshake): the first fetch then pays neither. TransferError as for a fetch."""
+        if self.auth is not None:
+            self._session(endpoint)
+        else:
+            self._socket(endpoint)
 
     def fetch(self, ticket: Ticket) -> tuple[dict, Iterator[zmq.Frame]]:
         """Send a fetch; return the reply header and an iterator over the ``num_frames`` data
@@ -121,12 +153,53 @@ class ControlClient:
                                     f"{len(parts)} parts tagged {tag}", False, FailureCode.BAD_REPLY)
             yield parts[1]
 
-    def _call(self, ticket: Ticket, op: str) -> tuple[dict, list[zmq.Frame], int]:
+    def _call(self, ticket: Ticket, op: str, again: bool = True) -> tuple[dict, list[zmq.Frame], int]:
         endpoint = ticket.endpoint
+        session = self._session(endpoint) if self.auth is not None else None
         sock = self._socket(endpoint)
         seq = next(self._seq)
+        raw = request(op, seq, ticket)
+        if session is not None:
+            raw = seal(session, raw, seq)
+        header, frames = self._ask(endpoint, sock, seq, raw, op)
+        if session is not None and again and header.get("handshake") and not header.get("ok"):
+            # The sender does not know our session (it restarted on this port, or forgot an
+            # idle one): a new socket, a new handshake, once.
+            self.forget(endpoint)
+            return self._call(ticket, op, again=False)
+        self.check_reply(endpoint, op, header)
+        return header, frames, seq
+
+    def _session(self, endpoint: str) -> Session:
+        """The authenticated session on ``endpoint``'s socket: kept, or made by a handshake
+        (on a new socket when the old session sat idle long enough for the sender to forget it)."""
+        session = self._sessions.get(endpoint)
+        now = time.monotonic()
+        if session is not None and now - session.used > CLIENT_REFRESH_S:
+            self.forget(endpoint)
+            session = None
+        if session is None:
+            handshake = ClientHandshake(self.auth)
+            seq = next(self._seq)
+            header, _ = self._ask(endpoint, self._socket(endpoint), seq, hello(seq, handshake), "hello")
+            try:
+                self.check_reply(endpoint, "hello", header)
+            except TransferError:
+                self.forget(endpoint)
+                raise
+            session = handshake.finish(header)
+            if session is None:
+                self.forget(endpoint)
+                raise TransferError(f"{endpoint} did not prove this cluster's KV secret (an impostor, or a sender "
+                                    "of another cluster or secret)", False, FailureCode.AUTH_FAILED)
+            self._sessions[endpoint] = session
+        session.used = now
+        return session
+
+    def _ask(self, endpoint: str, sock: zmq.Socket, seq: int, raw: bytes, op: str) -> tuple[dict, list[zmq.Frame]]:
+        """Send ``raw`` and wait (at most ``timeout_s``) for the reply with this ``seq``."""
         try:
-            sock.send(request(op, seq, ticket), zmq.NOBLOCK)
+            sock.send(raw, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.forget(endpoint)
             raise TransferError(f"cannot send {op} to {endpoint}: {exc}", False, FailureCode.PEER_TIMEOUT) from None
@@ -144,9 +217,7 @@ class ControlClient:
                 self.forget(endpoint)
                 raise TransferError(f"undecodable reply from {endpoint}: {exc}", False, FailureCode.BAD_REPLY) from None
             if header.get("seq") == seq:
-                break   # anything else is a late reply to an earlier request
-        self.check_reply(endpoint, op, header)
-        return header, frames[1:], seq
+                return header, frames[1:]   # anything else is a late reply to an earlier request
 
     @staticmethod
     def check_reply(endpoint: str, op: str, header: dict) -> None:
@@ -162,6 +233,7 @@ class ControlClient:
             raise TransferError(f"{endpoint}: {header.get('reason')}", bool(header.get("retryable")), code)
 
     def forget(self, endpoint: str, linger_ms: int = 0) -> None:
+        self._sessions.pop(endpoint, None)
         sock = self._sockets.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=linger_ms)

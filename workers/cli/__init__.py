@@ -12,6 +12,9 @@ drives); none imports this module or another command module.
 - ``up``: `up` (``local_cluster`` is the supervisor behind it)
 - ``bench``: `bench engine|transfer|serve`
 - ``server``: `redis-server`
+- ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.gateway``)
+- ``metrics``: `metrics-sd` (Prometheus service discovery of the workers, stream backlog)
+- ``acl``: `acl` (least-privilege Redis ACL users for a cluster's roles)
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import sys
 
 import click
 
+from workers.cli.acl import acl
+from workers.cli.batch import batch
 from workers.cli.bench import bench
 from workers.cli.cluster import status, submit
 from workers.cli.common import Group
+from workers.cli.metrics import metrics_sd
 from workers.cli.plan import plan
 from workers.cli.run import generate, worker
+from workers.cli.serve import serve
 from workers.cli.server import redis_server
 from workers.cli.up import up
 
@@ -35,8 +42,11 @@ def cli():
     """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
 
 
-for command in (up, submit, status, plan, generate, worker, bench, redis_server):
+for command in (up, submit, status, plan, generate, worker, bench, redis_server, batch):
     cli.add_command(command)
+cli.add_command(metrics_sd)
+cli.add_command(serve)
+cli.add_command(acl)
 
 
 def main():

@@ -1,4 +1,4 @@
-"""`pdqueue bench engine|transfer|serve`: parse options, call pdqueue.bench, print a table
+"""`pdqueue bench engine|transfer|serve|gateway`: parse options, call pdqueue.bench, print a table
 (or one JSON object with --json), write JSON and plots under --out."""
 
 from __future__ import annotations
@@ -219,12 +219,18 @@ def _write_partial(out: str, partial: dict) -> None:
               help="Requests sent (and not counted) before each mode's first rate.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
+@click.option("--openai-url", default=None,
+              help="Send the load to this OpenAI-compatible server (e.g. http://127.0.0.1:8000, pdqueue's gateway "
+                   "or another engine) instead of starting workers; --modes is then ignored.")
+@click.option("--openai-model", default=None, help="Its model name (default: the first of GET /v1/models).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer key for --openai-url.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
-                phases, phase_s, seed, warmup, chunk_tokens, as_json, out):
+                phases, phase_s, seed, warmup, chunk_tokens, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
-    colocated workers (prefill-first and chunked), one thread each, on the same cores."""
+    colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
+    with --openai-url, the same load against any OpenAI-compatible server."""
     from pdqueue.bench import plots, serve_bench
     from pdqueue.bench.stats import round_floats
 
@@ -240,7 +246,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     settings = serve_bench.Settings.for_model(
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
-        slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens)
+        slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
+        openai_model=openai_model, api_key=api_key)
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
                                  log_dir=Path(out) / "logs" if out else None,

@@ -61,12 +61,15 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
 
     def lost(exc: Exception):
         out.end_line()
-        return UserError(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})")
+        return UserError(f"lost the connection to Redis at {target.shown_url} ({str(exc).rstrip('.')})")
 
     try:
-        roles = {w.get("role") for w in list_workers(r, client.keys)}
-        if "colocated" not in roles and not {"prefill", "decode"} <= roles:
-            click.secho(f"warning: cluster {target.cluster!r} at {target.url} has no "
+        try:
+            roles = {w.get("role") for w in list_workers(r, client.keys)}
+        except redis.exceptions.NoPermissionError:  # a producer's ACL user may not look (docs/security.md)
+            roles = None
+        if roles is not None and "colocated" not in roles and not {"prefill", "decode"} <= roles:
+            click.secho(f"warning: cluster {target.cluster!r} at {target.shown_url} has no "
                         f"{'prefill' if 'prefill' not in roles else 'decode'} worker; the request waits in the queue",
                         fg="yellow", err=True)
         handle = client.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -83,6 +86,10 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
     except RequestFailed as exc:
         out.end_line()
         raise UserError(f"request {handle.request_id} failed ({exc.code}): {exc.reason}") from None
+    except redis.exceptions.NoPermissionError as exc:
+        out.end_line()
+        raise UserError(f"Redis at {target.shown_url} refused: {exc} (the ACL user lacks a right; "
+                        f"docs/security.md)") from None
     except redis.RedisError as exc:  # client.RedisUnavailable too: Redis gone for longer than a restart
         if handle is not None:
             _cancel(client, handle.request_id)
@@ -196,10 +203,10 @@ def status(redis_url, cluster, as_json, watch, interval, window):
         try:
             snap = status_view.collect(r, keys, window_s=window)
         except redis.RedisError as exc:
-            raise UserError(f"lost the connection to Redis at {target.url} ({str(exc).rstrip('.')})") from None
-        return {"redis_url": target.url, "source": target.source, **snap}
+            raise UserError(f"lost the connection to Redis at {target.shown_url} ({str(exc).rstrip('.')})") from None
+        return {"redis_url": target.shown_url, "source": target.source, **snap}
 
-    title = f"pdqueue cluster {target.cluster!r} at {target.url}"
+    title = f"pdqueue cluster {target.cluster!r} at {target.shown_url}"
     if not watch:
         snap = snapshot()
         if as_json:

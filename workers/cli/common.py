@@ -43,6 +43,8 @@ def engine_options(f):
                      help="torch threads [default: torch's choice]."),
         click.option("--kv-cache-mb", type=click.IntRange(min=1), default=DEFAULT_KV_CACHE_MB, show_default=True,
                      help="KV pool size in MiB (SmolLM2 in float32 needs 360 for one 8192-token sequence)."),
+        click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+                     help="Reuse the KV of prompt prefixes already computed (full 16-token blocks)."),
     ]):
         f = opt(f)
     return f
@@ -175,16 +177,51 @@ def connect(target: Target):
         hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"
                 if target.source == SOURCE_DEFAULT else "")
         reason = str(exc).rstrip(".")
-        raise UserError(f"cannot reach Redis at {target.url} ({target.source}): {reason}{hint}") from None
+        raise UserError(f"cannot reach Redis at {target.shown_url} ({target.source}): {reason}{hint}") from None
+
+
+def _to_environment(envvar: str, path: bool):
+    """An option's callback: its value goes to ``envvar``, where ``pdqueue.config.redis_security``
+    (every connection this process makes) and the processes it starts find it."""
+    import os
+
+    def callback(ctx, param, value):
+        if value:
+            os.environ[envvar] = os.path.abspath(value) if path else value
+        return value
+
+    return callback
+
+
+def redis_security_options(f):
+    """``--redis-username``, ``--redis-password-file``, ``--redis-ca``, ``--redis-cert``,
+    ``--redis-key`` (each with its ``PDQ_REDIS_*`` variable; ``PDQ_REDIS_PASSWORD`` holds a
+    password itself). There is no password option: a command line shows in ``ps``."""
+    from pdqueue import config as c
+
+    file = click.Path(exists=True, dir_okay=False, readable=True)
+    for name, envvar, kind, text in reversed([
+        ("--redis-username", c.ENV_USERNAME, None, "Redis ACL user [default: the URL's, else Redis's default user]."),
+        ("--redis-password-file", c.ENV_PASSWORD_FILE, file,
+         f"File whose first line is the Redis password (or put it in {c.ENV_PASSWORD}); a password in the URL wins."),
+        ("--redis-ca", c.ENV_CA, file, "PEM CA certificate(s) that sign a rediss:// server's certificate "
+                                       "[default: the system's]."),
+        ("--redis-cert", c.ENV_CERT, file, "PEM client certificate, for a rediss:// server that asks for one."),
+        ("--redis-key", c.ENV_KEY, file, "PEM private key of --redis-cert."),
+    ]):
+        f = click.option(name, envvar=envvar, show_envvar=True, default=None, type=kind, help=text,
+                         expose_value=False, callback=_to_environment(envvar, kind is not None))(f)
+    return f
 
 
 def target_options(f):
+    f = redis_security_options(f)
     f = click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default=None,
                      help="pdqueue cluster name [default: that of the running `pdqueue up` (several: "
                           "default), else default].")(f)
     return click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
-                        help="Redis of the cluster [default: the running `pdqueue up` of the cluster, "
-                             f"else {DEFAULT_URL}].")(f)
+                        help="Redis of the cluster (redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// for TLS) "
+                             f"[default: the running `pdqueue up` of the cluster, else {DEFAULT_URL}].")(f)
 
 
 def summary(c) -> str:

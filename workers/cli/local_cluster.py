@@ -2,11 +2,14 @@
 worker processes on this machine, started together and stopped together.
 
 Lifecycle: ``start_server`` (an embedded redis-server/valkey-server on loopback, port 6379
-when it is free, else a free one; in its own session, so a terminal's Ctrl-C does not
-reach it; unless a URL was given) -> ``start_workers`` (``python -m workers worker ROLE``,
-each in its own session and process group, logs in ``log_dir``) -> ``write_state`` (a
-file per cluster, ``pdqueue.discovery``, so ``submit``/``status`` in another terminal find
-it) -> ``wait_ready`` (all registered by heartbeat) -> ... -> ``stop``.
+when it is free, else a free one, with a password (``redis_password``, else a random one);
+in its own session, so a terminal's Ctrl-C does not reach it; unless a URL was given) ->
+``start_workers`` (``python -m workers worker ROLE``, each in its own session and process
+group, logs in ``log_dir``; the URL, password included, goes to them in ``PDQ_REDIS_URL``,
+never on a command line, which ``ps`` shows) -> ``write_state`` (a 0600 file per cluster,
+``pdqueue.discovery``, with the password, so ``submit``/``status`` in another terminal find
+it) -> ``wait_ready`` (all registered by heartbeat) -> ... -> ``stop``. ``start_gateway`` adds
+the OpenAI-compatible gateway (``pdqueue serve``, port 8000 when free), stopped first.
 
 Who stops what, in ``stop``: prefill workers get SIGTERM first (warm: they finish the
 prompts in hand and keep serving their exported KV until the decode side has copied it),
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -41,6 +45,7 @@ import redis
 
 # The state files (how `submit` and `status` find a running `up`) live in pdqueue.discovery,
 # which Client() reads too; imported here so that older imports keep working.
+from pdqueue.config import SECURITY_ENV, redact_url, url_credentials
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
@@ -58,6 +63,7 @@ SHM_DIR = "/dev/shm"
 ROLES_IN_STOP_ORDER = ("prefill", "colocated", "decode")
 
 DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
+DEFAULT_GATEWAY_PORT = 8000  # the gateway's port when it is free (README's examples)
 STOP_REPORT_INTERVAL_S = 2.0
 
 Progress = Callable[[str], None]
@@ -76,12 +82,14 @@ class LocalClusterConfig:
     cluster: str = "default"
     redis_url: str | None = None      # None: start an embedded server
     redis_port: int | None = None     # the embedded server's port (default: 6379 if free, else a free one)
+    redis_password: str | None = field(default=None, repr=False)  # the embedded server's (None: a random one)
     threads: int | None = None        # torch threads per worker
     kv_cache_mb: int = DEFAULT_KV_CACHE_MB
     log_dir: Path | None = None       # None: a temporary directory, removed by stop()
     log_level: str = "INFO"
     worker_args: tuple[str, ...] = field(default_factory=tuple)
     switchable: bool = False          # workers take role switches (``up --adapt``)
+    gateway_port: int | None = None   # ``start_gateway``: None = 8000 if free, else a free one
 
 
 class WorkerFailed(RuntimeError):
@@ -150,7 +158,10 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._r: redis.Redis | None = None
         self.run_id = secrets.token_hex(2)
+        self.gateway: WorkerProcess | None = None   # `pdqueue serve` (``start_gateway``)
+        self.gateway_url: str | None = None         # its base URL, e.g. http://127.0.0.1:8000
         self.port_note = ""  # why the embedded server has its port, for `up`'s first line
+        self.password = config.redis_password or secrets.token_hex(24)  # the embedded server's
 
     # ---- start ---------------------------------------------------------------------------
     def start_server(self) -> str:
@@ -161,7 +172,7 @@ class LocalCluster:
             port = self.config.redis_port
             if port:
                 self.port_note = "port set by --redis-port"
-                self.server = RedisServer(port=port).start()
+                self.server = RedisServer(port=port, password=self.password).start()
             else:
                 self.server = self._start_on_default_port()
             self.url = self.server.url
@@ -170,7 +181,7 @@ class LocalCluster:
 
     def _start_on_default_port(self) -> RedisServer:
         if port_is_free(DEFAULT_REDIS_PORT, RedisServer.host):
-            server = RedisServer(port=DEFAULT_REDIS_PORT)
+            server = RedisServer(port=DEFAULT_REDIS_PORT, password=self.password)
             try:
                 server.start()
                 self.port_note = f"the default port {DEFAULT_REDIS_PORT}"
@@ -178,7 +189,22 @@ class LocalCluster:
             except RuntimeError:  # taken in the meantime
                 server.stop()
         self.port_note = f"port {DEFAULT_REDIS_PORT} is taken, so a free one"
-        return RedisServer().start()
+        return RedisServer(password=self.password).start()
+
+    @property
+    def shown_url(self) -> str:
+        """The URL without its password (banners, messages)."""
+        return redact_url(self.url or "")
+
+    def child_env(self) -> dict[str, str]:
+        """The environment of the workers and the gateway: the URL (with its password) in
+        ``PDQ_REDIS_URL``. With the embedded server the URL says everything: the caller's
+        ``PDQ_REDIS_*`` credentials and TLS settings (meant for other servers) are dropped."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDQ_REDIS_URL": self.url}
+        if self.server is not None:
+            for name in SECURITY_ENV:
+                env.pop(name, None)
+        return env
 
     @property
     def redis(self) -> redis.Redis:
@@ -187,11 +213,14 @@ class LocalCluster:
 
     def write_state(self, path: Path | None = None) -> Path:
         """The state file of this cluster (``pdqueue.discovery.state_path(cluster)``)."""
-        state = {"url": self.url, "cluster": self.config.cluster, "pid": os.getpid(),
+        state = {"url": redact_url(self.url), "cluster": self.config.cluster, "pid": os.getpid(),
                  "server_pid": self.server.pid if self.server else None, "model": self.config.model,
                  "started_ms": int(time.time() * 1000), "log_dir": str(self.log_dir),
                  "workers": [{"role": w.role, "worker_id": w.worker_id, "pid": w.proc.pid}
-                             for w in self.workers]}
+                             for w in self.workers], "gateway_url": self.gateway_url}
+        password = url_credentials(self.url)[1]
+        if password:  # (the file is 0600) how `submit`, `status` and Client() get in
+            state["password"] = password
         self.state_file = write_state(state, path or state_path(self.config.cluster))
         return self.state_file
 
@@ -203,7 +232,7 @@ class LocalCluster:
 
     def _spawn(self, role: str, worker_id: str) -> WorkerProcess:
         c = self.config
-        cmd = [sys.executable, "-m", "workers", "worker", role, "--redis-url", self.url,
+        cmd = [sys.executable, "-m", "workers", "worker", role,   # the URL: in child_env
                "--cluster", c.cluster, "--model", c.model, "--kv-cache-mb", str(c.kv_cache_mb),
                "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args]
         if c.switchable:
@@ -213,11 +242,40 @@ class LocalCluster:
         log_path = self.log_dir / f"{worker_id}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-                                    preexec_fn=_child_setup)
+                                    env=self.child_env(), start_new_session=True, preexec_fn=_child_setup)
         w = WorkerProcess(role, worker_id, proc, log_path)
         self.workers.append(w)
         return w
+
+    def start_gateway(self, timeout_s: float = 30.0) -> str:
+        """Start `pdqueue serve` for this cluster on ``config.gateway_port`` (None: 8000 when
+        free, else a free one); returns its URL once it printed it (``RuntimeError`` if it
+        exits first). It is stopped first in ``stop``, before any worker."""
+        ports = [self.config.gateway_port]
+        if ports[0] is None:  # 8000 may be taken between the check and the bind: then any port
+            ports = [DEFAULT_GATEWAY_PORT, 0] if port_is_free(DEFAULT_GATEWAY_PORT) else [0]
+        for attempt, port in enumerate(ports):
+            out_path, log_path = self.log_dir / "gateway.out", self.log_dir / "gateway.log"
+            cmd = [sys.executable, "-m", "workers", "serve", "--cluster",   # the URL: in child_env
+                   self.config.cluster, "--port", str(port)]
+            with open(out_path, "wb") as out, open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+                                        env=self.child_env(), start_new_session=True, preexec_fn=_child_setup)
+            self.gateway = WorkerProcess("gateway", "gateway", proc, log_path)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                match = re.search(r"(http://\S+)/v1", out_path.read_text(errors="replace"))
+                if match:
+                    self.gateway_url = match.group(1)
+                    return self.gateway_url
+                if proc.poll() is not None and attempt + 1 < len(ports):
+                    break  # (the port was taken meanwhile) the next one
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    reason = (f"exited with status {proc.returncode}" if proc.poll() is not None
+                              else f"printed no URL within {timeout_s:.0f}s")
+                    raise RuntimeError(f"the gateway (pdqueue serve) {reason}: {self.gateway.log_tail(3)}")
+                time.sleep(0.05)
+        raise AssertionError("unreachable")
 
     def registered(self) -> set[str]:
         """Ids of our workers that have registered (their heartbeat hash exists)."""
@@ -290,6 +348,11 @@ class LocalCluster:
         deadline = time.monotonic() + grace_s
         killed: list[str] = []
         roles = self.current_roles()
+        if self.gateway is not None and self.gateway.alive:  # first: no new requests reach the workers
+            say("stopping the gateway (answers in progress get up to 10 s)")
+            self.gateway.signal(signal.SIGTERM)
+            killed += self._wait([self.gateway], min(deadline, time.monotonic() + 15.0), hurry, say,
+                                 cold_announced=hurry.is_set())
         for role in ROLES_IN_STOP_ORDER:
             group = [w for w in self.workers if roles.get(w.worker_id, w.role) == role and w.alive]
             if not group:
@@ -320,7 +383,10 @@ class LocalCluster:
             remove_state(self.state_file)
         if self._own_log_dir and not keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
-        return {"exit_codes": {w.worker_id: w.proc.returncode for w in self.workers}, "killed": killed,
+        exit_codes = {w.worker_id: w.proc.returncode for w in self.workers}
+        if self.gateway is not None:
+            exit_codes["gateway"] = self.gateway.proc.returncode
+        return {"exit_codes": exit_codes, "killed": killed,
                 "segments_removed": removed}
 
     def _wait(self, group: list[WorkerProcess], deadline: float, hurry: threading.Event,

@@ -13,7 +13,7 @@ import click
 
 from pdqueue.protocol import MAX_SEED
 from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check_kv_pool, check_model,
-                                engine_options, load, model_option)
+                                engine_options, load, model_option, redis_security_options)
 
 
 @click.command()
@@ -32,12 +32,13 @@ from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @engine_options
 def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, chat, device, dtype,
-             threads, kv_cache_mb):
+             threads, kv_cache_mb, prefix_caching):
     """Generate in this process with the colocated engine, streaming tokens (the reference)."""
     from pdqueue.engine.config import EngineConfig
 
     check_model(model)
-    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb)
+    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
+                          prefix_caching=prefix_caching)
     check_device(device)
     check_kv_pool(model, config)
     if seed is None:
@@ -74,10 +75,47 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
 ROLES = ("prefill", "decode", "colocated")
 
 
+def limit_options(f):
+    """The ``--max-*`` options (``pdqueue.protocol.Limits``), handed to the command as one
+    ``limits`` argument."""
+    import functools
+
+    from pdqueue import protocol as p
+
+    names = ("max_entry_bytes", "max_prompt_chars", "max_prompt_tokens", "max_output_tokens", "max_stop_strings",
+             "max_stop_chars")
+
+    @functools.wraps(f)
+    def command(*args, **kwargs):
+        return f(*args, limits=p.Limits(**{name: kwargs.pop(name) for name in names}), **kwargs)
+
+    for opt in reversed([
+        click.option("--max-entry-bytes", type=click.IntRange(min=1), default=p.MAX_ENTRY_BYTES, show_default=True,
+                     help="Prefill, colocated: a request entry larger than this (field names and values) is refused "
+                          "(error too_long, dead-lettered) before it is parsed."),
+        click.option("--max-prompt-chars", type=click.IntRange(min=1), default=p.MAX_PROMPT_CHARS, show_default=True,
+                     help="Prefill, colocated: longest prompt (or messages' contents) in characters, checked before "
+                          "tokenizing."),
+        click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+                     help="Prefill, colocated: longest prompt in tokens [default: the model's context and KV pool]."),
+        click.option("--max-output-tokens", type=click.IntRange(min=1), default=None,
+                     help="Prefill, colocated: largest max_tokens a request may ask for [default: none; the output "
+                          "still ends at the model's context]."),
+        click.option("--max-stop-strings", type=click.IntRange(min=0), default=p.MAX_STOP_STRINGS, show_default=True,
+                     help="Prefill, colocated: most stop strings in one request."),
+        click.option("--max-stop-chars", type=click.IntRange(min=1), default=p.MAX_STOP_CHARS, show_default=True,
+                     help="Prefill, colocated: longest stop string in characters."),
+    ]):
+        command = opt(command)
+    return command
+
+
 @click.command()
 @click.argument("role", type=click.Choice(ROLES))
 @click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0",
-              show_default=True)
+              show_default=True, help="redis://[USER:PASSWORD@]HOST:PORT/DB (rediss:// for TLS); a password is "
+                                      "better kept out of `ps`: --redis-password-file or PDQ_REDIS_PASSWORD.")
+@redis_security_options
 @click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default="default", show_default=True)
 @model_option
 @engine_options
@@ -110,10 +148,28 @@ ROLES = ("prefill", "decode", "colocated")
               help="Take role switches (pdqueue.control, e.g. from a planner): ROLE is the first role; the "
                    "worker changes role in place, the model staying loaded. Without it, switch commands are "
                    "refused.")
+@click.option("--kv-auth", type=click.Choice(["on", "off"]), envvar="PDQ_KV_AUTH", show_envvar=True, default="on",
+              show_default=True,
+              help="Authenticate the KV channels (TCP data wire, ZeroMQ) with the cluster secret and sign "
+                   "tickets (docs/security.md). Off: anyone who reaches the KV ports can fetch KV (a warning).")
+@click.option("--kv-secret-file", envvar="PDQ_KV_SECRET_FILE", show_envvar=True, default=None,
+              type=click.Path(dir_okay=False),
+              help="The cluster's KV secret: hex (e.g. `openssl rand -hex 32`), several for a rotation (the first "
+                   "signs). Default: env PDQ_KV_SECRET (hex), else the Redis key pdq:{CLUSTER}:kv_secret, created "
+                   "by the first worker (Redis is then the trust root).")
+@click.option("--metrics-port", envvar="PDQ_METRICS_PORT", show_envvar=True, type=click.IntRange(min=0, max=65535),
+              default=0, show_default=True,
+              help="Prometheus /metrics on this port (0: any free port); the heartbeat advertises it as `metrics`.")
+@click.option("--metrics-host", envvar="PDQ_METRICS_HOST", show_envvar=True, default=None,
+              help="Host the metrics server binds [default: the --bind host]; 0.0.0.0 listens on every interface "
+                   "and advertises --advertise-host, else this machine's address.")
+@click.option("--no-metrics", is_flag=True, help="Serve no metrics endpoint.")
+@limit_options
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, policy, max_num_seqs,
+def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, policy, max_num_seqs,
            max_batched_tokens, transfer, bind, data_port, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
-           reclaim_idle_ms, worker_id, burst, switchable, log_level):
+           reclaim_idle_ms, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host,
+           no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from pdqueue.engine.config import EngineConfig
     from workers.common import WorkerConfig, setup_logging
@@ -121,7 +177,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     setup_logging(log_level)
     check_model(model)
     engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
-                          policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+                          policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
+                          prefix_caching=prefix_caching)
     check_device(device)
     check_redis(redis_url)
     check_kv_pool(model, engine)
@@ -129,13 +186,71 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
-                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst, switchable=switchable)
+                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst, switchable=switchable,
+                          metrics_port=None if no_metrics else metrics_port,
+                          metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
+                          limits=limits)
+    if config.metrics_port:
+        check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
+    config = with_kv_auth(config, kv_auth, kv_secret_file)
     loaded = load(model, device, dtype)
     from workers.shell import make_worker
 
     w = make_worker(role, config, loaded)
     w.stop.install()
     w.run()
+
+
+def bind_host(bind: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` bind address (``*``: 0.0.0.0), the metrics server's
+    default host; 127.0.0.1 for any other scheme."""
+    scheme, _, rest = bind.partition("://")
+    host = rest.rpartition(":")[0].strip("[]")
+    if scheme != "tcp" or not host:
+        return "127.0.0.1"
+    return "0.0.0.0" if host == "*" else host
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """Fail with one line, before the model loads, when ``host:port`` cannot be bound."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"{option} {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
+def with_kv_auth(config, kv_auth: str, secret_file: str | None):
+    """``config`` with the KV channel's settings, the secret resolved now (before the model
+    loads: one line when it is unusable) and where it came from logged."""
+    import dataclasses
+    import logging
+
+    import redis
+
+    from pdqueue.keys import Keys
+    from pdqueue.queue.connection import connect
+    from workers.common import kv_secrets
+
+    if kv_auth == "off":
+        return dataclasses.replace(config, kv_auth=False)   # each role warns when it starts
+    config = dataclasses.replace(config, kv_auth=True, kv_secret_file=secret_file)
+    r = connect(config.redis_url, purpose="check")
+    try:
+        keys, source = kv_secrets(config, r, Keys(config.cluster))
+    except OSError as exc:
+        raise UserError(f"--kv-secret-file {secret_file}: {exc.strerror or exc}") from None
+    except (ValueError, redis.RedisError) as exc:
+        raise UserError(f"KV secret: {exc}") from None
+    finally:
+        r.close()
+    logging.getLogger("pdqueue.worker").info("KV channels authenticated: cluster %s, secret from %s",
+                                             config.cluster, source)
+    return dataclasses.replace(config, kv_secret=",".join(k.hex() for k in keys))
 
 
 def advertised_endpoint(bind: str, host: str | None) -> str | None:
@@ -161,7 +276,9 @@ def check_redis(url: str) -> None:
 
     from pdqueue.queue.connection import connect
 
+    from pdqueue.config import redact_url
+
     try:
         connect(url, purpose="check").ping()
-    except (redis.ConnectionError, redis.TimeoutError, ValueError) as exc:
-        raise UserError(f"cannot reach Redis at {url}: {exc}") from None
+    except (redis.RedisError, ValueError, OSError) as exc:   # a wrong password or a missing right too
+        raise UserError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}") from None

@@ -37,5 +37,7 @@ def redis_server(server_args):
     for flag, value in defaults.items():
         if flag not in args:
             args += [flag, *value]
-    click.secho(f"pdqueue redis-server: {shlex.join([binary, *args])}", fg="cyan", err=True)
+    shown = [("***" if i and args[i - 1].lower() in ("--requirepass", "--masterauth") else a)
+             for i, a in enumerate(args)]   # never print a password
+    click.secho(f"pdqueue redis-server: {shlex.join([binary, *shown])}", fg="cyan", err=True)
     os.execv(binary, [binary, *args])

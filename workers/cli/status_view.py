@@ -3,7 +3,9 @@ pdqueue cluster read from Redis (``collect``), and its rendering with rich (``re
 
 A snapshot is a plain JSON-able dict:
 - ``workers``: every registered worker (role, node, pid, load incl. KV pool use and
-  leases, heartbeat age);
+  leases, heartbeat age, ``metrics``: the host:port of its Prometheus endpoint or "",
+  ``prefix_hit_pct``: of the prompt tokens its prefix cache was asked for, the share it had,
+  or None before any);
 - ``streams``: ``requests``, ``requests:high``, ``handoff`` and every ``handoff:<node>``,
   with length and, per consumer group, consumers, pending entries, lag (entries not yet
   delivered) and the idle time of the oldest pending entry; ``done`` and ``dead`` lengths;
@@ -58,9 +60,12 @@ def _worker_row(w: dict, now_ms: int) -> dict:
     total = load.get("kv_total") or 0
     free = load.get("kv_free")
     used_pct = round(100.0 * (total - free) / total, 1) if total and free is not None else None
+    queries = int(load.get("prefix_cache_queries") or 0)
+    hit_pct = round(100.0 * int(load.get("prefix_cache_hits") or 0) / queries, 1) if queries else None
     return {"worker_id": w["worker_id"], "role": w.get("role", ""), "node": w.get("node", ""),
             "host": w.get("host", ""), "pid": w.get("pid"), "model": w.get("model", ""),
-            "endpoints": w.get("endpoints") or {}, "load": load, "kv_used_pct": used_pct,
+            "endpoints": w.get("endpoints") or {}, "metrics": w.get("metrics") or "", "load": load,
+            "kv_used_pct": used_pct, "prefix_hit_pct": hit_pct,
             "heartbeat_age_s": round(max(0, now_ms - int(w.get("beat_ms") or now_ms)) / 1000, 2)}
 
 
@@ -177,9 +182,9 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
     from rich.text import Text
 
     workers = Table(title="workers", title_justify="left", expand=False, box=None, pad_edge=False)
-    for col in ("worker", "role", "node", "running", "waiting", "KV used", "leases", "beat"):
-        workers.add_column(col, justify="right" if col in ("running", "waiting", "KV used", "leases", "beat")
-                           else "left")
+    numbers = ("running", "waiting", "KV used", "cache hits", "leases", "beat")
+    for col in ("worker", "role", "node", "running", "waiting", "KV used", "cache hits", "leases", "beat", "metrics"):
+        workers.add_column(col, justify="right" if col in numbers else "left")
     switchable = any(w["load"].get("switchable") or w.get("switchable") for w in snapshot["workers"])
     for w in snapshot["workers"]:
         load = w["load"]
@@ -192,13 +197,15 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
         elif switchable and not (load.get("switchable") or w.get("switchable")):
             role = f"{role} (fixed)"
         workers.add_row(w["worker_id"], role, (w["node"] or "")[:8], str(load.get("running", "-")),
-                        str(load.get("waiting", "-")), kv, str(load.get("leases", "-")),
-                        Text(f"{age:.1f}s", style="yellow" if age > 5 else ""))
+                        str(load.get("waiting", "-")), kv,
+                        "-" if w.get("prefix_hit_pct") is None else f"{w['prefix_hit_pct']:.0f}%",
+                        str(load.get("leases", "-")),
+                        Text(f"{age:.1f}s", style="yellow" if age > 5 else ""), w.get("metrics") or "-")
     for p in processes or []:
-        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "",
-                        Text(f"exited ({p['returncode']})", style="red"))
+        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "",
+                        Text(f"exited ({p['returncode']})", style="red"), "")
     if not snapshot["workers"] and not processes:
-        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 7)
+        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 8)
 
     streams = Table(title="streams", title_justify="left", box=None, pad_edge=False)
     for col in ("stream", "length", "group", "consumers", "pending", "lag", "oldest pending"):

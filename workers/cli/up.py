@@ -1,8 +1,9 @@
 """`pdqueue up`: a local cluster (Redis + prefill and decode workers) in one command.
 
-Parses options and drives ``workers.cli.local_cluster.LocalCluster``: start the server and the
-workers, show progress while they load the model, then a live status view (or, with
-``--demo``, a few streamed answers) until Ctrl-C, then a warm stop of everything. Output
+Parses options and drives ``workers.cli.local_cluster.LocalCluster``: start the server, the
+workers and the OpenAI-compatible gateway (``pdqueue serve``; ``--no-gateway``), show
+progress while they load the model, then a live status view (or, with ``--demo``, a few
+streamed answers) until Ctrl-C, then a warm stop of everything (the gateway first). Output
 goes through rich; on a terminal the status view redraws in place, into a pipe it is
 reduced to a line per event. Never imports torch.
 """
@@ -21,7 +22,7 @@ import click
 from rich.markup import escape
 
 from workers.cli.common import (Target, UserError, check_model, connect, planner_config, planner_options, print_line,
-                                rich_console, summary)
+                                redis_security_options, rich_console, summary)
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
@@ -46,7 +47,10 @@ def check_port_free(port: int) -> None:
 @click.option("--model", envvar="PDQ_MODEL", show_envvar=True, default="smollm2", show_default=True,
               help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")
 @click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=None,
-              help="Use this Redis instead of starting an embedded server.")
+              help="Use this Redis instead of starting an embedded server (which listens on 127.0.0.1 only, "
+                   "with the password of --redis-password-file / PDQ_REDIS_PASSWORD, else a random one kept in "
+                   "the state file).")
+@redis_security_options
 @click.option("--redis-port", type=click.IntRange(1, 65535), default=None,
               help="Port of the embedded server [default: 6379 if it is free, else a free one].")
 @click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default="default", show_default=True,
@@ -66,11 +70,16 @@ def check_port_free(port: int) -> None:
 @click.option("--adapt", is_flag=True,
               help="Let the P:D split follow the load: the workers take role switches and a planner moves them "
                    "between prefill, decode and colocated (--prefill/--decode give the starting split).")
+@click.option("--gateway-port", type=click.IntRange(0, 65535), default=None,
+              help="Port of the OpenAI-compatible gateway (pdqueue serve) [default: 8000 if it is free, "
+                   "else a free one].")
+@click.option("--no-gateway", is_flag=True, help="Start no gateway.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, adapt, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
-       window_s):
-    """Run a local cluster (Redis + prefill and decode workers) until Ctrl-C.
+       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, plan_mode, ttft_slo_ms, tbt_slo_ms,
+       dwell_s, cooldown_s, window_s):
+    """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
+    gateway) until Ctrl-C.
 
     \b
     Environment: PDQ_REDIS_SERVER, the embedded server's binary [default: redis-server
@@ -95,12 +104,23 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
     elif redis_port:
         check_port_free(redis_port)
+    redis_password = None
+    if not redis_url:  # the embedded server's password: the one configured, else LocalCluster draws one
+        from pdqueue.config import SECURITY_ENV, configured_password
+
+        try:
+            redis_password = configured_password()
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        for name in SECURITY_ENV:  # its URL carries the password; TLS and users are for other servers
+            os.environ.pop(name, None)
     plan_config = planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s) if adapt else None
     threads = threads or max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=num_decode, model=model, cluster=cluster,
                                 redis_url=redis_url, redis_port=redis_port, threads=threads,
                                 kv_cache_mb=kv_cache_mb, log_dir=Path(log_dir) if log_dir else None,
-                                log_level=log_level, switchable=adapt)
+                                log_level=log_level, switchable=adapt, gateway_port=gateway_port,
+                                redis_password=redis_password)
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
@@ -113,17 +133,26 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     failure, code = None, 0
     try:
         try:
-            url = lc.start_server()
+            lc.start_server()
         except (FileNotFoundError, RuntimeError) as exc:
             raise UserError(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
         lc.start_workers()
+        if not no_gateway:
+            try:
+                lc.start_gateway()
+            except RuntimeError as exc:
+                raise UserError(f"{exc} (--gateway-port, or --no-gateway)") from None
         lc.write_state()
-        server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}"
-                  if lc.server else "external")
-        print_line(out, f"pdqueue up: [bold]{url}[/] ({escape(server)}), cluster {cluster!r}, model {escape(model)}")
+        server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}, "
+                  f"password in the state file" if lc.server else "external")
+        print_line(out, f"pdqueue up: [bold]{escape(lc.shown_url)}[/] ({escape(server)}), cluster {cluster!r}, "
+                        f"model {escape(model)}")
         named = "" if cluster == "default" else f" --cluster {cluster}"  # (`default` is the one chosen unnamed)
         print_line(out, f"  from another terminal: pdqueue submit{named} \"Hello\" | pdqueue status{named}   "
                         f"(found through {escape(str(state_path(cluster)))})")
+        if lc.gateway_url:
+            print_line(out, f"  OpenAI API: [bold]{lc.gateway_url}/v1[/] (pdqueue serve; "
+                            f"curl {lc.gateway_url}/v1/models)")
         started = time.monotonic()
         if not _wait_ready(lc, err, start_timeout, stop):
             code = 130
@@ -192,12 +221,13 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
 
     from workers.cli import status_view
 
-    title = f"pdqueue up: {lc.url}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
+    api = f"  API {lc.gateway_url}/v1" if lc.gateway_url else ""
+    title = f"pdqueue up: {lc.shown_url}{api}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
     reported: set[str] = set()
 
     def view():
         exited = [{"worker_id": w.worker_id, "role": w.role, "returncode": w.proc.returncode}
-                  for w in lc.exited()]
+                  for w in lc.exited() + ([lc.gateway] if lc.gateway and not lc.gateway.alive else [])]
         try:
             return status_view.render(status_view.collect(lc.redis, lc.keys), title, exited)
         except redis.RedisError as exc:
@@ -223,7 +253,7 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
                 live.update(view(), refresh=True)
         return died[0] if died else None
     while not stop.wait(0.5) and not server_died():
-        for w in lc.exited():
+        for w in lc.exited() + ([lc.gateway] if lc.gateway and not lc.gateway.alive else []):
             if w.worker_id not in reported:
                 reported.add(w.worker_id)
                 print_line(err, f"[red]worker {w.worker_id} exited with status {w.proc.returncode}[/]")
@@ -253,7 +283,7 @@ def _demo(lc, out, stop: threading.Event) -> int:
             code = 1
             continue
         except redis.RedisError as exc:  # the server is gone (RedisUnavailable): so are the other answers
-            print_line(out, f"\n[red]error: lost the connection to Redis at {lc.url} ({escape(str(exc))})[/]")
+            print_line(out, f"\n[red]error: lost the connection to Redis at {escape(lc.shown_url)} ({escape(str(exc))})[/]")
             client.close()
             return 1
         if stop.is_set():

@@ -1,0 +1,53 @@
+"""`pdqueue serve`: the OpenAI-compatible HTTP gateway (``pdqueue.gateway``) in front of a
+cluster. Finds the cluster as `submit` does (``--redis-url``/``--cluster``, the running
+`up`, the default), binds the port (0: a free one), prints the URL on its first line, then
+serves until SIGINT/SIGTERM. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from workers.cli.common import UserError, connect, resolve_target, target_options
+
+DEFAULT_PORT = 8000
+
+
+@click.command()
+@target_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
+              help="Port to listen on (0: a free one; the first line prints the URL).")
+@click.option("--api-key", envvar="PDQ_API_KEY", show_envvar=True, default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* [default: no key].")
+@click.option("--max-backlog", type=click.IntRange(min=0), default=None,
+              help="Answer 429 while the cluster's request backlog (lag + pending of the request streams) is "
+                   "over this [default: no limit].")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              show_default=True, help="Seconds a request may take (504 after; the workers drop it too).")
+@click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
+def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, log_level):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
+
+    \b
+    Also GET /health (200 while prefill and decode, or colocated, workers live; else 503)
+    and GET /metrics (Prometheus). Stateless: run as many as you like.
+    """
+    from pdqueue.gateway import GatewayConfig, bind, serve as run
+
+    target = resolve_target(redis_url, cluster)
+    connect(target).close()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"pdqueue serve: http://{shown}:{bound}/v1 (cluster {target.cluster!r}, {target.shown_url}, "
+               f"{target.source}){'; API key required' if api_key else ''}", nl=True)
+    click.get_text_stream("stdout").flush()
+    run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
+                      max_backlog=max_backlog, timeout_s=timeout_s), sock, log_level=log_level)
