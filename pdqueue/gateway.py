@@ -443,6 +443,8 @@ class _Reply:
     async def abandon(self) -> None:
         if not self.finished:
             self.finished = True
+            log.info("request %s: the client left before the answer was complete; cancelling it",
+                     self.handle.request_id)
             await self.gw.cancel(self.handle.request_id)
         self.end(499)
 

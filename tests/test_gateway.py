@@ -359,9 +359,15 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_blocks(gateway, clu
     for _ in range(3):  # a few chunks: the request runs in the decode worker
         assert resp.readline().startswith(b"data: ")
         assert resp.readline() == b"\n"
+    # Hang up for good: the response's file object holds the socket's descriptor too, so
+    # close it as well (a shut-down socket whose descriptor stays open still ACKs what the
+    # gateway sends, which is a client that stopped reading, not one that left).
     c.sock.shutdown(2)
+    resp.close()
     c.close()
-    fields = wait_for(lambda: done_entry(cluster, rid), 10, what="the request's done entry after the hang-up")
+    # (How soon the gateway sees the hang-up depends on uvicorn: at once on EOF, or at its
+    # next write; a decode worker that stalls delays the latter, seen up to ~14 s here.)
+    fields = wait_for(lambda: done_entry(cluster, rid), 30, what="the request's done entry after the hang-up")
     assert fields[b"finish_reason"] == b"cancelled"
     assert len(json.loads(fields[b"token_ids"])) < 3000
     wait_pools_free(cluster, timeout=10)

@@ -242,10 +242,15 @@ def test_every_worker_counts_what_it_did_exactly_once(cluster, r):
     snapshot = status_view.collect(cluster.r, cluster.keys)
     shown = {w["worker_id"]: w["metrics"] for w in snapshot["workers"]}
     assert shown == {cluster.id("prefill"): pre, cluster.id("decode"): dec}
-    # and the prefix cache's hit rate, from the same totals
-    hits = {w["worker_id"]: w["prefix_hit_pct"] for w in snapshot["workers"]}
-    assert hits[cluster.id("prefill")] == round(100.0 * total(p, "vllm:prefix_cache_hits_total")
-                                               / total(p, "vllm:prefix_cache_queries_total"), 1) > 0
+    # and the prefix cache's hit rate, from the same totals (once the next heartbeat carries them)
+    want = round(100.0 * total(p, "vllm:prefix_cache_hits_total") / total(p, "vllm:prefix_cache_queries_total"), 1)
+    assert want > 0
+
+    def hit_pct():
+        rows = status_view.collect(cluster.r, cluster.keys)["workers"]
+        return {w["worker_id"]: w["prefix_hit_pct"] for w in rows}[cluster.id("prefill")]
+
+    wait_for(lambda: hit_pct() == want, timeout=30, what=f"status to show the prefill worker's {want}% cache hits")
 
 
 def test_a_metrics_port_in_use_is_refused_before_the_model_loads(redis_url):

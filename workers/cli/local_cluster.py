@@ -257,7 +257,7 @@ class LocalCluster:
         for attempt, port in enumerate(ports):
             out_path, log_path = self.log_dir / "gateway.out", self.log_dir / "gateway.log"
             cmd = [sys.executable, "-m", "workers", "serve", "--cluster",   # the URL: in child_env
-                   self.config.cluster, "--port", str(port)]
+                   self.config.cluster, "--port", str(port), "--log-level", self.config.log_level]
             with open(out_path, "wb") as out, open(log_path, "ab") as log:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
                                         env=self.child_env(), start_new_session=True, preexec_fn=_child_setup)
