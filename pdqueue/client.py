@@ -382,17 +382,22 @@ class AsyncRequestHandle:
             for event in reading.events(reply):
                 yield event
 
-    async def batches(self, timeout: float | None = None) -> AsyncIterator[list[ResultEvent]]:
+    async def batches(self, timeout: float | None = None,
+                      idle_s: float | None = None) -> AsyncIterator[list[ResultEvent]]:
         """``stream``, one list per read: the token events that arrived together. After the
         list that holds the last token, ``completion`` is already set (the done entry comes
         in the same read as the last token), so a caller can mark that token as the last.
-        A list may be empty when the done entry came alone. An error entry raises
+        A list may be empty when the done entry came alone; with ``idle_s``, also when
+        nothing came for that long (a tick: the gateway tells its client it is still there,
+        and so finds out soon when the client is not). An error entry raises
         ``RequestFailed`` after the tokens before it were yielded."""
         reading = _Reading(self, timeout)
         r = self.client.redis
+        idle_ms = max(1, int(idle_s * 1000)) if idle_s is not None else None
         while not reading.done:
+            block = reading.block_ms() if idle_ms is None else min(reading.block_ms(), idle_ms)
             try:
-                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
+                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 await asyncio.sleep(reading.read_failed(exc))
                 continue
@@ -403,7 +408,7 @@ class AsyncRequestHandle:
                 if batch:
                     yield batch
                 raise
-            if batch or reading.done:
+            if batch or reading.done or idle_ms is not None:
                 yield batch
 
     async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:

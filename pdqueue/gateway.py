@@ -67,6 +67,8 @@ log = logging.getLogger("pdqueue.gateway")
 __all__ = ["ClusterView", "Gateway", "GatewayConfig", "build_app", "serve"]
 
 FRESH_S = 0.05   # a view this old is good enough to answer 503/404 without polling again
+KEEPALIVE_S = 1.0   # a stream with no token for this long gets an SSE comment
+_KEEPALIVE = b": keep-alive\n\n"
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 # vLLM's buckets for these histograms (vllm/v1/metrics/loggers.py)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -516,10 +518,12 @@ class _Stream(_Reply):
         last_sent: float | None = None
         completion = None
         try:
-            async for batch in self.handle.batches(timeout=gw.config.timeout_s):
+            async for batch in self.handle.batches(timeout=gw.config.timeout_s, idle_s=KEEPALIVE_S):
                 completion = self.handle.completion
                 text = "".join(e.text for e in batch)
                 if not text and completion is None:
+                    if not batch:   # nothing for KEEPALIVE_S: a comment, which clients skip; a
+                        await emit(_KEEPALIVE)   # client that left is found at this write, not the next token
                     continue
                 finish = completion.finish_reason if completion is not None else None
                 await emit(_sse(chunk(rid, model, created, text, finish, usage)))

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
@@ -440,6 +441,35 @@ def test_models_health_metrics(gateway):
                      re.M), text
     assert re.search(r'^pdqueue:gateway_requests_total\{endpoint="chat",role="gateway",status="200"\} [1-9]',
                      text, re.M), text
+
+
+def test_a_stream_waiting_for_tokens_sends_keepalives_and_notices_a_hang_up(gateway, cluster):
+    """While no token comes (the decode worker is stopped), the gateway writes an SSE comment
+    every second; so a client that hangs up meanwhile is found within about a second (the
+    cancel key is set before any further token), not at the next token."""
+    decode_pid = next(int(w["pid"]) for w in cluster.workers().values() if w["role"] == "decode")
+    rid = f"idle-{uuid.uuid4().hex[:8]}"
+    c = gateway.conn(timeout=10)
+    c.request("POST", "/v1/completions", body=json.dumps({
+        "model": "tiny", "prompt": "a quiet story", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+        "stream": True}).encode(), headers={"content-type": "application/json", "x-request-id": rid,
+                                             "authorization": f"Bearer {API_KEY}"})
+    resp = c.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    os.kill(decode_pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 8
+        while not resp.readline().startswith(b": keep-alive"):   # (tokens already sent come first)
+            assert time.monotonic() < deadline, "no keep-alive comment while no token came"
+        c.sock.shutdown(2)
+        resp.close()
+        c.close()
+        wait_for(lambda: cluster.r.exists(cluster.keys.cancel(rid)), 5, what="the gateway's cancel after the hang-up")
+    finally:
+        os.kill(decode_pid, signal.SIGCONT)
+    fields = wait_for(lambda: done_entry(cluster, rid), 30, what="the request's done entry")
+    assert fields[b"finish_reason"] == b"cancelled"
+    wait_pools_free(cluster, timeout=20)
 
 
 def test_timeout_gives_504_and_drops_the_request(cluster, shared_redis_url, logs):
