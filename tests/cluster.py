@@ -103,6 +103,18 @@ class Cluster:
         for proc in self.procs.values():
             proc.wait()
 
+    def stop_and_check(self, *, killed_ok: bool = False) -> None:
+        """Stop every worker; nothing may be left behind: every exit status 0 and no KV
+        segment. ``killed_ok``: the test killed workers on purpose, so only those that exited
+        cleanly must have removed their segments."""
+        codes = self.stop_all()
+        if killed_ok:
+            assert not self.segments([w for w, p in self.procs.items() if p.returncode == 0])
+            return
+        leftover = self.segments()
+        assert not leftover, f"segments left behind: {leftover}"
+        assert all(code == 0 for code in codes.values()), {w: (code, self.log(w)) for w, code in codes.items()}
+
     def stop_all(self) -> dict[str, int]:
         self._signal_running(signal.SIGTERM)
         return {wid: self.stop(wid, signalled=True) for wid in list(self.procs)}

@@ -73,3 +73,37 @@ def smollm2():
     from pdqueue.models.loader import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture
+def cluster(redis_url, tmp_path):
+    """Real worker processes (``tests.cluster.Cluster``) against the test's Redis; at the end
+    nothing may be left behind (``Cluster.stop_and_check``)."""
+    from tests.cluster import Cluster
+
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    c.stop_and_check()
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    """The environment of a user with no PDQ_* settings, no `pdqueue up` running and a
+    private state directory (for commands run as subprocesses)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDQ_")}
+    run = tmp_path / "run"
+    run.mkdir()
+    return {**clean, "XDG_RUNTIME_DIR": str(run), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for the module (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

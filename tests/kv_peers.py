@@ -15,6 +15,7 @@ import signal
 import time
 import uuid
 
+import pytest
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
@@ -146,6 +147,17 @@ class SenderProcess:
 
 def own_segments() -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segment_left_behind():
+    """(Autouse in the modules that import it.) After the module: none of this run's KV segments is left (those found are removed,
+    and the module fails)."""
+    yield
+    left = own_segments()
+    for name in left:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not left, f"segments left behind: {left}"
 
 
 def rid() -> str:

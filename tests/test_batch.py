@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from pdqueue import openai_compat
@@ -37,24 +36,6 @@ from tests.helpers import mixed_prompts, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = Keys("default")
-
-
-@pytest.fixture
-def env(tmp_path) -> dict:
-    """A user with no PDQ_* settings and no `pdqueue up` running."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDQ_")}
-    run = tmp_path / "run"
-    run.mkdir()
-    return {**clean, "XDG_RUNTIME_DIR": str(run), "PYTHONUNBUFFERED": "1"}
-
-
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    """A cluster with no workers yet (each test starts what it needs)."""
-    c = Cluster(redis_url, tmp_path)
-    yield c
-    codes = c.stop_all()
-    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
 
 
 def start_workers(cluster: Cluster) -> None:

@@ -37,15 +37,6 @@ TINY = ["--model", "tiny", "--threads", "1", "--kv-cache-mb", "16"]
 LONG_PROMPT = "story 1"  # the tiny model answers it greedily with ~1100 tokens: seconds of decoding
 
 
-@pytest.fixture
-def env(tmp_path) -> dict:
-    """The environment of a user with no PDQ_* settings and a private state directory."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDQ_")}
-    run = tmp_path / "run"
-    run.mkdir()
-    return {**clean, "XDG_RUNTIME_DIR": str(run), "PYTHONUNBUFFERED": "1"}
-
-
 def pdq(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workers", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -44,7 +44,7 @@ from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.tcp import DataClient, parse_endpoint, recv_control, recv_frame, send_control
 from tests.cluster import Cluster
 from tests.helpers import oracle, wait_for
-from tests.kv_peers import AUTH, NODE, SHM_DIR, SMALL, Receiver, SenderProcess, own_segments, resign, rid
+from tests.kv_peers import AUTH, NODE, SMALL, Receiver, SenderProcess, no_segment_left_behind, resign, rid  # noqa: F401 (an autouse fixture)
 from tests.oracle import assert_same_tokens
 
 pytestmark = pytest.mark.timeout(180)
@@ -55,13 +55,6 @@ OTHER_CLUSTER = KVAuth(AUTH.key, "another-cluster")         # the same secret un
 KV_BYTES = 2 * SMALL.num_layers * SMALL.block_nbytes        # one block's KV: what a leak would send at least
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_segment_left_behind():
-    yield
-    left = own_segments()
-    for name in left:
-        os.unlink(os.path.join(SHM_DIR, name))
-    assert not left, f"segments left behind: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -669,16 +662,6 @@ def test_secret_parsing():
 # -- through real workers -------------------------------------------------------------------
 
 MAX_TOKENS = 8
-
-
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    c = Cluster(redis_url, tmp_path)
-    yield c
-    codes = c.stop_all()
-    leftover = c.segments()
-    assert not leftover, f"segments left behind: {leftover}"
-    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
 
 
 def secret_file(tmp_path, name: str, key: bytes | None = None) -> str:

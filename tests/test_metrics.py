@@ -144,15 +144,6 @@ def test_stream_collector_says_when_redis_is_unreachable():
 
 # ---- worker processes ------------------------------------------------------------------------
 
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    c = Cluster(redis_url, tmp_path)
-    yield c
-    codes = c.stop_all()
-    assert not c.segments(), f"segments left behind: {c.segments()}"
-    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
-
-
 def endpoint(cluster: Cluster, name: str) -> str:
     address = cluster.workers()[name].get("metrics")
     assert address and address.startswith("127.0.0.1:"), cluster.workers()[name]

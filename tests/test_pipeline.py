@@ -52,16 +52,6 @@ def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | No
     return results
 
 
-@pytest.fixture
-def cluster(redis_url, tmp_path):
-    c = Cluster(redis_url, tmp_path)
-    yield c
-    codes = c.stop_all()
-    leftover = c.segments()
-    assert not leftover, f"segments left behind: {leftover}"
-    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
-
-
 @pytest.mark.parametrize("num_prefill,num_decode,transfer,path", [
     (1, 1, "auto", "shm"),
     (1, 1, "tcp", "tcp"),

@@ -41,13 +41,8 @@ NODE = "prefix-cache-test-node"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread."""
 
 
 def engine(loaded, caching: bool = True, prefill_only: bool = False, on_rewrite=None, kv_cache=None,

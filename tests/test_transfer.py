@@ -29,17 +29,11 @@ from pdqueue.transfer import zmq as wire
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.blocks import plan_frames
 from pdqueue.transfer.tcp import recv_control, send_control
-from tests.kv_peers import NODE, PREFIX, SHM_DIR, SMALL, Receiver, SenderProcess, own_segments, resign, rid
+from tests.kv_peers import (NODE, PREFIX, SHM_DIR, SMALL, Receiver, SenderProcess,  # noqa: F401 (an autouse fixture)
+                             no_segment_left_behind, own_segments, resign, rid)
 
 pytestmark = pytest.mark.timeout(120)
 
-@pytest.fixture(scope="module", autouse=True)
-def no_segment_left_behind():
-    yield
-    left = own_segments()
-    for name in left:
-        os.unlink(os.path.join(SHM_DIR, name))
-    assert not left, f"segments left behind: {left}"
 
 
 @pytest.fixture(scope="module")
