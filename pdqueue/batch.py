@@ -408,7 +408,6 @@ class BatchRun:
         self.inflight: dict[str, _Job] = {}   # by answer stream key
         self._ids: set[bytes] = set()         # custom_id hashes met in INPUT
         self._repeats: dict[bytes, int] = {}  # custom_id hash -> repeats met so far
-        self._submit = r.register_script(_SUBMIT)
         self._served: tuple[float, dict] = (-1e9, {})
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -559,7 +558,9 @@ class BatchRun:
                     args = [SEEN_TTL_S]
                     for name, value in request_to_fields(req).items():
                         args += [name, value]
-                    self._submit(keys=[stream, keys.seen(req.id)], args=args, client=pipe)
+                    # EVAL, not a registered script's EVALSHA: redis-py's cluster pipelines
+                    # refuse EVALSHA, and a replica promoted at a failover has no script cache.
+                    pipe.eval(_SUBMIT, 2, stream, keys.seen(req.id), *args)
                 for job, (took, entry) in zip(fresh, pipe.execute()):
                     if took:
                         placed.append((job, "submitted"))

@@ -18,8 +18,11 @@ Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``
 ``$PDQ_REDIS_URL``, else the running ``pdqueue up``, else redis://127.0.0.1:6379/0; the
 cluster: ``$PDQ_CLUSTER``, else that of the ``up`` serving the URL, else ``default``.
 
-Imports redis, msgpack and pdqueue's keys/protocol/config/retry/discovery/queue.streams;
-never torch.
+A ``redis+cluster://`` URL reaches a Redis Cluster (``pdqueue.queue.connection``: the
+client follows MOVED/ASK; a failover is retried like a restart).
+
+Imports redis, msgpack and pdqueue's keys/protocol/config/retry/discovery/queue.streams
+and queue.connection; never torch.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from pdqueue.protocol import (
     request_to_fields,
     validate_request,
 )
+from pdqueue.queue.connection import async_client_from_url, client_from_url
 from pdqueue.queue.streams import parse_read_reply
 from pdqueue.retry import backoff_delay
 
@@ -301,7 +305,7 @@ class Client:
         self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
-        self.redis = redis_client or redis.Redis.from_url(config.url, **config.redis_kwargs())
+        self.redis = redis_client or client_from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
@@ -435,7 +439,7 @@ class AsyncClient:
         self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
-        self.redis = redis_client or redis.asyncio.Redis.from_url(config.url, **config.redis_kwargs())
+        self.redis = redis_client or async_client_from_url(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s

@@ -16,7 +16,8 @@ Credentials and TLS (docs/security.md), first found wins:
   ``key``/``PDQ_REDIS_KEY`` (a client certificate, for servers with ``tls-auth-clients``).
   The server's certificate and host name are always checked (``?ssl_check_hostname=false``
   in the URL turns the name check off). TLS settings with a ``redis://`` URL are an error,
-  never a silent plaintext connection.
+  never a silent plaintext connection. A Redis Cluster's ``redis+cluster://`` and
+  ``rediss+cluster://`` URLs (``pdqueue.queue.connection``) follow the same rules.
 
 The command-line options (``--redis-username``, ``--redis-password-file``, ``--redis-ca``,
 ``--redis-cert``, ``--redis-key``) set these environment variables, so every connection a
@@ -157,6 +158,7 @@ def redis_security(url: str, *, username: str | None = None, password: str | Non
         elif user and not url_user:
             kwargs["username"] = user
     scheme = url.split("://", 1)[0].lower()
+    scheme = {"rediss+cluster": "rediss", "redis+cluster": "redis"}.get(scheme, scheme)  # a Redis Cluster's
     tls = {name: _setting(value, env, env_name) for name, value, env_name in
            (("ssl_ca_certs", ca, ENV_CA), ("ssl_certfile", cert, ENV_CERT), ("ssl_keyfile", key, ENV_KEY))}
     given = {name: value for name, (value, _) in tls.items() if value}
@@ -182,7 +184,9 @@ class RedisConfig:
     than ``socket_timeout_s``; the queue helpers keep them at ``max_block_ms``.
 
     Credentials and TLS: in ``url``, else these fields, else the ``PDQ_REDIS_*``
-    environment variables (module docstring); ``redis_kwargs`` applies them."""
+    environment variables (module docstring); ``redis_kwargs`` applies them. ``url`` may
+    name a Redis Cluster (``redis+cluster://h1:7000,h2:7001``; the clients are made by
+    ``pdqueue.queue.connection.client_from_url``); ``max_connections`` is then per node."""
 
     url: str = "redis://127.0.0.1:6379/0"
     socket_timeout_s: float | None = 30.0

@@ -61,6 +61,7 @@ from pdqueue.planner_obs import group_backlog
 from pdqueue.protocol import Completion, FinishReason, RequestError
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
 
 log = logging.getLogger("pdqueue.gateway")
 
@@ -109,7 +110,7 @@ class ClusterView:
         """One refresh (blocking: call it in a thread)."""
         workers = list_workers(self._r, self.keys)
         backlog = 0
-        for stream in self.keys.request_streams:
+        for stream in request_streams_of(self._r, self.keys):
             lag, pending = group_backlog(self._r, stream, PREFILL_GROUP)
             backlog += lag + pending
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()

@@ -80,6 +80,22 @@ class Keys:
         """The request streams in the order a prefill worker reads them (high first)."""
         return (self.requests_high, self.requests)
 
+    def requests_for(self, worker_id: str) -> str:
+        """One prefill (or colocated) worker's own request stream: requests routed to it
+        because it caches their prefix (workers/routing.py). Read after ``requests:high``
+        and before ``requests``; others take entries over when it dies or lags."""
+        return f"{self.prefix}requests:w:{worker_id}"
+
+    @property
+    def routed_streams(self) -> str:
+        """The set of every worker's own request stream (``requests_for``) in the cluster."""
+        return self.prefix + "routed-streams"
+
+    def prefix_owner(self, block_hash_hex: str) -> str:
+        """Which worker last computed or used the KV block with this prefix-cache hash
+        (a string with a TTL: an advertisement, not a promise)."""
+        return f"{self.prefix}prefix:{block_hash_hex}"
+
     @property
     def handoff(self) -> str:
         """The global handoff stream: any decode worker may take these."""

@@ -65,6 +65,7 @@ from prometheus_client.core import GaugeMetricFamily
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.planner_obs import group_backlog
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
 
 log = logging.getLogger("pdqueue.metrics")
 
@@ -261,7 +262,7 @@ def stream_groups(r: redis.Redis, keys: Keys) -> list[tuple[str, str, int, int, 
     and of ``handoff`` and every ``handoff:<node>`` (group ``decode``). Raises redis errors."""
     nodes = sorted({_s(k) for k in r.scan_iter(match=keys.handoff_node("*"), count=500, _type="stream")})
     out = []
-    for stream, group in [*((s, PREFILL_GROUP) for s in keys.request_streams), (keys.handoff, DECODE_GROUP),
+    for stream, group in [*((s, PREFILL_GROUP) for s in request_streams_of(r, keys)), (keys.handoff, DECODE_GROUP),
                           *((n, DECODE_GROUP) for n in nodes)]:
         lag, pending = group_backlog(r, stream, group)
         out.append((stream, group, int(r.xlen(stream)), lag, pending))

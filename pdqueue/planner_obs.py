@@ -31,6 +31,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.planner import CompletionObs, Observation, WorkerObs
 from pdqueue.protocol import ProtocolError, ResultType, parse_result
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
 
 DONE_LIMIT = 2000
 _LAG_COUNT_LIMIT = 10000
@@ -147,7 +148,7 @@ def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: floa
     workers = tuple(worker_obs(w, now_ms) for w in list_workers(r, keys))
 
     request_lag = request_pending = 0
-    for stream in keys.request_streams:
+    for stream in request_streams_of(r, keys):
         lag, pending = group_backlog(r, stream, PREFILL_GROUP)
         request_lag += lag
         request_pending += pending

@@ -132,7 +132,11 @@ class Request:
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
                   "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages")
-_KNOWN_FIELDS = frozenset(REQUEST_FIELDS)
+# Set by a worker that routes a request to a peer (workers/routing.py): who moved it, and
+# when the producer enqueued it (the id of the moved entry is newer; deadlines and TTFT
+# count from the original enqueue).
+ROUTING_FIELDS = ("routed_from", "enqueued_ms")
+_KNOWN_FIELDS = frozenset(REQUEST_FIELDS + ROUTING_FIELDS)
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INT = re.compile(r"^[+-]?[0-9]{1,30}$")
 _FLOAT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,4})?$")
@@ -452,7 +456,7 @@ def parse_request(entry_id: str | bytes | None,
         chat=chat,
         ignore_eos=ignore_eos,
         messages=tuple(messages) if messages is not None else None,
-        enqueued_ms=entry_id_ms(eid),
+        enqueued_ms=integer("enqueued_ms") if "enqueued_ms" in text else entry_id_ms(eid),
     )
     validate_request(req)
     return req
@@ -484,8 +488,9 @@ class Completion:
                                 # handoff + transfer + first_step
     prefill_worker: str = ""
     decode_worker: str = ""
-    transfer_path: str = ""     # "shm", "tcp", "zmq", "local", "recompute", ...
+    transfer_path: str = ""     # "shm", "tcp", "zmq", "nixl", "cache", "local", "recompute", "none"
     cached_tokens: int = 0      # prompt tokens served from the prefix cache (not computed)
+    kv_reused_tokens: int = 0   # decode: prompt tokens whose KV the decode worker held already (not fetched)
 
     @property
     def num_tokens(self) -> int:
@@ -495,7 +500,7 @@ class Completion:
 _COMPLETION_FLOATS = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_ms", "decode_ms",
                       "handoff_ms", "first_step_ms", "ttst_ms",
                       "tbt_p50_ms", "tbt_max_ms", "e2e_ms")
-_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes", "cached_tokens")   # absent: 0
+_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes", "cached_tokens", "kv_reused_tokens")   # absent: 0
 _COMPLETION_STRS = ("prefill_worker", "decode_worker", "transfer_path")
 
 

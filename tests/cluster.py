@@ -12,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-import redis
-
 from pdqueue.keys import Keys
+from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +29,7 @@ class Cluster:
         # Worker ids carry a per-cluster tag: other test runs on this host (sharing /dev/shm)
         # must never be mistaken for ours.
         self.tag = secrets.token_hex(3)
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = connect(redis_url)   # a redis+cluster:// URL too (tests/test_redis_cluster.py)
         self.keys = Keys(cluster)
 
     def start(self, role: str, *args: str, worker_id: str | None = None, prefix: list[str] | None = None,

@@ -50,7 +50,8 @@ def _sender_main(conn, cfg: dict) -> None:
     pool.tensor.copy_(pool_values(layout, cfg["seed"]))
     auth = KVAuth([bytes.fromhex(k) for k in cfg["secrets"]], cfg["cluster"]) if cfg["secrets"] else None
     sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=cfg["lease_s"],
-                                      max_frame_bytes=cfg["max_frame_bytes"], data_port=cfg["data_port"], auth=auth)
+                                      max_frame_bytes=cfg["max_frame_bytes"], data_port=cfg["data_port"], auth=auth,
+                                      nixl=cfg.get("nixl", False))
     conn.send({"endpoint": sender.endpoint, "segment": pool.name, "nonce": pool.nonce, "pid": os.getpid(),
                "data_endpoint": sender.data_endpoint})
     freed = []   # handed back while waiting for blocks to export, reported by the next poll
@@ -94,7 +95,7 @@ class SenderProcess:
 
     def __init__(self, layout: KVCacheLayout = SMALL, *, seed: int = 1, lease_s: float = 10.0,
                  max_frame_bytes: int = 1024, incarnation: str | None = None, data_port: int | None = 0,
-                 auth: KVAuth | None = AUTH):
+                 auth: KVAuth | None = AUTH, nixl: bool = False):
         self.layout = layout
         self.seed = seed
         self.worker_id = f"w{uuid.uuid4().hex[:6]}"
@@ -102,7 +103,8 @@ class SenderProcess:
         cfg = {"layout": layout.to_dict(), "prefix": PREFIX, "worker_id": self.worker_id,
                "incarnation": self.incarnation, "node": NODE, "seed": seed, "lease_s": lease_s,
                "max_frame_bytes": max_frame_bytes, "data_port": data_port,
-               "secrets": [k.hex() for k in auth.keys] if auth else [], "cluster": auth.cluster if auth else ""}
+               "secrets": [k.hex() for k in auth.keys] if auth else [], "cluster": auth.cluster if auth else "",
+               "nixl": nixl}   # nixl: the sender also serves NIXL reads (tests/test_nixl.py)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)

@@ -32,6 +32,11 @@ def test_transfer_quick_json_has_the_ratios():
         assert {"memcpy", "shm", "tcp", "zmq", "raw_socket"} <= set(row["paths"])
         assert all(p["gb_s"] > 0 for p in row["paths"].values())
     assert all(result["ratios"][name] > 0 for name in ("shm_vs_memcpy", "zmq_vs_raw_socket", "tcp_vs_raw_socket"))
+    from pdqueue.transfer.nixl import nixl_missing
+
+    if nixl_missing() is None:   # pdqueue[rdma]: the nixl path runs too, and names UCX's transports
+        assert all("nixl" in row["paths"] for row in result["sizes"]) and result["ratios"]["nixl_vs_raw_socket"] > 0
+        assert result["nixl_transports"] and all("(" in lanes for lanes in result["nixl_transports"])
 
 
 def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):

@@ -471,6 +471,65 @@ def test_disaggregated_with_shared_prefixes_matches_colocated(tiny):
     assert_all_released(dec)
 
 
+def test_a_decode_engine_copies_only_the_blocks_it_lacks(tiny):
+    """Tickets name their full blocks (the prefill engine's chain); a decode engine that holds
+    some of those names already takes them from its cache and copies only the rest, and the
+    tokens are the colocated engine's. Wave 2 shares wave 1's prefixes, so it must hit."""
+    waves = shared_prefix_waves(seed=9, kind="sampled", max_tokens=6)
+    prompts = [p for wave in waves for p, _ in wave]
+    params = [q for wave in waves for _, q in wave]
+    expected = engine(tiny, False).generate(prompts, params)
+    pre, dec = engine(tiny, True, prefill_only=True), engine(tiny, True)
+    assert pre.prefix_root == dec.prefix_root
+    got: dict[str, list[int]] = {}
+    reused = []
+    for w, wave in enumerate(waves):
+        outs = []
+        for i, (p, q) in enumerate(wave):
+            pre.add_request(f"r{w * 4 + i}", p, q)
+        while pre.has_unfinished:
+            outs += pre.step()
+        for out in outs:
+            got[out.request_id] = [out.token_id]
+            seq = dec.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id],
+                              block_hashes=out.seq.block_hashes, hash_root=pre.prefix_root)
+            held = seq.num_cached_tokens // BS
+            reused.append(held)
+            assert all(dec.block_manager.is_cached(b) for b in seq.block_table[:held])
+            src = torch.tensor(out.detached_blocks[held:], dtype=torch.long)
+            dst = torch.tensor(seq.block_table[held:len(out.detached_blocks)], dtype=torch.long)
+            dec.kv_cache[:, :, dst] = pre.kv_cache[:, :, src]   # only the blocks it lacks
+            dec.add_prefilled(seq)
+            pre.free_blocks(out.detached_blocks)
+        while dec.has_unfinished:
+            for out in dec.step():
+                got[out.request_id].append(out.token_id)
+    assert sum(reused[len(waves[0]):]) > 0, reused   # the later waves found blocks in the decode cache
+    assert dec.prefix_cache_hits == sum(reused) * BS
+    assert_all_same(tiny, prompts, expected, [got[f"r{i}"] for i in range(len(prompts))], params,
+                    label="decode reusing cached blocks")
+    assert_all_released(dec)
+
+
+def test_a_decode_engine_never_extends_another_engines_chain():
+    """KV named by a sender whose chain starts elsewhere (other weights) is registered under
+    the sender's names only; blocks the decode engine computes after them stay unnamed."""
+    bm = BlockManager(16, BS, enable_caching=True, root=b"r" * 16)
+    seq = Sequence("a", list(range(3 * BS + 5)), SamplingParams(), [1])
+    theirs = [bytes([i]) * 16 for i in range(3)]
+    assert bm.allocate_known(seq, theirs, same_root=False) == 0
+    seq.num_cached_tokens = seq.num_tokens - 1
+    bm.cache_computed(seq)
+    for t in range(2 * BS):   # decode fills the fourth block and more
+        seq.append_token(t)
+        bm.append(seq)
+        seq.num_cached_tokens += 1
+        bm.cache_computed(seq)
+    assert [bm.is_cached(b) for b in seq.block_table[:5]] == [True, True, True, False, False]
+    same = Sequence("b", list(range(3 * BS + 5)), SamplingParams(), [1])
+    assert bm.allocate_known(same, theirs, same_root=False) == 3   # the names still hit
+
+
 # --- workers: done entries and heartbeats --------------------------------------------------
 
 def run_shells(*shells):
@@ -541,9 +600,45 @@ def test_workers_report_cached_tokens_and_counters(redis_url, tiny):
             assert_same_tokens(tiny, ids[i], expected[i], list(res.token_ids), sampling[i])
         assert results[1].cached_tokens == cached[3]   # the prefill worker's done entry
         wait_for(lambda: load(prefill).get("prefix_cache_hits") == cached[3], timeout=10, what="prefill counters")
-        assert load(decode)["prefix_cache_queries"] == 0   # it only admits prefilled sequences
+        # The decode engine looked the ticket's block names up (nothing cached there yet).
+        wait_for(lambda: load(decode).get("prefix_cache_queries") == len(ids[2]) // BS * BS, timeout=10,
+                 what="decode counters")
+        assert load(decode)["prefix_cache_hits"] == 0
     finally:
         stop_shells([prefill, decode], threads)
+
+
+@pytest.mark.parametrize("transfer", ["auto", "tcp", "zmq"])
+def test_only_the_missing_blocks_travel_between_workers(cluster, tiny, transfer):
+    """Real prefill and decode processes: a conversation's second turn resends the first turn
+    and more; the decode worker holds the first turn's blocks already, so only the rest is
+    fetched (over each path), and every answer is the colocated engine's."""
+    from pdqueue.client import Client
+    from tests.helpers import oracle, wait_pools_free
+
+    cluster.start("prefill", "--transfer", transfer, worker_id="prefill0")
+    cluster.start("decode", "--transfer", transfer, worker_id="decode0")
+    turn1 = "You are a careful assistant. Answer in one short sentence. " * 3 + "What is a fox?"
+    turn2 = turn1 + " A fox is a small wild dog. And what is a raven?"
+    turn3 = turn2[:-6] + "ravine?"   # shares all but the last block or two
+    prompts = [turn1, turn2, turn3]
+    params = [{"max_tokens": 6, "temperature": 0.0, "seed": 0}, {"max_tokens": 6, "temperature": 0.8, "seed": 5},
+              {"max_tokens": 6, "temperature": 0.0, "seed": 0}]
+    ids, expected, sampling = oracle(tiny, prompts, params)
+    client = Client(cluster.redis_url, cluster.cluster)
+    results = [client.submit(p, **kw).result(timeout=60) for p, kw in zip(prompts, params)]
+    for i, res in enumerate(results):
+        assert_same_tokens(tiny, ids[i], expected[i], list(res.token_ids), sampling[i])
+    path = "shm" if transfer == "auto" else transfer
+    assert [r.transfer_path for r in results] == [path] * 3
+    held = [r.kv_reused_tokens for r in results]
+    full_blocks_of_turn1 = len(ids[0]) // BS
+    assert held[0] == 0 and held[1] == full_blocks_of_turn1 * BS, (held, len(ids[0]))
+    assert held[2] >= held[1]
+    token_bytes = results[0].transfer_bytes // -(-len(ids[0]) // BS) // BS   # bytes of one token's KV
+    for r, n in zip(results, ids):
+        assert r.transfer_bytes == (-(-len(n) // BS) * BS - r.kv_reused_tokens) * token_bytes
+    wait_pools_free(cluster)
 
 
 # --- output, protocol, options -----------------------------------------------------------

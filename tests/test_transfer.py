@@ -386,6 +386,19 @@ def test_node_id_is_shared_created_once_and_overridable(tmp_path, monkeypatch):
     assert node_id(str(tmp_path)) == "pinned"
 
 
+def test_a_segment_bigger_than_dev_shm_is_a_clear_error_and_leaves_nothing():
+    """A pool that /dev/shm cannot hold fails at creation with a message saying what to change,
+    not with SIGBUS when the pool is first touched; no file stays behind."""
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    block = 2 * SMALL.num_layers * SMALL.block_nbytes
+    layout = dataclasses.replace(SMALL, num_blocks=free // block + 1024)
+    worker = f"w{uuid.uuid4().hex[:6]}"
+    with pytest.raises(OSError, match="too little for a .* KV segment.*--kv-cache-mb"):
+        SharedKVPool.create(layout, PREFIX, worker, "inc1")
+    assert not [n for n in os.listdir(SHM_DIR) if worker in n]
+
+
 def test_segment_header_is_validated_and_owner_unlinks():
     layout = SMALL
     worker, incarnation = f"w{uuid.uuid4().hex[:6]}", "inc1"

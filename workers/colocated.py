@@ -67,10 +67,12 @@ class ColocatedRole(RequestRole):
                     self.shell.metrics.token_gap(t - it.token_times_ms[-1])
                 else:
                     self.shell.metrics.first_token(t - it.request.enqueued_ms, len(it.prompt_ids))
+                    self.router.advertise(unit, out.seq)
                 it.token_times_ms.append(t)
                 unit.token(out.request_id, out.index, out.token_id, out.text)
                 if out.finished:
                     del self.inflight[out.request_id]
+                    self.router.advertise(unit, out.seq, whole=True)
                     req = it.request
                     p50, pmax = tbt_stats(it.token_times_ms)
                     first = it.token_times_ms[0]

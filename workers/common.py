@@ -28,7 +28,8 @@ class WorkerConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     cluster: str = "default"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: str = "auto"          # auto | shm | tcp | zmq: how KV reaches the decode side
+    routing: str = "cache"          # cache | off: send requests to the worker caching their prefix (workers/routing.py)
+    transfer: str = "auto"          # auto | shm | tcp | zmq | nixl: how KV reaches the decode side
     bind: str = "tcp://127.0.0.1:*"  # the prefill worker's KV server (zmq ROUTER)
     data_port: int | None = 0       # its TCP data server on the same host (0: any free port; None: none)
     advertise: str | None = None    # the KV server address put in tickets (":*": the bound port)

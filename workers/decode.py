@@ -164,7 +164,10 @@ class DecodeRole(Role):
                                 ErrorCode.BAD_REQUEST)
                     continue
                 if h.request.id in self.jobs:   # a second delivery of a request in hand
-                    unit.ack(stream, entry_id, h.request.id)
+                    # The very entry in hand again (its first delivery lost at a Redis
+                    # failover): it is pending for us once more, and the job answers it.
+                    if self.jobs[h.request.id].entry_id != entry_id:
+                        unit.ack(stream, entry_id, h.request.id)
                     continue
                 if resumed:
                     h = self.catch_up(h)
@@ -221,9 +224,14 @@ class DecodeRole(Role):
             elif h.ticket is None:
                 self.recompute(job, "no KV ticket")
             else:
-                job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids)
+                job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
+                                              block_hashes=h.ticket.get("block_hashes") or (),
+                                              hash_root=h.ticket.get("hash_root") or b"")
                 job.state = JobState.FETCHING
-                self.fetcher.submit(job, h.ticket, job.seq.block_table[:len(h.ticket["block_ids"])])
+                # Blocks whose KV this engine already caches (an earlier turn, a shared system
+                # prompt) stay; only the rest travel.
+                held = job.seq.num_cached_tokens // self.engine.config.block_size
+                self.fetcher.submit(job, h.ticket, job.seq.block_table[held:len(h.ticket["block_ids"])], held)
                 fetches += 1
         return fetches
 
@@ -318,6 +326,7 @@ class DecodeRole(Role):
             ttft_ms=h.first_token_ms - req.enqueued_ms,
             queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
             transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
+            kv_reused_tokens=job.kv.reused_blocks * self.engine.config.block_size,
             decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
             prefill_worker=h.prefill_worker, decode_worker=self.shell.worker_id, transfer_path=job.kv.path,
             handoff_ms=job.read_ms - h.first_token_ms,

@@ -25,8 +25,8 @@ log = logging.getLogger("pdqueue.decode")
 
 @dataclass(frozen=True, slots=True)
 class FetchOutcome:
-    """How a request's KV got here: ``path`` shm | tcp | zmq (or ``recompute``: computed
-    here instead), ``seconds`` and ``nbytes`` of the copy, ``error`` when it failed, and
+    """How a request's KV got here: ``path`` shm | tcp | zmq (``cache``: all of it was in
+    this engine's prefix cache; ``recompute``: computed here instead), ``seconds`` and ``nbytes`` of the copy, ``error`` when it failed, and
     ``done_ms`` (wall clock) when the KV was in place."""
 
     path: str = ""
@@ -34,6 +34,7 @@ class FetchOutcome:
     nbytes: int = 0
     error: str | None = None
     done_ms: float = 0.0
+    reused_blocks: int = 0   # leading blocks found in this engine's prefix cache (not copied)
 
 
 _RELEASE = object()   # the key of a release in the thread's queue
@@ -49,13 +50,14 @@ class Fetcher:
         self._thread = threading.Thread(target=self._run, name="kv-fetch", daemon=True)
         self._thread.start()
 
-    def submit(self, key: Any, ticket: dict, block_ids: list[int]) -> None:
+    def submit(self, key: Any, ticket: dict, block_ids: list[int], first_block: int = 0) -> None:
+        """Copy ``ticket``'s blocks from ``first_block`` on into ``block_ids``."""
         self.in_flight += 1
-        self._todo.put((key, ticket, block_ids))
+        self._todo.put((key, ticket, block_ids, first_block))
 
     def release(self, ticket: dict) -> None:
         """Release the ticket's lease on the sender (no outcome to collect)."""
-        self._todo.put((_RELEASE, ticket, None))
+        self._todo.put((_RELEASE, ticket, None, 0))
 
     def collect(self, wait_s: float = 0.0) -> Iterator[tuple[Any, FetchOutcome]]:
         """The finished fetches, each as soon as it is there; with ``wait_s``, waiting up
@@ -81,7 +83,7 @@ class Fetcher:
             item = self._todo.get()
             if item is None:
                 return
-            key, ticket, block_ids = item
+            key, ticket, block_ids, first_block = item
             if key is _RELEASE:
                 try:
                     self.receiver.release(ticket)
@@ -89,8 +91,9 @@ class Fetcher:
                     log.exception("release of %s failed", ticket.get("request_id"))
                 continue
             try:
-                result = self.receiver.fetch(ticket, block_ids)
-                outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms())
+                result = self.receiver.fetch(ticket, block_ids, first_block)
+                outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms(),
+                                       reused_blocks=first_block)
                 if self.metrics is not None:
                     self.metrics.transferred(result.path, result.nbytes, result.seconds)
             except TransferError as exc:

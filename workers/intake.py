@@ -14,6 +14,8 @@ In this order (prefill and colocated workers):
    the prompt is tokenized (with the chat template when asked) and its tokens counted
    against ``max_prompt_tokens``;
 5. ``engine.check_prompt``: context and KV pool sizes;
+5b. routing (workers/routing.py): a request from ``requests`` whose prefix a peer caches
+   much more of moves to that peer's own stream (exactly once, by script) and ends here;
 6. the seed is the request's, or a random 63-bit one;
 7. ``engine.add_request``.
 
@@ -56,8 +58,11 @@ class Admitted:
 
 
 class Intake:
-    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None):
-        self.r, self.keys, self.worker_id = r, keys, worker_id
+    def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None,
+                 router=None):
+        """``router``: a workers.routing.Router, asked after tokenizing whether a peer that
+        caches more of the prompt should run it instead."""
+        self.r, self.keys, self.worker_id, self.router = r, keys, worker_id, router
         self.limits = limits or Limits()
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
@@ -92,6 +97,10 @@ class Intake:
             reason = engine.check_prompt(len(prompt_ids))
             if reason:
                 raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
+            if self.router is not None:
+                moved = self.router.route(stream, entry_id, fields, req.id, prompt_ids, req.enqueued_ms)
+                if moved is not None:   # 1: a peer caching more of it runs it; -1: already finished elsewhere
+                    return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                     top_k=req.top_k, seed=seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)

@@ -64,12 +64,15 @@ class PrefillRole(RequestRole):
         if self.pool is not None:
             self.sender = KVSender.for_shared_pool(self.pool, shell.node, endpoint=config.bind,
                                                    advertise=config.advertise, lease_s=config.lease_s,
-                                                   data_port=config.data_port, auth=auth, shared_blocks=True)
+                                                   data_port=config.data_port, auth=auth, shared_blocks=True,
+                                                   nixl=config.transfer == "nixl")
         else:
-            # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ.
+            # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ,
+            # or with --transfer nixl straight out of device memory (registered as VRAM).
             self.sender = KVSender(kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
                                    shell.node, endpoint=config.bind, advertise=config.advertise,
-                                   lease_s=config.lease_s, auth=auth, shared_blocks=True)
+                                   lease_s=config.lease_s, auth=auth, shared_blocks=True,
+                                   nixl=config.transfer == "nixl")
         self._decode_nodes: set[str] = set()
         self._decode_nodes_every = Every(DECODE_NODES_EVERY_S)
         log.info("prefill: node %s, kv %s, data %s, segment %s", shell.node, self.sender.endpoint,
@@ -103,6 +106,7 @@ class PrefillRole(RequestRole):
                 req = it.request
                 unit.token(req.id, out.index, out.token_id, out.text)
                 self.shell.metrics.first_token(t - req.enqueued_ms, len(it.prompt_ids))
+                self.router.advertise(unit, out.seq)
                 if out.finished:  # max_tokens 1, EOS or a stop string at once: no decode needed
                     unit.done(it.stream, it.entry_id, Completion(
                         req.id, out.full_text or "", (out.token_id,), out.finish_reason,
@@ -111,7 +115,9 @@ class PrefillRole(RequestRole):
                         e2e_ms=t - req.enqueued_ms, prefill_worker=self.shell.worker_id, transfer_path="none",
                         cached_tokens=out.cached_tokens))
                     continue
-                ticket = self.sender.export(req.id, out.detached_blocks, len(it.prompt_ids))
+                ticket = self.sender.export(req.id, out.detached_blocks, len(it.prompt_ids),
+                                            block_hashes=out.seq.block_hashes if self.engine.prefix_caching else (),
+                                            hash_root=self.engine.prefix_root if self.engine.prefix_caching else b"")
                 exported = True
                 handoff = Handoff(request=req, prompt_ids=it.prompt_ids, output_ids=[out.token_id],
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.shell.worker_id,
@@ -139,6 +145,7 @@ class PrefillRole(RequestRole):
     def drain(self) -> None:
         """Warm stop or switch: keep serving exported KV until every lease is released or
         expired (switch commands are still answered meanwhile: ``shell.tick``)."""
+        super().drain()
         deadline = time.monotonic() + self.shell.config.lease_s + 1
         while len(self.sender.leases) and time.monotonic() < deadline and not self.shell.stop.cold.is_set():
             self.free_released()

@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
 from workers.intake import Admitted, Intake
+from workers.routing import Router
 
 IDLE_BLOCK_MS = 100  # an idle role's read blocks this long (a busy one never blocks)
 
@@ -38,7 +39,11 @@ class Role(ABC):
 
     @abstractmethod
     def streams(self) -> list[str]:
-        """Its input streams, highest priority first."""
+        """Its input streams, highest priority first (groups made, pending entries scanned)."""
+
+    def read_streams(self) -> list[str]:
+        """The streams it reads new entries from, highest priority first."""
+        return self.streams()
 
     def registration(self) -> dict:
         """What ``worker:<id>`` shows of it besides load: ``node``, ``endpoints``."""
@@ -86,18 +91,33 @@ class RequestRole(Role):
 
     def start(self, shell) -> None:
         self.shell = shell
-        self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits)
+        # Cache-aware routing (workers/routing.py): its own stream, read after requests:high.
+        self.router = Router(shell.r, shell.keys, shell.worker_id, self, shell.config.routing)
+        self.router.start()
+        self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits,
+                             router=self.router)
         self.inflight: dict[str, Admitted] = {}
         self.step_s = 0.0   # moving average of an engine step
 
     def streams(self) -> list[str]:
-        return list(self.shell.keys.request_streams)
+        """Every request stream it may hold entries of: high, its own, the shared one, and
+        the other workers' own streams (Recovery reclaims a dead owner's entries there)."""
+        return self.router.all_streams()
+
+    def read_streams(self) -> list[str]:
+        return self.router.read_streams()
 
     def step(self) -> bool:
         self.housekeeping()
+        self.router.refresh()
         busy = self.engine.has_unfinished
         if self.shell.accepting and self.engine.num_waiting == 0:
             self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS)
+            if self.engine.num_waiting == 0 and self.shell.accepting:
+                # Entries routed to a dead worker (or, when idle, to one that lags)
+                taken = self.router.take_over(self.read_limit(), idle=not self.engine.has_unfinished)
+                if taken:
+                    self.accept(taken, resumed=False)
         elif not busy:
             return False
         if self.engine.has_unfinished:
@@ -122,8 +142,13 @@ class RequestRole(Role):
         """Answer a step's outputs (``engine.step()``) in one unit."""
 
     def accept(self, entries: list, resumed: bool) -> None:
+        in_hand = {(a.stream, a.entry_id) for a in self.inflight.values()}
         with self.shell.unit() as unit:
             for stream, entry_id, fields in entries:
+                if (stream, entry_id) in in_hand:
+                    # The very entry in hand, delivered again (its first delivery lost at a
+                    # Redis failover): pending for us once more, and answered when it ends.
+                    continue
                 admitted = self.intake.take(self.engine, stream, entry_id, fields, unit)
                 if admitted:
                     self.inflight[admitted.request.id] = admitted
@@ -132,6 +157,10 @@ class RequestRole(Role):
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (a.stream, a.entry_id) for rid, a in self.inflight.items()}
 
+    def drain(self) -> None:
+        """It takes nothing new from here on: requests routed to it go back to ``requests``."""
+        self.router.give_back()
+
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.engine.abort(rid)
@@ -139,4 +168,5 @@ class RequestRole(Role):
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks}
+                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
+                "accepting": self.shell.accepting, **self.router.load()}

@@ -98,6 +98,7 @@ class WorkerShell:
                                    model=config.engine.model, ttl_s=config.heartbeat_ttl_s)
         self.heartbeat.update(role_epoch=self.role_epoch, switchable=int(config.switchable),
                               role_since_ms=self.role_since_ms, switching_to="",
+                              weights=getattr(loaded, "weights", "fp32"),
                               max_model_len=min(config.engine.max_model_len or loaded.config.max_position_embeddings,
                                                 loaded.config.max_position_embeddings))
         self.metrics_port: int | None = None
@@ -394,7 +395,7 @@ class WorkerShell:
     def read(self, limit: int, block_ms: int) -> list:
         """XREADGROUP of the role's streams, highest priority first; [] while Redis is down."""
         try:
-            entries = streams.read_group(self.r, self.role.group, self.worker_id, self.role.streams(),
+            entries = streams.read_group(self.r, self.role.group, self.worker_id, self.role.read_streams(),
                                          count=limit, block_ms=block_ms or None)
             self.backoff.reset()
             return entries
@@ -402,7 +403,8 @@ class WorkerShell:
             self._redis_down(exc)
             return []
         except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):  # Redis restarted without persistence
+            if "NOGROUP" in str(exc) or "no longer exists" in str(exc):
+                # Redis restarted without persistence, or a stream was deleted under a blocked read
                 self.ensure_groups()
                 return []
             raise
@@ -433,7 +435,9 @@ class WorkerShell:
         """Every group exists (created at "0": entries added before any worker are served)."""
         role = self.role
         groups = [(s, PREFILL_GROUP) for s in self.keys.request_streams] + [(self.keys.handoff, DECODE_GROUP)]
-        groups += [(s, role.group) for s in role.streams() if (s, role.group) not in groups]
+        # The streams it reads (its own among them), not every stream it scans: another
+        # worker's own stream, deleted once empty and owner-less, must not come back.
+        groups += [(s, role.group) for s in role.read_streams() if (s, role.group) not in groups]
         for stream, group in groups:
             streams.ensure_group(self.r, stream, group)
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
 
 CONTROL_EVERY_S = 0.1     # control:<id> is read at most this often
 FIXED_ROLE = "fixed role: started without --switchable"
@@ -95,7 +96,7 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
     has_decode = any(role == "decode" for role in after.values())
     has_request_role = any(role in REQUEST_ROLES for role in after.values())
     if from_role in REQUEST_ROLES and not has_request_role:
-        n = backlog(r, PREFILL_GROUP, worker_id, keys.request_streams)
+        n = backlog(r, PREFILL_GROUP, worker_id, request_streams_of(r, keys))
         if n:
             return f"nobody left to serve it: last prefill-capable worker, {n} request(s) queued"
     if not has_decode and prefill and (from_role == "decode" or to_role == "prefill"):

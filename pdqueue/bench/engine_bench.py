@@ -43,7 +43,10 @@ def read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights one decode step reads (quantized layers at their packed size)."""
+    from pdqueue.models.quant import step_weight_bytes
+
+    return step_weight_bytes(model)
 
 
 def bench_prefill(engine: LLMEngine, num_tokens: int, repeats: int = 2) -> float:
@@ -98,6 +101,7 @@ def run(loaded, config: EngineConfig, prompt_lens=(128, 512, 2048), batch_sizes=
         "model": loaded.config.name,
         "device": config.device,
         "dtype": config.dtype,
+        "weights": getattr(loaded, "weights", "fp32"),
         "threads": torch.get_num_threads(),
         "weight_bytes": wbytes,
         "copy_gb_s": copy_bw / 1e9,
@@ -120,3 +124,82 @@ def run(loaded, config: EngineConfig, prompt_lens=(128, 512, 2048), batch_sizes=
         f"decode_b{batch_sizes[-1]}_vs_b{batch_sizes[0]}": d[batch_sizes[-1]] / d[batch_sizes[0]],
     }
     return result
+
+
+def _start_decode(engine: LLMEngine, batch_size: int, max_tokens: int, context: int = 128) -> list[str]:
+    """``batch_size`` sequences of ``context`` random tokens, prefilled and one step in."""
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(batch_size)
+    ids = []
+    for i in range(batch_size):
+        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
+        rid = f"c{batch_size}-{i}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        ids.append(rid)
+    while any(s.num_cached_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:
+        engine.step()
+    engine.step()  # the first decode step warms up
+    return ids
+
+
+def run_compare(models: dict, config: EngineConfig, prompt_lens=(128, 512, 2048), batch_sizes=(1, 8, 32),
+                rounds: int = 2, progress=print) -> dict:
+    """Each of ``models`` ({weights format: LoadedModel}, the baseline first) in its own
+    engine, measured interleaved: prefill runs alternate between the formats (the best of
+    ``rounds`` each), and at each batch size the decode steps alternate one by one
+    (8 x ``rounds`` steps each, the median), so a noisy neighbour slows every format alike.
+    ``ratios`` of the others hold ``decode_bN_vs_<baseline>`` and ``prefill_N_vs_<baseline>``;
+    each result ``decode_bN_vs_b1`` and the bound."""
+    names = list(models)
+    cfg = config.with_(max_num_batched_tokens=max(prompt_lens), max_num_seqs=max(max(batch_sizes), config.max_num_seqs))
+    engines = {n: LLMEngine(models[n], cfg.with_(weights=n)) for n in names}
+    read_bw = read_bandwidth()
+    results = {}
+    for n in names:
+        wbytes = weight_bytes(engines[n].model)
+        results[n] = {"model": models[n].config.name, "weights": n, "weight_bytes": wbytes,
+                      "bound_ms_read": wbytes / read_bw * 1e3, "prefill_tok_s": {}, "decode_ms": {}}
+    for length in prompt_lens:
+        progress(f"prefill {length} tokens, {' / '.join(names)} alternating ...")
+        best = {n: float("inf") for n in names}
+        for r in range(rounds + 1):
+            for n in (names if r % 2 == 0 else names[::-1]):
+                seed = r * 1_000_003 + length
+                prompt = torch.randint(3, engines[n].model_config.vocab_size, (length,),
+                                       generator=torch.Generator().manual_seed(seed)).tolist()
+                engines[n].add_request(f"p{length}-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
+                t = time.perf_counter()
+                while engines[n].has_unfinished:
+                    engines[n].step()
+                if r:  # the first run warms up
+                    best[n] = min(best[n], time.perf_counter() - t)
+        for n in names:
+            results[n]["prefill_tok_s"][length] = length / best[n]
+    steps = 8 * rounds
+    for b in batch_sizes:
+        progress(f"decode batch {b}, {' / '.join(names)} step by step ...")
+        ids = {n: _start_decode(engines[n], b, steps + 3) for n in names}
+        times = {n: [] for n in names}
+        for i in range(steps):
+            for n in (names if i % 2 == 0 else names[::-1]):
+                t = time.perf_counter()
+                engines[n].step()
+                times[n].append(time.perf_counter() - t)
+        for n in names:
+            for rid in ids[n]:
+                engines[n].abort(rid)
+            ts = sorted(times[n])
+            results[n]["decode_ms"][b] = ts[len(ts) // 2] * 1e3
+    base = names[0]
+    b1 = batch_sizes[0]
+    for n in names:
+        d = results[n]["decode_ms"]
+        ratios = {f"decode_b{b1}_vs_bound_read": d[b1] / results[n]["bound_ms_read"]}
+        ratios.update({f"decode_b{b}_vs_b{b1}": d[b] / d[b1] for b in batch_sizes[1:]})
+        if n != base:
+            ratios.update({f"decode_b{b}_vs_{base}": d[b] / results[base]["decode_ms"][b] for b in batch_sizes})
+            ratios.update({f"prefill_{length}_vs_{base}": results[n]["prefill_tok_s"][length]
+                           / results[base]["prefill_tok_s"][length] for length in prompt_lens})
+        results[n]["ratios"] = ratios
+    return {"model": results[base]["model"], "threads": torch.get_num_threads(), "rounds": rounds,
+            "read_gb_s": read_bw / 1e9, "baseline": base, "weights": names, "results": results}

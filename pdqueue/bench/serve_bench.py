@@ -42,8 +42,12 @@ from typing import Callable, Protocol
 from pdqueue.bench.stats import gaps, meets_slo, summary
 from pdqueue.protocol import entry_id_ms
 
-MODES = ("disagg", "colocated-prefill-first", "colocated-chunked", "adaptive")
+MODES = ("disagg", "colocated-prefill-first", "colocated-chunked", "adaptive",
+         "prefix-off", "prefix-blind", "prefix-aware")
 DEFAULT_MODES = MODES[:3]
+# The prefix-caching comparison (``--workload prefix``): 2 prefill + 1 decode workers with
+# caching off, caching on with cache-blind routing, and caching with cache-aware routing.
+PREFIX_MODES = MODES[4:]
 _VOCAB = {"tiny": 264, "smollm2": 49152}
 
 
@@ -122,6 +126,8 @@ class Settings:
     plan_dwell_s: float = 15.0
     plan_cooldown_s: float = 8.0
     plan_window_s: float = 20.0
+    workload_kind: str = "mixed"       # mixed: short chat and long documents; prefix: shared system prompts
+                                       # and multi-turn conversations (plan_prefix_requests)
     openai_url: str | None = None      # drive this OpenAI-compatible server instead of starting workers
     openai_model: str | None = None    # its model (default: the first of GET /v1/models)
     api_key: str | None = None
@@ -158,6 +164,10 @@ def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ..
         return [("colocated", ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens)))] * 2
     if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.adapter)
         return [("prefill", ("--switchable",)), ("decode", ("--switchable",))]
+    if mode.startswith("prefix-"):   # (decode workers take --routing and ignore it)
+        extra = {"prefix-off": ("--no-prefix-caching",), "prefix-blind": ("--routing", "off"),
+                 "prefix-aware": ("--routing", "cache")}[mode]
+        return [("prefill", extra)] * 2 + [("decode", extra)]
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -193,6 +203,40 @@ def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) ->
         prompt_range, output_range = w.ranges(kind)
         prompt = tuple(rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*prompt_range)))
         out.append(Planned(at, kind, prompt, rng.randint(*output_range)))
+        at += rng.expovariate(rate)
+    return out
+
+
+# The prefix workload: ``SYSTEM_PROMPTS`` system prompts of ``SYSTEM_LEN`` tokens, and
+# ``CONVERSATIONS`` conversations, each on one system prompt; each arrival (Poisson) is the
+# next turn of a conversation picked at random, which resends the whole conversation so far
+# (system prompt, then user and assistant turns) plus a new user turn. The assistant turns
+# are synthetic (the planned list is fixed before any answer exists): what matters is that
+# turn k+1 repeats turn k's prompt, as chat clients do.
+SYSTEM_PROMPTS, SYSTEM_LEN, CONVERSATIONS = 8, (400, 600), 12
+USER_LEN, ASSISTANT_LEN, MAX_TURNS = (40, 120), (32, 96), 6
+
+
+def plan_prefix_requests(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Planned]:
+    """The seeded request list of the prefix workload at one rate (the same for every mode)."""
+    w = settings.workload
+    rng = random.Random(f"{settings.seed}/prefix/{rate}/{salt}")
+
+    def toks(bounds) -> list[int]:
+        return [rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*bounds))]
+
+    systems = [toks(SYSTEM_LEN) for _ in range(SYSTEM_PROMPTS)]
+    history = [list(systems[i % SYSTEM_PROMPTS]) for i in range(CONVERSATIONS)]
+    turns = [0] * CONVERSATIONS
+    at, out = 0.0, []
+    for _ in range(count):
+        c = rng.randrange(CONVERSATIONS)
+        if turns[c] == MAX_TURNS:   # a finished conversation starts over on its system prompt
+            history[c], turns[c] = list(systems[c % SYSTEM_PROMPTS]), 0
+        history[c] += toks(USER_LEN)
+        out.append(Planned(at, "long" if turns[c] else "short", tuple(history[c]), rng.randint(*w.short_output)))
+        history[c] += toks(ASSISTANT_LEN)
+        turns[c] += 1
         at += rng.expovariate(rate)
     return out
 
@@ -465,6 +509,11 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
         "prefill_ms": summary(p for p in prefill_ms if not math.isnan(p)),
         "transfer_ms": summary(r.completion.transfer_ms for r in ok if r.completion.transfer_path not in ("", "local")),
     }
+    prompt_tokens = sum(len(r.planned.prompt_ids) for r in ok)
+    cached = sum(getattr(r.completion, "cached_tokens", 0) or 0 for r in ok)
+    reused = sum(getattr(r.completion, "kv_reused_tokens", 0) or 0 for r in ok)
+    figures["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0      # prefill side
+    figures["decode_kv_reuse_rate"] = reused / prompt_tokens if prompt_tokens else 0.0      # KV not fetched
     figures["tbt_p99_over_p50"] = figures["tbt_ms"]["p99"] / figures["tbt_ms"]["p50"] if tbt else None
     return figures, {"ttft_ms": ttft, "tbt_ms": tbt}
 
@@ -603,7 +652,8 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 by_rate["phases"]["records"] = records
                 return by_rate, raw
             for rate in settings.rates:
-                plan = plan_requests(settings, rate, settings.requests_at(rate))
+                planner = plan_prefix_requests if settings.workload_kind == "prefix" else plan_requests
+                plan = planner(settings, rate, settings.requests_at(rate))
                 task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
                 records = await run_requests(client, plan, settings.drain_timeout_s,
                                              on_done=lambda: bar.advance(task), log=progress)
@@ -698,7 +748,23 @@ def claim(result: dict) -> dict:
         others = [v for m, v in ratios.items() if m != "disagg" and v is not None]
         if d is not None and others:
             entry["verdict"] = ("holds" if d < 2.0 else "partly") if all(d < v for v in others) else "does not hold"
+        entry.update(prefix_claim(result, rate))
         out[rate] = entry
+    return out
+
+
+def prefix_claim(result: dict, rate: str) -> dict:
+    """Issue 15's targets where the prefix modes ran: caching alone (cache-blind) at least 2x
+    lower TTFT p50 than caching off; cache-aware routing at least 1.5x lower than cache-blind."""
+    modes = result["modes"]
+    p50 = {m: modes[m]["by_rate"][rate]["ttft_ms"]["p50"] for m in PREFIX_MODES if m in modes}
+    out = {f"{m}_hit_rate": modes[m]["by_rate"][rate]["prefix_cache_hit_rate"] for m in p50}
+    if p50.get("prefix-off") and p50.get("prefix-blind"):
+        out["caching_ttft_p50_speedup"] = p50["prefix-off"] / p50["prefix-blind"]
+        out["caching_target_2x"] = out["caching_ttft_p50_speedup"] >= 2.0
+    if p50.get("prefix-blind") and p50.get("prefix-aware"):
+        out["routing_ttft_p50_speedup"] = p50["prefix-blind"] / p50["prefix-aware"]
+        out["routing_target_1_5x"] = out["routing_ttft_p50_speedup"] >= 1.5
     return out
 
 
@@ -708,7 +774,10 @@ def _workload_dict(settings: Settings) -> dict:
             "long_output": w.long_output, "long_fraction": w.long_fraction, "seed": settings.seed,
             "requests_per_rate": {_key(r): settings.requests_at(r) for r in settings.rates},
             "warmup": settings.warmup, "chunk_tokens": settings.chunk_tokens, "threads_per_worker": 1,
-            "sampling": "greedy, ignore_eos"}
+            "sampling": "greedy, ignore_eos", "kind": settings.workload_kind,
+            **({"system_prompts": SYSTEM_PROMPTS, "system_len": SYSTEM_LEN, "conversations": CONVERSATIONS,
+                "user_len": USER_LEN, "assistant_len": ASSISTANT_LEN, "max_turns": MAX_TURNS}
+               if settings.workload_kind == "prefix" else {})}
 
 
 def phase_claim(result: dict) -> dict:

@@ -15,6 +15,11 @@ ticket (or request) to the blocks in its own pool,
   time to open a connection, handshake included);
 - ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the limit
   of the network paths);
+- ``nixl`` (where NIXL is installed: pdqueue[rdma]): ``KVReceiver.fetch`` forced to the nixl
+  path (an ``acquire`` over the authenticated ZeroMQ channel, one NIXL READ of the blocks
+  straight into the pool, a release), against the authenticated sender, which also runs a
+  NIXL agent; the UCX transports it used are read from UCX's own log (``UCX_LOG_LEVEL=info``
+  into a file per process) and reported in ``nixl_transports``;
 - ``grpc``: gather + ``tobytes`` on the sender, one unary call, ``frombuffer`` + scatter;
 - ``redis_pickle``: pickle + SET on the sender, GET + unpickle + scatter here.
 Each path gets warm-up runs (the first one is checked bit for bit), then the repeats run
@@ -48,10 +53,12 @@ from pdqueue.bench.stats import median
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import KVAuth, KVReceiver, KVSender, SharedKVPool, Ticket, generate_secret, node_id
 from pdqueue.transfer.blocks import copy_blocks, planes
+from pdqueue.transfer.nixl import nixl_missing
 from pdqueue.transfer.tcp import DataClient
 from pdqueue.transfer.zmq import ControlClient
 
-PATHS = ("memcpy", "shm", "shm_noauth", "tcp", "tcp_noauth", "zmq", "zmq_noauth", "raw_socket", "grpc", "redis_pickle")
+PATHS = ("memcpy", "shm", "shm_noauth", "tcp", "tcp_noauth", "zmq", "zmq_noauth", "nixl", "raw_socket", "grpc",
+         "redis_pickle")
 AUTH_PATHS = ("shm", "tcp", "zmq")   # each also runs as <path>_noauth
 AUTH_FROM_TOKENS = 512               # the auth summary covers these sizes and above
 CONNECT_REPEATS = 20                 # fresh connections timed per wire, with and without authentication
@@ -62,6 +69,7 @@ FULL_CASES = {"smollm2": (128, 256, 512, 1024, 2048, 4096), "synthetic": (256, 5
 QUICK_CASES = {"smollm2": (128, 512)}
 RATIO_AT = ("smollm2", 512)
 TARGETS = {"shm_vs_memcpy": 0.8, "zmq_vs_raw_socket": 0.8, "zmq_vs_grpc": 3.0, "tcp_vs_raw_socket": 0.8,
+           "nixl_vs_raw_socket": 0.8,
            "shm_auth_vs_noauth": 0.95, "tcp_auth_vs_noauth": 0.95, "zmq_auth_vs_noauth": 0.95}
 _GRPC_METHOD = "/pdq.bench.KV/Fetch"
 _GRPC_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -86,7 +94,7 @@ def _peer_main(conn, cfg: dict) -> None:
         pool.tensor.uniform_(-1, 1)
         src_planes = planes(pool.tensor)
         auth = KVAuth(bytes.fromhex(cfg["secret"]), BENCH_CLUSTER)
-        senders = {True: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120, auth=auth),
+        senders = {True: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120, auth=auth, nixl=cfg["nixl"]),
                    False: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120)}   # as with --kv-auth off
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_serve_raw, args=(listener, pool.tensor), daemon=True).start()
@@ -161,10 +169,12 @@ def _start_grpc(src_planes: torch.Tensor):
 class Peer:
     """The prefill-side child process (see the module docstring)."""
 
-    def __init__(self, layout: KVCacheLayout, node: str, redis_url: str | None, use_grpc: bool, secret: bytes):
+    def __init__(self, layout: KVCacheLayout, node: str, redis_url: str | None, use_grpc: bool, secret: bytes,
+                 use_nixl: bool = False):
         cfg = {"layout": layout.to_dict(), "prefix": f"pdq-kv-bench{uuid.uuid4().hex[:6]}",
                "worker_id": "bench-prefill", "node": node, "redis_url": redis_url, "grpc": use_grpc,
-               "secret": secret.hex()}
+               "secret": secret.hex(), "nixl": use_nixl}
+        self.use_nixl = use_nixl
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_peer_main, args=(child, cfg), daemon=True)
@@ -226,6 +236,8 @@ class DecodeSide:
         self.receivers = {m: KVReceiver(self.pool, layout, node, mode=m, timeout_s=60, auth=auth) for m in AUTH_PATHS}
         self.receivers.update({f"{m}_noauth": KVReceiver(self.pool, layout, node, mode=m, timeout_s=60)
                                for m in AUTH_PATHS})
+        if peer.use_nixl:
+            self.receivers["nixl"] = KVReceiver(self.pool, layout, node, mode="nixl", timeout_s=60, auth=auth)
         self.source = SharedKVPool.attach(peer.info["segment"], peer.info["nonce"])   # for checks only
         self.raw = socket.create_connection(("127.0.0.1", peer.info["raw_port"]))
         self.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -373,13 +385,17 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
     node = node_id()
     secret = generate_secret()
     results, connect = [], []
+    use_nixl = nixl_missing() is None
+    if not use_nixl:
+        notes.append(f"the nixl path was skipped: {nixl_missing()}")
+    ucx_log = UcxLog() if use_nixl else None
     try:
         for layout_name, token_counts in cases_by_layout.items():
             dims = SMOLLM2 if layout_name == "smollm2" else SYNTHETIC
             max_blocks = -(-max(token_counts) // dims["block_size"])
             layout = KVCacheLayout(num_blocks=max_blocks, **dims)
             progress(f"{layout_name}: starting the prefill-side process ({layout.nbytes / 2**20:.0f} MiB pool)")
-            peer = Peer(layout, node, server.url if server else None, use_grpc, secret)
+            peer = Peer(layout, node, server.url if server else None, use_grpc, secret, use_nixl)
             side = None
             try:
                 side = DecodeSide(peer, layout, node, server.url if server else None, KVAuth(secret, BENCH_CLUSTER))
@@ -395,7 +411,47 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
     finally:
         if server is not None:
             server.stop()
-    return _result(results, quick, repeats, warmup, notes, connect)
+        transports = ucx_log.close() if ucx_log is not None else None
+    result = _result(results, quick, repeats, warmup, notes, connect)
+    result["nixl_transports"] = transports
+    return result
+
+
+class UcxLog:
+    """UCX's info log (the lanes it chose per peer: ``rma_am(tcp/lo) am(tcp/lo cma/memory)``,
+    ``rma(rc_mlx5/mlx5_0:1)`` over RDMA ...) into a file per process while the bench runs, for
+    ``nixl_transports``: the environment is set before any UCX context exists (this process
+    and the spawned child read it at their first NIXL agent) and restored by ``close``."""
+
+    KEYS = ("UCX_LOG_LEVEL", "UCX_LOG_FILE")
+
+    def __init__(self):
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="pdq-bench-ucx-")
+        self.saved = {k: os.environ.get(k) for k in self.KEYS}
+        os.environ["UCX_LOG_LEVEL"] = "info"
+        os.environ["UCX_LOG_FILE"] = os.path.join(self.dir, "ucx.%p.log")
+
+    def close(self) -> list[str]:
+        """The distinct lane configurations UCX logged (``cfg#`` lines, one per peer kind)."""
+        import re
+        import shutil
+
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        found: list[str] = []
+        for name in sorted(os.listdir(self.dir)):
+            with open(os.path.join(self.dir, name), errors="replace") as f:
+                for line in f:
+                    m = re.search(r"(intra-node|inter-node|self) cfg#\d+ (.*)$", line)
+                    if m and f"{m.group(1)}: {m.group(2).strip()}" not in found:
+                        found.append(f"{m.group(1)}: {m.group(2).strip()}")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return found
 
 
 def _run_case(side: DecodeSide, case: Case, repeats: int, warmup: int) -> dict:
@@ -429,6 +485,7 @@ def ratios_of(row: dict) -> dict:
             **{f"{m}_auth_vs_noauth": ratio(m, f"{m}_noauth") for m in AUTH_PATHS},
             "zmq_vs_grpc": ratio("zmq", "grpc"), "tcp_vs_raw_socket": ratio("tcp", "raw_socket"),
             "tcp_vs_grpc": ratio("tcp", "grpc"), "tcp_vs_zmq": ratio("tcp", "zmq"), "shm_vs_grpc": ratio("shm", "grpc"),
+            "nixl_vs_raw_socket": ratio("nixl", "raw_socket"), "nixl_vs_tcp": ratio("nixl", "tcp"),
             "zmq_vs_redis_pickle": ratio("zmq", "redis_pickle"), "shm_vs_zmq": ratio("shm", "zmq")}
 
 
@@ -513,5 +570,13 @@ def format_table(result: dict) -> str:
             lines.append(f"  opening a connection (median ms): tcp {c['tcp']:.2f} with the handshake, "
                          f"{c['tcp_noauth']:.2f} without; zmq {c['zmq']:.2f} with, {c['zmq_noauth']:.2f} without "
                          "(once per sender and receiver pair)")
+    big = [r for r in result["sizes"] if r["tokens"] >= AUTH_FROM_TOKENS and "nixl" in r["paths"]
+           and "raw_socket" in r["paths"]]
+    if big:
+        lines.append("nixl vs raw_socket (target >= 0.8x), 512 tokens and above: " + "   ".join(
+            f"{r['layout']} {r['tokens']} {r['paths']['nixl']['gb_s'] / r['paths']['raw_socket']['gb_s']:.2f}x"
+            for r in big))
+    if result.get("nixl_transports"):
+        lines.append("nixl: UCX lanes used (from UCX's log): " + "; ".join(result["nixl_transports"]))
     lines.extend(f"note: {n}" for n in result["notes"])
     return "\n".join(lines)

@@ -139,6 +139,15 @@ class BlockManager:
                 hit.append(block_id)
         return hit
 
+    def num_cached_leading(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a chain, in order) name blocks in the cache, from the first on."""
+        n = 0
+        for h in hashes:
+            if h not in self._index:
+                break
+            n += 1
+        return n
+
     def num_hit_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``allocate`` would serve from the cache now."""
         return len(self._hit_blocks(seq)) * self.block_size
@@ -175,6 +184,35 @@ class BlockManager:
             if self.on_rewrite is not None:
                 self.on_rewrite(fresh)
 
+    def allocate_known(self, seq: Sequence, hashes: list[bytes], same_root: bool) -> int:
+        """Decode role: give ``seq`` blocks for all of its tokens, whose KV (all but the
+        last token's) another engine computed and named ``hashes`` (its chain, one hash per
+        full block, in order). The longest run of those names found in the index is taken
+        from the cache (a reference each, only ever read: they never cover the last token);
+        fresh blocks for the rest, which the caller fills. Returns how many leading blocks
+        were hits. ``same_root``: that engine's chain starts where ours does (same model,
+        weights and dtypes), so blocks this engine computes later may extend the chain;
+        otherwise only the given names are ever registered. Call ``can_allocate``-like
+        checks first (``blocks_for(num_tokens)`` free blocks always suffice)."""
+        hit: list[int] = []
+        if self.enable_caching and not seq.block_table:
+            max_blocks = min(len(hashes), (seq.num_tokens - 1) // self.block_size)
+            for h in hashes[:max_blocks]:
+                block_id = self._index.get(h)
+                if block_id is None:
+                    break
+                hit.append(block_id)
+            for block_id in hit:
+                self._hold(block_id)
+            seq.block_table = list(hit)
+            seq.block_hashes = list(hashes)
+            seq.num_hashed_blocks = len(hit)
+            seq.max_hashed_blocks = None if same_root else len(hashes)
+            self.queries += min(len(hashes) * self.block_size, seq.num_tokens)
+            self.hits += len(hit) * self.block_size
+        self.allocate(seq, use_cache=False)
+        return len(hit)
+
     def can_append(self, seq: Sequence) -> bool:
         """Room to compute the sequence's next token (its last one) without a new block, or a free block."""
         return len(seq.block_table) * self.block_size >= seq.num_tokens or self.num_free_blocks >= 1
@@ -193,6 +231,8 @@ class BlockManager:
         if not self.enable_caching:
             return
         num_full = seq.num_cached_tokens // self.block_size
+        if seq.max_hashed_blocks is not None:   # KV named by another engine's chain (allocate_known)
+            num_full = min(num_full, seq.max_hashed_blocks)
         if num_full <= seq.num_hashed_blocks:
             return
         hashes = self.block_hashes(seq, num_full)

@@ -20,6 +20,10 @@ DEFAULT_KV_CACHE_MB = 512
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# How the linear layers' weights are held (pdqueue.models.quant, which has the same tuple):
+# fp32 unquantized (in ``dtype``), int8 per output channel, int4 in groups of 32.
+WEIGHT_FORMATS = ("fp32", "int8", "int4")
+
 
 class PrefillPolicy(str, Enum):
     PREFILL_FIRST = "prefill_first"  # whole prompts before any decode step (classic server)
@@ -40,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     num_threads: int | None = None    # torch intra-op threads; None: torch's default
     prefix_caching: bool = True       # reuse the KV of cached full prompt blocks (block_manager.py)
+    weights: str = "fp32"             # WEIGHT_FORMATS; the model is loaded so (models.loader.load_model)
 
     def __post_init__(self):
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))
@@ -47,6 +52,10 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.weights != "fp32" and (self.dtype != "float32" or not self.device.startswith("cpu")):
+            raise ValueError(f"weights {self.weights} run on CPU in float32 only (--device cpu --dtype float32)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_mb < 1:

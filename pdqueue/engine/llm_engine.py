@@ -17,8 +17,11 @@ sequence admitted with a cached prefix computes only the rest; each step names t
 filled. Blocks a finished sequence or an ended lease gives back stay cached until evicted.
 ``StepOutput.cached_tokens`` is what a request saved; ``prefix_cache_queries`` and
 ``prefix_cache_hits`` count tokens looked up and found, over the engine's life. The hash
-chain starts from the model's identity and config, its weights' dtype, the KV dtype and the
-block size, so blocks are never shared across anything that changes the KV.
+chain starts from the model's identity, config and weights' fingerprint (a GGUF file's
+SHA-256), its weights' dtype and format (``fp32``, ``int8``, ``int4``: models/quant.py), the
+KV dtype and the block size, so blocks are never shared across anything that changes the KV.
+In the decode role ``reserve`` takes the blocks a ticket names that this engine caches (the
+sender's chain), so only the others are copied in.
 
 Imports torch, models, and the engine modules; never redis or zmq.
 """
@@ -115,9 +118,13 @@ class LLMEngine:
     def _prefix_root(self, loaded) -> bytes:
         """What besides the tokens decides a block's KV (the prefix cache's chain start)."""
         weights = next(iter(loaded.model.parameters()), None)
-        return prefix_root("pdqueue-kv-1", self.config.model, asdict(loaded.config),
-                           str(weights.dtype) if weights is not None else "", self.layout.dtype,
-                           self.config.block_size)
+        parts = ("pdqueue-kv-1", self.config.model, asdict(loaded.config),
+                 str(weights.dtype) if weights is not None else "", self.layout.dtype, self.config.block_size)
+        fmt = getattr(loaded, "weights", "fp32")   # quantized weights compute other KV (models/quant.py)
+        if fmt != "fp32":
+            parts += (f"weights={fmt}",)
+        fingerprint = getattr(loaded, "fingerprint", "")   # the weights' content (models/loader.py)
+        return prefix_root(*parts, f"fingerprint={fingerprint}") if fingerprint else prefix_root(*parts)
 
     @property
     def prefix_caching(self) -> bool:
@@ -165,21 +172,33 @@ class LLMEngine:
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                output_ids: list[int]) -> Sequence:
+                output_ids: list[int], block_hashes=(), hash_root: bytes = b"") -> Sequence:
         """Decode role: allocate blocks for a sequence whose KV (all tokens but the last)
-        will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``)."""
+        will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``). With
+        the sender's prefix-cache names of its full blocks (``block_hashes``, chained from
+        ``hash_root``), blocks this engine holds under those names are taken from its cache
+        and ``seq.num_cached_tokens`` says how many leading tokens' KV is in place already:
+        the caller copies KV into the blocks after those only (fresh ones; a cached block
+        is never rewritten)."""
         seq = Sequence(request_id, prompt_ids, params, output_ids)
         if not self.can_reserve(seq.num_tokens):
             raise RuntimeError("reserve without can_reserve")
-        # Fresh blocks only: the caller writes all of them (a cached block is never rewritten).
-        self.block_manager.allocate(seq, use_cache=False)
+        hits = self.block_manager.allocate_known(seq, list(block_hashes),
+                                                 same_root=bool(hash_root) and hash_root == self.block_manager.root)
+        seq.num_cached_tokens = hits * self.config.block_size
         return seq
+
+    @property
+    def prefix_root(self) -> bytes:
+        """The prefix cache's chain start (what besides the tokens decides the KV)."""
+        return self.block_manager.root
 
     def unreserve(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
 
     def add_prefilled(self, seq: Sequence) -> None:
         seq.num_cached_tokens = seq.num_tokens - 1
+        self.block_manager.cache_computed(seq)   # the copied full blocks join the prefix cache
         self._track(seq, seq.output_ids)
         self.scheduler.add_running(seq)
 

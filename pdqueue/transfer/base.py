@@ -43,7 +43,14 @@ if TYPE_CHECKING:
 #      ``sealed`` (a request MACed with the session key); every request carries the
 #      ticket's ``mac``; ticket fields ``cluster`` and ``mac`` (HMAC over the other fields);
 #      failure code ``auth_failed``.
-TRANSFER_VERSION = 5
+#   6  prefix caching across the pipeline: ticket fields ``block_hashes`` (the sender's
+#      prefix-cache chain hash of each full block, in order) and ``hash_root`` (its chain's
+#      start); a ``fetch`` request may carry ``first_block`` (serve ``block_ids[first_block:]``
+#      only: the receiver already holds the rest), and the reply describes those blocks.
+#      Ops ``nixl_md`` (a sender's NIXL agent metadata, in a session) and ``acquire`` (hold a
+#      lease for a one-sided NIXL read): transfer.nixl; an older sender answers "unknown op"
+#      and the receiver recomputes.
+TRANSFER_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +73,18 @@ class Ticket:
     data_endpoint: str = ""      # the sender's TCP data server (transfer.tcp); "" without one
     cluster: str = ""            # the sender's cluster ("" without authentication)
     mac: str = ""                # hex HMAC over the other fields (transfer.auth); "" without authentication
+    # The sender's prefix-cache hash of each full block of block_ids, in order (a prefix of
+    # them; () when its cache is off), and the hash its chain starts from (what besides the
+    # tokens decided the KV: model, weights, dtypes). A receiver holding blocks under the same
+    # hashes already has that KV and fetches only the rest (``first_block``).
+    block_hashes: tuple[bytes, ...] = ()
+    hash_root: bytes = b""
 
     FIELDS: ClassVar[tuple[str, ...]] = (
         "version", "request_id", "worker_id", "incarnation", "node", "segment", "nonce",
         "block_ids", "num_tokens", "layout", "endpoint", "lease_deadline", "block_epochs", "data_endpoint",
-        "cluster", "mac")
-    OPTIONAL: ClassVar[dict[str, str]] = {"cluster": "", "mac": ""}   # absent in tickets of version 4
+        "cluster", "mac", "block_hashes", "hash_root")
+    OPTIONAL: ClassVar[dict] = {"cluster": "", "mac": "", "block_hashes": (), "hash_root": b""}
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -82,6 +95,7 @@ class Ticket:
         data["block_ids"] = list(self.block_ids)
         data["block_epochs"] = list(self.block_epochs)
         data["layout"] = dict(self.layout)
+        data["block_hashes"] = list(self.block_hashes)
         return data
 
     @classmethod
@@ -100,6 +114,10 @@ class Ticket:
         for name in ("cluster", "mac"):
             if not isinstance(values[name], str):
                 raise ValueError(f"ticket field {name} must be a string")
+        values["block_hashes"] = tuple(values["block_hashes"])
+        if (not all(isinstance(h, bytes) for h in values["block_hashes"]) or not isinstance(values["hash_root"], bytes)
+                or len(values["block_hashes"]) > len(values["block_ids"])):
+            raise ValueError("ticket block_hashes must be at most one bytes value per block, hash_root bytes")
         return cls(**values)
 
     def pack(self) -> bytes:
@@ -121,7 +139,7 @@ class ControlChannel(Protocol):
     """What the backends ask of the receiver's requests to senders (``transfer.zmq.ControlClient``
     is the one there is; it imports this module, never the other way round)."""
 
-    def fetch(self, ticket: Ticket) -> tuple[dict, Iterator]: ...
+    def fetch(self, ticket: Ticket, first_block: int = 0) -> tuple[dict, Iterator]: ...
 
     def release_nowait(self, ticket: Ticket) -> None: ...
 
@@ -167,7 +185,9 @@ class Transport(ABC):
         TransferError if this backend cannot serve it (mode="auto" then tries the next)."""
 
     @abstractmethod
-    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int: ...
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
+        """Copy ``ticket.block_ids[first_block:]`` into ``dst_block_ids`` (as long); the
+        bytes moved."""
 
     def forget(self, ticket: Ticket) -> None:
         """Drop cached state (mappings, sockets) about the ticket's sender after a failure."""

@@ -71,21 +71,21 @@ class ShmTransport(Transport):
             raise TransferError(f"segment {info.name} layout {info.layout} cannot serve the ticket",
                                 False, FailureCode.LAYOUT_MISMATCH)
 
-    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
         segment = self._mapping(ticket)
-        expected = list(ticket.block_epochs)
-        if len(expected) != len(ticket.block_ids):
-            raise TransferError(f"ticket has {len(expected)} block epochs for {len(ticket.block_ids)} blocks",
-                                False, FailureCode.BAD_TICKET)
-        if segment.epochs_of(ticket.block_ids) != expected:
+        if len(ticket.block_epochs) != len(ticket.block_ids):
+            raise TransferError(f"ticket has {len(ticket.block_epochs)} block epochs for {len(ticket.block_ids)} "
+                                "blocks", False, FailureCode.BAD_TICKET)
+        src_ids, expected = ticket.block_ids[first_block:], list(ticket.block_epochs[first_block:])
+        if segment.epochs_of(src_ids) != expected:
             raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
                                 "(lease released or expired)", False, FailureCode.LEASE_EXPIRED)
-        copy_blocks(planes(segment.tensor), ticket.block_ids, planes(self.ctx.pool), dst_block_ids)
-        if segment.epochs_of(ticket.block_ids) != expected:
+        copy_blocks(planes(segment.tensor), src_ids, planes(self.ctx.pool), dst_block_ids)
+        if segment.epochs_of(src_ids) != expected:
             raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
                                 "while they were copied", False, FailureCode.LEASE_LOST)
         self.ctx.control.release_nowait(ticket)
-        return len(ticket.block_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
+        return len(src_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
 
     def forget(self, ticket: Ticket) -> None:
         for key in [k for k in self._mappings if k[0] == ticket.segment]:
@@ -120,17 +120,17 @@ class ZmqTransport(Transport):
     def can_fetch(self, ticket: Ticket) -> bool:
         return bool(ticket.endpoint)
 
-    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
-        header, frames = self.ctx.control.fetch(ticket)
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
+        header, frames = self.ctx.control.fetch(ticket, first_block)
         layout = self.ctx.layout
         num_planes = 2 * layout.num_layers
-        check_reply_describes(ticket, header, layout)
+        check_reply_describes(ticket, header, layout, first_block)
         max_frame_bytes = header.get("max_frame_bytes")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
             raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", False, FailureCode.BAD_REPLY)
         if header.get("frames") != "staged":
             raise TransferError(f"unknown frame plan {header.get('frames')!r}", False, FailureCode.BAD_REPLY)
-        num_blocks = len(ticket.block_ids)
+        num_blocks = len(ticket.block_ids) - first_block
         plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
         if header.get("num_frames") != len(plan):
             raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
@@ -170,20 +170,21 @@ class TcpTransport(Transport):
     def check(self, ticket: Ticket) -> None:
         self.client.connect(ticket.data_endpoint)
 
-    def fetch(self, ticket: Ticket, dst_block_ids: list[int]) -> int:
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
         endpoint, layout = ticket.data_endpoint, self.ctx.layout
         num_planes, block_nbytes = 2 * layout.num_layers, layout.block_nbytes
         plane_nbytes = layout.num_blocks * block_nbytes
-        expected = num_planes * len(ticket.block_ids) * block_nbytes
+        src_ids = ticket.block_ids[first_block:]
+        expected = num_planes * len(src_ids) * block_nbytes
         try:
-            conn, header = self._ask(endpoint, ticket)
+            conn, header = self._ask(endpoint, ticket, first_block)
             ControlClient.check_reply(endpoint, "fetch", header)   # an error reply raises here
-            check_reply_describes(ticket, header, layout)
+            check_reply_describes(ticket, header, layout, first_block)
             if header.get("nbytes") != expected:
                 raise TransferError(f"fetch reply announces {header.get('nbytes')} bytes, expected {expected}",
                                     False, FailureCode.BAD_REPLY)
             recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
-                              for p, _s, d, n in stream_pieces(num_planes, ticket.block_ids, dst_block_ids)
+                              for p, _s, d, n in stream_pieces(num_planes, src_ids, dst_block_ids)
                               for start in (p * plane_nbytes + d * block_nbytes,)])
         except TransferError:
             self.client.forget(endpoint)   # data may still be on its way: start afresh
@@ -201,7 +202,7 @@ class TcpTransport(Transport):
             self.client.forget(endpoint)   # the lease runs to its deadline instead
         return expected
 
-    def _ask(self, endpoint: str, ticket: Ticket):
+    def _ask(self, endpoint: str, ticket: Ticket, first_block: int = 0):
         """Send the fetch request and read the reply header: (connection, header). A kept
         connection that turns out dead before any reply (the sender restarted on a pinned
         port, a middlebox dropped it) is replaced once by a new one."""
@@ -209,7 +210,7 @@ class TcpTransport(Transport):
             conn, reused = self.client.connect(endpoint)
             try:
                 seq = next(self._seq)
-                raw = wire.request("fetch", seq, ticket)
+                raw = wire.request("fetch", seq, ticket, **({"first_block": first_block} if first_block else {}))
                 session = self.client.sessions.get(endpoint)
                 if session is not None:
                     raw = wire.seal(session, raw, seq)
@@ -232,11 +233,13 @@ class TcpTransport(Transport):
         self.client.close()
 
 
-def check_reply_describes(ticket: Ticket, header: dict, layout) -> None:
-    """A fetch reply must describe exactly the ticket's blocks in the receiver's layout."""
-    expected_shape = [layout.num_layers, 2, len(ticket.block_ids), layout.block_size, layout.num_kv_heads,
+def check_reply_describes(ticket: Ticket, header: dict, layout, first_block: int = 0) -> None:
+    """A fetch reply must describe exactly the blocks asked for (``ticket.block_ids[first_block:]``)
+    in the receiver's layout."""
+    src_ids = list(ticket.block_ids[first_block:])
+    expected_shape = [layout.num_layers, 2, len(src_ids), layout.block_size, layout.num_kv_heads,
                       layout.head_dim]
-    if (header.get("request_id") != ticket.request_id or header.get("block_ids") != list(ticket.block_ids)
+    if (header.get("request_id") != ticket.request_id or header.get("block_ids") != src_ids
             or header.get("shape") != expected_shape or header.get("dtype") != layout.dtype):
         raise TransferError(f"fetch reply for {ticket.request_id!r} describes other data: {header}",
                             False, FailureCode.BAD_REPLY)

@@ -28,6 +28,7 @@ import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import paths  # noqa: F401  (registers the shm, tcp and zmq backends)
+from pdqueue.transfer import nixl  # noqa: F401  (registers the nixl backend; imports NIXL only when used)
 from pdqueue.transfer.auth import KVAuth
 from pdqueue.transfer.base import AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket, Transport
 from pdqueue.transfer.errors import FailureCode, TransferError
@@ -62,8 +63,10 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._closed = False
 
-    def fetch(self, ticket: Ticket | dict, dst_block_ids) -> FetchResult:
-        """Copy the ticket's blocks into ``dst_block_ids``; raises TransferError."""
+    def fetch(self, ticket: Ticket | dict, dst_block_ids, first_block: int = 0) -> FetchResult:
+        """Copy the ticket's blocks from ``first_block`` on (the receiver holds the KV of
+        those before it: prefix caching) into ``dst_block_ids``; raises TransferError. With
+        nothing left to copy (``first_block`` = all of them) the lease is only released."""
         if isinstance(ticket, dict):
             try:
                 ticket = Ticket.from_dict(ticket)
@@ -75,10 +78,13 @@ class KVReceiver:
                 raise TransferError("receiver is closed", False, FailureCode.CLOSED)
             start = time.perf_counter()
             try:
-                self._validate(ticket, dst_block_ids)
+                self._validate(ticket, dst_block_ids, first_block)
+                if first_block == len(ticket.block_ids):
+                    self._ctx.control.release_nowait(ticket)
+                    return FetchResult(0, time.perf_counter() - start, "cache")
                 transport = self._choose(ticket)
                 try:
-                    nbytes = transport.fetch(ticket, dst_block_ids)
+                    nbytes = transport.fetch(ticket, dst_block_ids, first_block)
                 except TransferError as exc:
                     if exc.code in _FORGET_ON:
                         transport.forget(ticket)
@@ -117,7 +123,7 @@ class KVReceiver:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _validate(self, ticket: Ticket, dst_block_ids: list[int]) -> None:
+    def _validate(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> None:
         if ticket.version != TRANSFER_VERSION:
             raise TransferError(f"ticket version {ticket.version}, receiver speaks {TRANSFER_VERSION}",
                                 False, FailureCode.VERSION_MISMATCH)
@@ -134,9 +140,10 @@ class KVReceiver:
             raise TransferError(f"sender layout {src_layout} is incompatible with {self.layout}",
                                 False, FailureCode.LAYOUT_MISMATCH)
         src_ids = ticket.block_ids
-        if not src_ids or len(src_ids) != len(dst_block_ids):
-            raise TransferError(f"{len(src_ids)} ticket blocks for {len(dst_block_ids)} destination blocks",
-                                False, FailureCode.BAD_TICKET)
+        if (not src_ids or not isinstance(first_block, int) or not 0 <= first_block <= len(src_ids)
+                or len(src_ids) - first_block != len(dst_block_ids)):
+            raise TransferError(f"{len(src_ids)} ticket blocks from block {first_block} for {len(dst_block_ids)} "
+                                "destination blocks", False, FailureCode.BAD_TICKET)
         if any(not 0 <= b < src_layout.num_blocks for b in src_ids):
             raise TransferError(f"ticket block ids out of range: {src_ids}", False, FailureCode.BAD_TICKET)
         if any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(dst_block_ids):

@@ -64,6 +64,7 @@ from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
 from pdqueue.transfer.blocks import MAX_FRAME_BYTES, copy_blocks, plan_frames, planes
 from pdqueue.transfer.errors import FailureCode
 from pdqueue.transfer.leases import LeaseState, LeaseTable
+from pdqueue.transfer.nixl import NixlSource
 from pdqueue.transfer.shm import SharedKVPool
 from pdqueue.transfer.tcp import DataServer, send_control, send_views, source_pieces
 
@@ -96,7 +97,7 @@ class KVSender:
                  advertise: str | None = None, max_frame_bytes: int = MAX_FRAME_BYTES,
                  shared_pool: SharedKVPool | None = None,
                  data_port: int | None = 0, data_timeout_s: float = 30.0, auth: KVAuth | None = None,
-                 shared_blocks: bool = False):
+                 shared_blocks: bool = False, nixl: bool = False):
         """``endpoint``: bind address; ``advertise``: the address put in tickets (default: the
         bound one, which is wrong for wildcard hosts such as 0.0.0.0); a trailing ``:*`` in
         it stands for the port actually bound (``tcp://10.0.0.5:*``). ``shared_pool``: the
@@ -107,8 +108,10 @@ class KVSender:
         both wires serve only peers that prove the secret (None: no authentication).
         ``shared_blocks``: the engine shares blocks between requests (prefix caching) and
         bumps a block's epoch itself before it rewrites it; leases may then overlap and
-        handing one back bumps nothing (see the module docstring)."""
+        handing one back bumps nothing (see the module docstring). ``nixl``: also serve the
+        pool to one-sided NIXL reads (transfer.nixl: ops ``nixl_md`` and ``acquire``)."""
         layout.check_pool(pool_tensor)
+        self.nixl = NixlSource(pool_tensor, worker_id, incarnation) if nixl else None
         self.layout = layout
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -168,9 +171,12 @@ class KVSender:
         return cls(pool.tensor, pool.layout, pool.info.worker_id, pool.info.incarnation, node,
                    segment_name=pool.name, nonce=pool.nonce, shared_pool=pool, **kwargs)
 
-    def export(self, request_id: str, block_ids, num_tokens: int, lease_s: float | None = None) -> Ticket:
+    def export(self, request_id: str, block_ids, num_tokens: int, lease_s: float | None = None, *,
+               block_hashes=(), hash_root: bytes = b"") -> Ticket:
         """Lease ``block_ids`` (the engine must not free or write them until poll_freeable
-        returns them) and return the ticket that lets a receiver fetch them."""
+        returns them) and return the ticket that lets a receiver fetch them. ``block_hashes``
+        and ``hash_root``: the engine's prefix-cache names of the full blocks among them
+        (a receiver that holds some of them fetches only the rest)."""
         if self._stop.is_set():
             raise RuntimeError("KVSender is closed")
         block_ids = tuple(int(b) for b in block_ids)
@@ -183,7 +189,8 @@ class KVSender:
         ticket = Ticket(TRANSFER_VERSION, request_id, self.worker_id, self.incarnation, self.node,
                         self.segment_name, self.nonce, block_ids, num_tokens, self.layout.to_dict(),
                         self.endpoint, time.time() + (deadline - self.leases.clock()), epochs, self.data_endpoint,
-                        cluster=self.auth.cluster if self.auth is not None else "")
+                        cluster=self.auth.cluster if self.auth is not None else "",
+                        block_hashes=tuple(bytes(h) for h in block_hashes[:len(block_ids)]), hash_root=bytes(hash_root))
         if self.auth is not None:
             ticket = dataclasses.replace(ticket, mac=self.auth.ticket_mac(ticket))
             self.leases.set_mac(request_id, ticket.mac)   # until then no request can match it
@@ -214,6 +221,8 @@ class KVSender:
         self._sock.close(linger=0)
         self._context.term()
         self._staging = None
+        if self.nixl is not None:
+            self.nixl.close()   # deregistered: a read still in flight fails on the receiver
 
     def __enter__(self) -> "KVSender":
         return self
@@ -298,14 +307,20 @@ class KVSender:
                                     f"which now runs incarnation {self.incarnation}")
         if msg.get("nonce") != self.nonce:
             return wire.error_reply(seq, FailureCode.NONCE_MISMATCH, "ticket nonce does not match the segment")
-        if self.auth is not None and op in ("fetch", "release") and not self._mac_matches(request_id, msg):
+        if self.auth is not None and op in ("fetch", "release", "acquire") and not self._mac_matches(request_id, msg):
             return self._refuse(peer, seq, f"the ticket MAC of {request_id!r} is not the one issued (a forged "
                                            "ticket, or another cluster's or secret's)", tell=True)
         if op == "release":
             valid = self.leases.release(request_id)
             return wire.ok_reply(seq, valid=valid) if answer_release and not msg.get("noreply") else None
+        if op in ("nixl_md", "acquire"):
+            return self._answer_nixl(seq, op, request_id)
         if op != "fetch":
             return wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")
+        first = msg.get("first_block", 0)
+        lease = self.leases.get(request_id)
+        if not isinstance(first, int) or first < 0 or (lease is not None and first >= len(lease.block_ids)):
+            return wire.error_reply(seq, FailureCode.BAD_TICKET, f"first_block {first!r} is outside the ticket's blocks")
         if not self.leases.acquire(request_id):
             return self._lease_error(seq, request_id)
         if hold is not None:
@@ -313,10 +328,28 @@ class KVSender:
         lease = self.leases.get(request_id)
         if lease is None:
             return self._lease_lost(seq, request_id)
-        layout, num_blocks = self.layout, len(lease.block_ids)
-        return _Fetch(seq, request_id, lease.block_ids,
+        layout, block_ids = self.layout, lease.block_ids[first:]
+        num_blocks = len(block_ids)
+        return _Fetch(seq, request_id, block_ids,
                       [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim],
                       layout.dtype)
+
+    def _answer_nixl(self, seq, op: str, request_id) -> bytes:
+        """The NIXL path (transfer.nixl), for an authenticated peer of this incarnation:
+        ``nixl_md``, this sender's agent metadata and registered pool; ``acquire``, the lease
+        acquired (extended to ``lease_s``) for a one-sided read, with the seconds it has left."""
+        if self.nixl is None:
+            return wire.error_reply(seq, FailureCode.SEGMENT_UNAVAILABLE,
+                                    f"{self.worker_id} runs no NIXL agent (start it with --transfer nixl)")
+        if op == "nixl_md":
+            return wire.ok_reply(seq, **self.nixl.describe())
+        if not self.leases.acquire(request_id):
+            return self._lease_error(seq, request_id)
+        lease = self.leases.get(request_id)
+        if lease is None:
+            return self._lease_lost(seq, request_id)
+        return wire.ok_reply(seq, request_id=request_id, block_ids=list(lease.block_ids), agent=self.nixl.name,
+                             hold_s=max(0.0, lease.deadline - self.leases.clock()))
 
     def _mac_matches(self, request_id, msg: dict) -> bool:
         """The request presents the MAC of the ticket issued for its lease (a request for

@@ -39,6 +39,7 @@ Imports torch, msgpack, engine.kv_cache.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hmac
 import logging
@@ -181,6 +182,7 @@ class SharedKVPool:
             # the segment empty, so in creation) only delays us.
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, size)
+            _reserve(fd, size, shm_dir)
             inode = os.fstat(fd).st_ino
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             mm[:_HEADER.size] = _HEADER.pack(b"\0" * 8, SEGMENT_VERSION, epochs_offset, pool_offset, nonce,
@@ -357,3 +359,24 @@ def _remove_if_dead(fd: int, path: str, alive: Callable[[str, str], bool] | None
         return False
     log.info("removed KV segment %s of a dead owner", path)
     return True
+
+
+def _reserve(fd: int, size: int, shm_dir: str) -> None:
+    """Reserve the segment's pages now. A tmpfs too small for it (a container's default 64 MiB
+    /dev/shm, a pod's emptyDir) otherwise kills the process with SIGBUS, and no message, when
+    the pool is first touched; here it is an OSError that says what to change."""
+    def too_small(free: int) -> OSError:
+        return OSError(errno.ENOSPC, f"{shm_dir} has {free / 2**20:.0f} MiB free, too little for a "
+                                     f"{size / 2**20:.0f} MiB KV segment: give it more room (docker --shm-size, "
+                                     "a pod's /dev/shm emptyDir sizeLimit) or lower --kv-cache-mb")
+
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if size > free:   # checked first: a tmpfs fills RAM page by page before fallocate gives up
+        raise too_small(free)
+    try:
+        os.posix_fallocate(fd, 0, size)   # others may take room meanwhile
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise too_small(free) from None
+        # a filesystem without fallocate: the pages come as the pool is touched

@@ -117,12 +117,12 @@ class ControlClient:
         else:
             self._socket(endpoint)
 
-    def fetch(self, ticket: Ticket) -> tuple[dict, Iterator[zmq.Frame]]:
-        """Send a fetch; return the reply header and an iterator over the ``num_frames`` data
-        frames that follow it (zero-copy), each awaited at most ``timeout_s``. The iterator
-        raises TransferError on a timeout, an error reply or a message out of order, and
-        then drops the socket."""
-        header, _, seq = self._call(ticket, "fetch")
+    def fetch(self, ticket: Ticket, first_block: int = 0) -> tuple[dict, Iterator[zmq.Frame]]:
+        """Send a fetch (of ``ticket.block_ids[first_block:]``); return the reply header and
+        an iterator over the ``num_frames`` data frames that follow it (zero-copy), each
+        awaited at most ``timeout_s``. The iterator raises TransferError on a timeout, an
+        error reply or a message out of order, and then drops the socket."""
+        header, _, seq = self._call(ticket, "fetch", **({"first_block": first_block} if first_block else {}))
         count = header.get("num_frames")
         if not isinstance(count, int) or count < 0:
             raise TransferError(f"bad num_frames {count!r}", False, FailureCode.BAD_REPLY)
@@ -153,12 +153,17 @@ class ControlClient:
                                     f"{len(parts)} parts tagged {tag}", False, FailureCode.BAD_REPLY)
             yield parts[1]
 
-    def _call(self, ticket: Ticket, op: str, again: bool = True) -> tuple[dict, list[zmq.Frame], int]:
+    def call(self, ticket: Ticket, op: str, **extra) -> dict:
+        """One request about ``ticket`` (``op``, in a session with authentication) and its
+        reply header; an error reply raises TransferError (transfer.nixl's ops)."""
+        return self._call(ticket, op, **extra)[0]
+
+    def _call(self, ticket: Ticket, op: str, again: bool = True, **extra) -> tuple[dict, list[zmq.Frame], int]:
         endpoint = ticket.endpoint
         session = self._session(endpoint) if self.auth is not None else None
         sock = self._socket(endpoint)
         seq = next(self._seq)
-        raw = request(op, seq, ticket)
+        raw = request(op, seq, ticket, **extra)
         if session is not None:
             raw = seal(session, raw, seq)
         header, frames = self._ask(endpoint, sock, seq, raw, op)
@@ -166,7 +171,7 @@ class ControlClient:
             # The sender does not know our session (it restarted on this port, or forgot an
             # idle one): a new socket, a new handshake, once.
             self.forget(endpoint)
-            return self._call(ticket, op, again=False)
+            return self._call(ticket, op, again=False, **extra)
         self.check_reply(endpoint, op, header)
         return header, frames, seq
 

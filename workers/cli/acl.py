@@ -36,8 +36,12 @@ from workers.cli.common import UserError
 
 ROLES = ("producer", "gateway", "worker", "admin")
 
-CONNECTION = ("+ping", "+hello", "+select", "+echo", "+client|setname", "+client|getname", "+client|id")
-"""What every client may do to its own connection (redis-py's health checks PING)."""
+CONNECTION = ("+ping", "+hello", "+select", "+echo", "+client|setname", "+client|getname", "+client|id",
+              "+cluster|slots", "+cluster|shards", "+command")
+"""What every client may do to its own connection (redis-py's health checks PING), and
+what a Redis Cluster client reads before its first command (the slot map, the command
+table; ``redis+cluster://`` URLs). Apply the users on every node of a Redis Cluster: ACLs
+are per node."""
 
 WORKER_COMMANDS = (
     # streams and consumer groups: requests, handoffs, answers, done, dead, control, events
@@ -45,8 +49,11 @@ WORKER_COMMANDS = (
     "+xrange", "+xrevrange", "+xlen", "+xinfo|groups", "+xinfo|stream",
     # heartbeats (worker:*), idempotency (seen:*), cancels, the KV secret, TTLs
     "+hset", "+hget", "+hmget", "+hgetall", "+get", "+set", "+exists", "+del", "+expire", "+pexpire", "+scan",
-    # ack_and_write / touch_owned (pdqueue/queue/ownership.py), the publisher's MULTI/EXEC, the planner's clock
+    # ack_and_write / touch_owned / forward (pdqueue/queue/ownership.py), the publisher's MULTI/EXEC, the
+    # planner's clock
     "+eval", "+evalsha", "+multi", "+exec", "+discard", "+time",
+    # cache-aware routing (workers/routing.py): advertisements (prefix:*), the set of own streams
+    "+mget", "+sadd", "+smembers", "+srem",
 )
 
 ADMIN_COMMANDS = ("+@all", "-@dangerous", "-@admin", "-function", "-script|flush", "-script|kill")
@@ -74,7 +81,8 @@ def role_rules(keys: Keys, role: str) -> list[str]:
         return [*producer, "+scan",
                 _selector("+hgetall", "+hget", "+hmget", f"~{keys.worker('*')}"),
                 _selector("+xinfo|groups", "+xlen", "+xrange", *requests, f"~{keys.handoff}",
-                          f"~{keys.handoff_node('*')}"),
+                          f"~{keys.handoff_node('*')}", f"~{keys.requests_for('*')}"),
+                _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}")]
     if role == "worker":
         return [*CONNECTION, f"~{keys.prefix}*", *WORKER_COMMANDS]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from workers.cli.common import (Group, UserError, check_device, check_kv_pool, check_model, engine_options, load,
-                                model_option)
+from workers.cli.common import (Group, UserError, check_device, check_engine_config, check_kv_pool, check_model,
+                                engine_options, load, model_errors, model_option)
 
 
 def _progress(message: str) -> None:
@@ -99,22 +99,31 @@ def bench():
 @engine_options
 @click.option("--prompt-lens", default="128,512,2048", show_default=True)
 @click.option("--batch-sizes", default="1,8,32", show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --weights int8/int4: prefill runs per format (best shown) and 8 x ROUNDS decode steps "
+                   "(median), alternating with float32.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, prompt_lens, batch_sizes, as_json):
-    """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound."""
-    from pdqueue.engine.config import EngineConfig
-
+def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, prompt_lens, batch_sizes,
+                 rounds, as_json):
+    """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound; with --weights
+    int8 or int4, beside float32 weights in the same run (decode_b1_vs_fp32)."""
     check_model(model)
     lens, sizes = positive_ints("--prompt-lens", prompt_lens), positive_ints("--batch-sizes", batch_sizes)
-    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
-                          prefix_caching=prefix_caching)
+    config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
+                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, weights=weights)
     check_device(device)
     check_kv_pool(model, config)
     from pdqueue.bench import engine_bench
 
+    progress = lambda m: click.secho(m, fg="cyan", err=True)  # noqa: E731
+    if weights != "fp32":
+        models = {"fp32": load(model, device, dtype), weights: load(model, device, dtype, weights)}
+        result = engine_bench.run_compare(models, config, lens, sizes, rounds, progress=progress)
+        result[f"decode_b{sizes[0]}_vs_fp32"] = result["results"][weights]["ratios"][f"decode_b{sizes[0]}_vs_fp32"]
+        click.echo(json.dumps(result, indent=2) if as_json else _compare_table(result))
+        return
     loaded = load(model, device, dtype)
-    result = engine_bench.run(loaded, config, lens, sizes,
-                              progress=lambda m: click.secho(m, fg="cyan", err=True))
+    result = engine_bench.run(loaded, config, lens, sizes, progress=progress)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -129,6 +138,57 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, pro
         click.echo(f"decode batch {b:>3}: {v:8.1f} ms/step  ({b / v * 1e3:.0f} tok/s)")
     for k, v in result["ratios"].items():
         click.echo(f"{k}: {v:.2f}x")
+
+
+@bench.command("quality")
+@model_option
+@click.option("--formats", default="fp32,int8,int4", show_default=True,
+              help="Weights formats to compare with float32 (pdqueue.models.quant).")
+@click.option("--window", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Perplexity: tokens per disjoint window.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Greedy agreement: tokens per prompt.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads [default: torch's choice].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench_quality(model, formats, window, max_tokens, threads, as_json):
+    """Perplexity of a fixed public-domain text and greedy agreement with float32, per
+    weights format."""
+    from pdqueue.engine.config import WEIGHT_FORMATS
+
+    check_model(model)
+    names = _csv(formats, str, "--formats")
+    unknown = [f for f in names if f not in WEIGHT_FORMATS]
+    if unknown:
+        raise UserError(f"--formats: unknown {unknown}; expected some of {list(WEIGHT_FORMATS)}")
+    import torch
+
+    from pdqueue.bench import quality
+
+    if threads:
+        torch.set_num_threads(threads)
+    with model_errors():
+        result = quality.run(model, names, window, max_tokens, progress=_progress)
+    click.echo(json.dumps(result, indent=2) if as_json else quality.format_table(result))
+
+
+def _compare_table(result: dict) -> str:
+    names, res = result["weights"], result["results"]
+    first = res[names[0]]
+    lines = [f"model {result['model']}  threads {result['threads']}  formats measured alternately",
+             f"{'':<24}" + "".join(f"{n:>12}" for n in names)]
+
+    def row(label, values, fmt):
+        lines.append(f"{label:<24}" + "".join(f"{v:>12{fmt}}" for v in values))
+
+    row("weights MiB / step", [res[n]["weight_bytes"] / 2**20 for n in names], ".0f")
+    for b in first["decode_ms"]:
+        row(f"decode b{b} ms/step", [res[n]["decode_ms"][b] for n in names], ".1f")
+    for n_tok in first["prefill_tok_s"]:
+        row(f"prefill {n_tok} tok/s", [res[n]["prefill_tok_s"][n_tok] for n in names], ".0f")
+    keys = [k for k in res[names[-1]]["ratios"]]
+    for k in keys:
+        row(k, [res[n]["ratios"].get(k, float("nan")) for n in names], ".2f")
+    return "\n".join(lines)
 
 
 def positive_ints(option: str, text: str) -> tuple[int, ...]:
@@ -150,8 +210,8 @@ def positive_ints(option: str, text: str) -> tuple[int, ...]:
 @click.option("--check", is_flag=True, help="Exit with status 3 when a ratio misses its target.")
 def bench_transfer(as_json, quick, repeats, out, check):
     """Move real KV caches prefill -> decode process through shm, the TCP data wire and
-    zmq, beside memcpy, a raw TCP socket, gRPC and pickle-through-Redis measured in the
-    same run.
+    zmq (and NIXL where pdqueue[rdma] is installed, with the UCX transports it used),
+    beside memcpy, a raw TCP socket, gRPC and pickle-through-Redis measured in the same run.
 
     Exit status: 0 when the benchmark ran (targets are reported, "met" or "NOT met", but
     not enforced: these machines are shared and noisy); with --check, 3 when any ratio
@@ -214,6 +274,13 @@ def _write_partial(out: str, partial: dict) -> None:
                    "e.g. chat,docs,chat.")
 @click.option("--phase-s", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds of each phase given by kind.")
+@click.option("--workload", type=click.Choice(["mixed", "prefix"]), default="mixed", show_default=True,
+              help="mixed: short chat and long documents (--long-fraction); prefix: 8 shared system prompts of "
+                   "400-600 tokens and multi-turn conversations that resend their history (default modes then: "
+                   "prefix-off, prefix-blind, prefix-aware: 2 prefill + 1 decode workers with caching off, caching "
+                   "with cache-blind routing, caching with cache-aware routing).")
+@click.option("--kv-cache-mb", type=click.IntRange(min=1), default=None,
+              help="Each worker's KV pool [default: 256; 512 with --workload prefix].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
               help="Requests sent (and not counted) before each mode's first rate.")
@@ -227,7 +294,8 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
-                phases, phase_s, seed, warmup, chunk_tokens, openai_url, openai_model, api_key, as_json, out):
+                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, openai_url, openai_model, api_key,
+                as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
     with --openai-url, the same load against any OpenAI-compatible server."""
@@ -235,6 +303,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     from pdqueue.bench.stats import round_floats
 
     _end_on_term()
+    if workload == "prefix" and click.get_current_context().get_parameter_source("modes").name == "DEFAULT":
+        modes = ",".join(serve_bench.PREFIX_MODES)
     mode_list = _csv(modes, str, "--modes")
     unknown = [m for m in mode_list if m not in serve_bench.MODES]
     if unknown:
@@ -247,7 +317,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
-        openai_model=openai_model, api_key=api_key)
+        openai_model=openai_model, api_key=api_key, workload_kind=workload,
+        kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
                                  log_dir=Path(out) / "logs" if out else None,

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import click
 
-from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
+from pdqueue.engine.config import DEFAULT_KV_CACHE_MB, WEIGHT_FORMATS
 from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
 from pdqueue.protocol import Request
 
@@ -34,6 +34,14 @@ def model_option(f):
                         help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")(f)
 
 
+WEIGHTS_HELP = ("Weights of the linear layers: fp32 (as loaded, in --dtype), int8 (per output channel) or int4 "
+                "(groups of 32, LM head int8), quantized at load; int8/int4 need --device cpu --dtype float32 "
+                "(pdqueue.models.quant). The KV cache is the same whatever the weights, so prefill and decode "
+                "workers may differ.")
+weights_option = click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
+                              help=WEIGHTS_HELP)
+
+
 def engine_options(f):
     for opt in reversed([
         click.option("--device", default="cpu", show_default=True, help="torch device (cpu, cuda, cuda:1)."),
@@ -45,6 +53,7 @@ def engine_options(f):
                      help="KV pool size in MiB (SmolLM2 in float32 needs 360 for one 8192-token sequence)."),
         click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
                      help="Reuse the KV of prompt prefixes already computed (full 16-token blocks)."),
+        weights_option,
     ]):
         f = opt(f)
     return f
@@ -87,17 +96,28 @@ def check_kv_pool(model: str, config) -> None:
         click.secho(f"warning: --kv-cache-mb: {shortfall}", fg="yellow", err=True)
 
 
-def load(model: str, device: str, dtype: str):
+def check_engine_config(**kwargs):
+    """``EngineConfig(**kwargs)``, its ValueError (e.g. --weights int8 with --dtype bfloat16) as one line."""
+    from pdqueue.engine.config import EngineConfig
+
+    try:
+        return EngineConfig(**kwargs)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def load(model: str, device: str, dtype: str, weights: str = "fp32"):
     """Load a model with a progress line on stderr (dequantizing takes a while)."""
     import torch  # noqa: F401  (imported here so that `pdqueue --help` stays fast)
 
     from pdqueue.engine.kv_cache import dtype_from_name
     from pdqueue.models.loader import load_model
 
-    click.secho(f"loading {model} on {device} ({dtype}) ...", fg="cyan", err=True)
+    shown = dtype if weights == "fp32" else f"{dtype}, weights {weights}"
+    click.secho(f"loading {model} on {device} ({shown}) ...", fg="cyan", err=True)
     started = time.perf_counter()
     with model_errors():
-        loaded = load_model(model, device=device, dtype=dtype_from_name(dtype))
+        loaded = load_model(model, device=device, dtype=dtype_from_name(dtype), weights=weights)
     click.secho(f"loaded in {time.perf_counter() - started:.1f}s", fg="cyan", err=True)
     return loaded
 
@@ -167,11 +187,13 @@ def connect(target: Target):
     """A redis-py client that answered PING; one clear error line otherwise."""
     import redis
 
+    from pdqueue.queue.connection import check_mode
     from pdqueue.queue.connection import connect as redis_connect
 
     try:
         r = redis_connect(target.url, purpose="admin")
         r.ping()
+        check_mode(r, target.url)   # a redis:// URL of a Redis Cluster node: say redis+cluster://
         return r
     except (redis.RedisError, ValueError, OSError) as exc:
         hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"

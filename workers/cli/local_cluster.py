@@ -52,6 +52,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.queue.connection import connect
 from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
 
 # pdqueue.transfer.shm's DEFAULT_PREFIX and node's DEFAULT_SHM_DIR, not imported: importing
 # pdqueue.transfer imports torch, which `up` and `status` do without.
@@ -90,6 +91,8 @@ class LocalClusterConfig:
     worker_args: tuple[str, ...] = field(default_factory=tuple)
     switchable: bool = False          # workers take role switches (``up --adapt``)
     gateway_port: int | None = None   # ``start_gateway``: None = 8000 if free, else a free one
+    prefill_weights: str = "fp32"     # --weights of the prefill workers (pdqueue.models.quant)
+    decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
 
 
 class WorkerFailed(RuntimeError):
@@ -237,6 +240,9 @@ class LocalCluster:
                "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args]
         if c.switchable:
             cmd.append("--switchable")
+        weights = c.prefill_weights if role == "prefill" else c.decode_weights
+        if weights != "fp32":   # a worker keeps its weights across role switches
+            cmd += ["--weights", weights]
         if c.threads:
             cmd += ["--threads", str(c.threads)]
         log_path = self.log_dir / f"{worker_id}.log"
@@ -440,7 +446,7 @@ class LocalCluster:
     def _pending_by_consumer(self, nodes: set[str]) -> dict[str, int]:
         """Entries taken and not yet acknowledged, by consumer (worker id), in the request
         streams (prefill group) and the handoff streams (decode group)."""
-        streams = [(s, PREFILL_GROUP) for s in self.keys.request_streams]
+        streams = [(s, PREFILL_GROUP) for s in request_streams_of(self.redis, self.keys)]
         streams += [(s, DECODE_GROUP) for s in {self.keys.handoff, *(self.keys.handoff_node(n) for n in nodes if n)}]
         with self.redis.pipeline(transaction=False) as pipe:
             for stream, group in streams:

@@ -12,8 +12,8 @@ import time
 import click
 
 from pdqueue.protocol import MAX_SEED
-from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check_kv_pool, check_model,
-                                engine_options, load, model_option, redis_security_options)
+from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check_engine_config, check_kv_pool,
+                                check_model, engine_options, load, model_option, redis_security_options)
 
 
 @click.command()
@@ -32,13 +32,11 @@ from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @engine_options
 def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, chat, device, dtype,
-             threads, kv_cache_mb, prefix_caching):
+             threads, kv_cache_mb, prefix_caching, weights):
     """Generate in this process with the colocated engine, streaming tokens (the reference)."""
-    from pdqueue.engine.config import EngineConfig
-
     check_model(model)
-    config = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
-                          prefix_caching=prefix_caching)
+    config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
+                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, weights=weights)
     check_device(device)
     check_kv_pool(model, config)
     if seed is None:
@@ -46,7 +44,7 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
     from pdqueue.engine.llm_engine import LLMEngine
     from pdqueue.engine.sampling import SamplingParams
 
-    loaded = load(model, device, dtype)
+    loaded = load(model, device, dtype, weights)
     engine = LLMEngine(loaded, config)
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -123,9 +121,15 @@ def limit_options(f):
               show_default=True, help="Colocated scheduling policy.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--transfer", type=click.Choice(["auto", "shm", "tcp", "zmq"]), default="auto", show_default=True,
+@click.option("--transfer", type=click.Choice(["auto", "shm", "tcp", "zmq", "nixl"]), default="auto",
+              show_default=True,
               help="How KV reaches the decode side (auto: shm on the same node, else the TCP data wire, "
-                   "else zmq).")
+                   "else zmq; nixl: one-sided reads over NIXL/UCX, RDMA where the hardware has it, on "
+                   "prefill and decode workers alike; needs pdqueue[rdma]).")
+@click.option("--routing", type=click.Choice(["cache", "off"]), envvar="PDQ_ROUTING", show_envvar=True,
+              default="cache", show_default=True,
+              help="Prefill, colocated: cache-aware routing (cache: a request goes to the worker that caches the "
+                   "longest part of its prompt unless that worker is much busier; off: first come, first served).")
 @click.option("--bind", default="tcp://127.0.0.1:*", show_default=True,
               help="Prefill: KV server (ZeroMQ) bind address.")
 @click.option("--data-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
@@ -166,23 +170,25 @@ def limit_options(f):
 @click.option("--no-metrics", is_flag=True, help="Serve no metrics endpoint.")
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, policy, max_num_seqs,
-           max_batched_tokens, transfer, bind, data_port, advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s,
-           reclaim_idle_ms, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host,
-           no_metrics, limits, log_level):
+def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
+           max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, worker_id, burst, switchable, kv_auth, kv_secret_file,
+           metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
-    from pdqueue.engine.config import EngineConfig
     from workers.common import WorkerConfig, setup_logging
 
     setup_logging(log_level)
     check_model(model)
-    engine = EngineConfig(model=model, device=device, dtype=dtype, num_threads=threads, kv_cache_mb=kv_cache_mb,
-                          policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
-                          prefix_caching=prefix_caching)
+    engine = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
+                                 kv_cache_mb=kv_cache_mb, policy=policy, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
+                                 weights=weights)
     check_device(device)
+    check_transfer(transfer)
     check_redis(redis_url)
     check_kv_pool(model, engine)
-    config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, bind=bind,
+    config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, routing=routing,
+                          bind=bind,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
@@ -193,7 +199,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     if config.metrics_port:
         check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
     config = with_kv_auth(config, kv_auth, kv_secret_file)
-    loaded = load(model, device, dtype)
+    loaded = load(model, device, dtype, weights)
     from workers.shell import make_worker
 
     w = make_worker(role, config, loaded)
@@ -270,15 +276,27 @@ def advertised_endpoint(bind: str, host: str | None) -> str | None:
     return f"tcp://{host}:{port}"
 
 
+def check_transfer(transfer: str) -> None:
+    """--transfer nixl needs NIXL (pdqueue[rdma]): say so at start, not at the first handoff."""
+    if transfer == "nixl":
+        from pdqueue.transfer.nixl import nixl_missing
+
+        missing = nixl_missing()
+        if missing:
+            raise UserError(f"--transfer nixl: {missing}")
+
+
 def check_redis(url: str) -> None:
     """Fail with one clear line when Redis is not reachable."""
     import redis
 
-    from pdqueue.queue.connection import connect
+    from pdqueue.queue.connection import check_mode, connect
 
     from pdqueue.config import redact_url
 
     try:
-        connect(url, purpose="check").ping()
+        r = connect(url, purpose="check")
+        r.ping()
+        check_mode(r, url)   # a redis:// URL of a Redis Cluster node: say redis+cluster://
     except (redis.RedisError, ValueError, OSError) as exc:   # a wrong password or a missing right too
         raise UserError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}") from None

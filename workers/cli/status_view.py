@@ -64,6 +64,7 @@ def _worker_row(w: dict, now_ms: int) -> dict:
     hit_pct = round(100.0 * int(load.get("prefix_cache_hits") or 0) / queries, 1) if queries else None
     return {"worker_id": w["worker_id"], "role": w.get("role", ""), "node": w.get("node", ""),
             "host": w.get("host", ""), "pid": w.get("pid"), "model": w.get("model", ""),
+            "weights": w.get("weights", ""),
             "endpoints": w.get("endpoints") or {}, "metrics": w.get("metrics") or "", "load": load,
             "kv_used_pct": used_pct, "prefix_hit_pct": hit_pct,
             "heartbeat_age_s": round(max(0, now_ms - int(w.get("beat_ms") or now_ms)) / 1000, 2)}
@@ -138,7 +139,8 @@ def collect(r: redis.Redis, keys: Keys, window_s: float = 60.0) -> dict:
     """One snapshot of the cluster (see the module docstring). Raises redis errors."""
     now_ms = _server_ms(r)
     workers = [_worker_row(w, now_ms) for w in list_workers(r, keys)]
-    names = [keys.requests, keys.requests_high, keys.handoff, *_handoff_node_streams(r, keys)]
+    own = sorted(_s(m) for m in r.smembers(keys.routed_streams))   # workers' own streams (routing)
+    names = [keys.requests, keys.requests_high, *own, keys.handoff, *_handoff_node_streams(r, keys)]
     streams = {n[len(keys.prefix):]: _stream_info(r, keys, n) for n in names}
     return {"cluster": keys.cluster, "time_ms": now_ms, "workers": workers, "streams": streams,
             "done_length": int(r.xlen(keys.done)), "dead_length": int(r.xlen(keys.dead)),
@@ -183,7 +185,8 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
 
     workers = Table(title="workers", title_justify="left", expand=False, box=None, pad_edge=False)
     numbers = ("running", "waiting", "KV used", "cache hits", "leases", "beat")
-    for col in ("worker", "role", "node", "running", "waiting", "KV used", "cache hits", "leases", "beat", "metrics"):
+    for col in ("worker", "role", "weights", "node", "running", "waiting", "KV used", "cache hits", "leases", "beat",
+                "metrics"):
         workers.add_column(col, justify="right" if col in numbers else "left")
     switchable = any(w["load"].get("switchable") or w.get("switchable") for w in snapshot["workers"])
     for w in snapshot["workers"]:
@@ -196,16 +199,17 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
             role = f"{role} -> {load.get('switching_to') or w.get('switching_to')}"
         elif switchable and not (load.get("switchable") or w.get("switchable")):
             role = f"{role} (fixed)"
-        workers.add_row(w["worker_id"], role, (w["node"] or "")[:8], str(load.get("running", "-")),
+        workers.add_row(w["worker_id"], role, w.get("weights") or "-", (w["node"] or "")[:8],
+                        str(load.get("running", "-")),
                         str(load.get("waiting", "-")), kv,
                         "-" if w.get("prefix_hit_pct") is None else f"{w['prefix_hit_pct']:.0f}%",
                         str(load.get("leases", "-")),
                         Text(f"{age:.1f}s", style="yellow" if age > 5 else ""), w.get("metrics") or "-")
     for p in processes or []:
-        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "",
+        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "", "",
                         Text(f"exited ({p['returncode']})", style="red"), "")
     if not snapshot["workers"] and not processes:
-        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 8)
+        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 9)
 
     streams = Table(title="streams", title_justify="left", box=None, pad_edge=False)
     for col in ("stream", "length", "group", "consumers", "pending", "lag", "oldest pending"):

@@ -21,8 +21,9 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
+from pdqueue.engine.config import WEIGHT_FORMATS
 from workers.cli.common import (Target, UserError, check_model, connect, planner_config, planner_options, print_line,
-                                redis_security_options, rich_console, summary)
+                                redis_security_options, rich_console, summary, weights_option)
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
@@ -74,10 +75,16 @@ def check_port_free(port: int) -> None:
               help="Port of the OpenAI-compatible gateway (pdqueue serve) [default: 8000 if it is free, "
                    "else a free one].")
 @click.option("--no-gateway", is_flag=True, help="Start no gateway.")
+@weights_option
+@click.option("--prefill-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
+              help="--weights of the prefill workers [default: --weights].")
+@click.option("--decode-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
+              help="--weights of the decode workers [default: --weights]; e.g. --decode-weights int8 with float32 "
+                   "prefill.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, plan_mode, ttft_slo_ms, tbt_slo_ms,
-       dwell_s, cooldown_s, window_s):
+       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, weights, prefill_weights,
+       decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C.
 
@@ -120,7 +127,8 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 redis_url=redis_url, redis_port=redis_port, threads=threads,
                                 kv_cache_mb=kv_cache_mb, log_dir=Path(log_dir) if log_dir else None,
                                 log_level=log_level, switchable=adapt, gateway_port=gateway_port,
-                                redis_password=redis_password)
+                                redis_password=redis_password, prefill_weights=prefill_weights or weights,
+                                decode_weights=decode_weights or weights)
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):

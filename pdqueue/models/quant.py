@@ -1,0 +1,169 @@
+"""Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
+
+Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``quantize_model`` (swap a loaded
+``LlamaModel``'s linear layers and LM head for quantized ones, in place) and
+``step_weight_bytes`` (the bytes of weights one decode step reads).
+
+Why these kernels (measured on this machine, one thread, SmolLM2-135M's shapes; see
+docs/architecture.md "Quantized weights"): a decode step reads every weight once, so the bytes
+decide its speed. Of torch 2.13's own CPU kernels:
+
+- ``int8``: fbgemm's dynamically quantized linear (``torch.ops.quantized.linear_dynamic``,
+  the kernel behind ``torch.ao``'s dynamic quantization): int8 weights, per output channel
+  scales; the activations are quantized to uint8 on the fly. The LM head (49152 x 576) at
+  batch 1: 3.6 ms against float32's 12 ms, and it stays fast at batch 8 and 32 (5.5, 11 ms).
+  ``torch._weight_int8pack_mm`` (weight-only int8) is slower than float32 here.
+- ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the "tinygemm" layout, bf16
+  activations, asymmetric groups of 32 along the input): 2.8 ms at batch 1, but 9.7 ms at
+  batch 8 and 39 ms at batch 32 (it does not reuse the weights across rows as a GEMM does).
+
+fbgemm quantizes the activations with one (scale, zero point) for the whole matrix, from its
+min and max: 8 bits for the activations cost more than the int8 weights do (SmolLM2's
+inputs to q/k/v and down have channels 30-80x the row's median), and a row's result would
+depend on the other rows of its batch. ``Int8Linear`` therefore (1) scales each row to an
+absolute maximum of 127 and adds one anchor row holding -127.5 and 127.5, so the matrix's
+range is always the same and fbgemm's grid is the integers, whatever the batch; and (2)
+splits each row into integers (exact on that grid) and the remainder times 255, both as
+rows of the same call: about 16 bits of activation for one read of the weights (a decode
+step has rows to spare: the kernel is memory-bound there). Measured on
+SmolLM2 (KL from float32 per token): 0.096 with plain 8-bit activations, 0.006 with the split.
+
+``int4`` keeps the LM head in int8: SmolLM2's GGUF stores the embedding (its tied head) in
+Q8_0, and 4 bits there cost KL 0.05 against 0.0006 for the 4-bit layers (their Q4_1 blocks
+are recovered up to the bf16 rounding of scale and zero).
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("fp32", "int8", "int4")   # fp32: unquantized (in the engine's --dtype)
+INT4_GROUP = 32                             # GGUF Q4_1's block size: its blocks map 1:1
+
+
+def check_format(weights: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    return weights
+
+
+_EDGE = 127.5   # activations are fed in [-127.5, 127.5]: fbgemm then quantizes with scale 1, zero point 128
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ W.T`` with W in int8, one float scale per output row (fbgemm).
+    The input must be float32 [T, in_features]."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        with warnings.catch_warnings():   # quantized tensors are "deprecated"; the op is the kernel we want
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scales.double(), torch.zeros(w.shape[0], dtype=torch.long),
+                                                 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.nbytes = w.numel() + 4 * w.shape[0]   # int8 weights + float scales
+        # The row that fixes the activations' range (so their grid) whatever the batch.
+        self.register_buffer("_anchor", torch.zeros(1, self.in_features), persistent=False)
+        self._anchor[0, 0], self._anchor[0, -1] = -_EDGE, _EDGE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        n = x.shape[0]
+        # Few, in-place elementwise ops: at batch 1 they cost as much as the int8 GEMM itself.
+        scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
+        u = torch.div(x, scale).mul_(127.0)   # each row in [-127, 127]
+        hi = torch.round(u)                   # integers: fbgemm's grid for [-127.5, 127.5] is the integers
+        lo = u.sub_(hi).mul_(255.0)           # the remainder (|.| <= 0.5) in the same range
+        y = torch.ops.quantized.linear_dynamic(torch.cat((hi, lo, self._anchor)), self._packed, False)
+        y = y[:n].add_(y[n:2 * n], alpha=1 / 255).mul_(scale.mul_(1 / 127.0))
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T`` with W in 4 bits: asymmetric groups of ``group`` weights along the
+    input, ``w = (q - 8) * scale + zero`` with bf16 scale and zero (tinygemm's layout, the
+    same values as GGUF Q4_1's ``d * q + m``). Activations go through bf16."""
+
+    def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = n, k = w.shape
+        if k % group or n % 16:
+            raise ValueError(f"int4: a {n} x {k} weight; the kernel needs out_features a multiple of 16 and "
+                             f"in_features a multiple of the group size {group}")
+        self.group = group
+        g = w.reshape(n, k // group, group)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.clamp(torch.round((g - lo[..., None]) / scale[..., None]), 0, 15).to(torch.int32).reshape(n, k)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        zero = lo + 8 * scale
+        # [k / group, n, 2] (scale, zero) as the kernel expects
+        self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.nbytes = n * k // 2 + self._scales_zeros.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._packed, self.group,
+                                                       self._scales_zeros)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
+
+
+_QUANT = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantize_model(model, weights: str):
+    """Replace every linear layer of ``model`` (a ``LlamaModel``: q/k/v, o, gate/up, down
+    in each layer) with ``weights``' quantized layer and its LM head with an int8 one; the
+    embedding and the norms stay as they are. A tied LM head gets its own quantized copy of
+    the embedding matrix (the lookup keeps the float one). ``fp32``: the model unchanged."""
+    check_format(weights)
+    model.weights_format = weights
+    if weights == "fp32":
+        return model
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError(f"--weights {weights} needs --dtype float32 (its kernels take float32 activations)")
+    make = _QUANT[weights]
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = make(attn.qkv_proj.weight)
+        attn.o_proj = make(attn.o_proj.weight)
+        mlp.gate_up_proj = make(mlp.gate_up_proj.weight)
+        mlp.down_proj = make(mlp.down_proj.weight)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.logits_head = Int8Linear(head)   # int4 too: see the module docstring
+    model.lm_head = None   # an untied float head is not kept: compute_logits uses logits_head
+    return model
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every linear layer (quantized or not), the
+    norms and the LM head; the embedding only where it is the (float) LM head."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            total += module.nbytes
+        elif isinstance(module, nn.Linear) and module.weight.numel():
+            total += module.weight.numel() * module.weight.element_size()
+        elif type(module).__name__ == "RMSNorm":
+            total += module.weight.numel() * module.weight.element_size()
+    if getattr(model, "logits_head", None) is None and model.lm_head is None:
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
