@@ -641,6 +641,46 @@ def test_only_the_missing_blocks_travel_between_workers(cluster, tiny, transfer)
     wait_pools_free(cluster)
 
 
+def test_a_prefill_worker_killed_while_its_cached_blocks_are_leased_loses_nothing(cluster, tiny):
+    """Requests sharing a cached prefix are prefilled and handed off (their leases share the
+    cached blocks) while the decode worker is stopped; the prefill worker is then killed. The
+    decode worker, resumed, copies from the dead owner's segment or recomputes: every request
+    gets the colocated engine's tokens and exactly one done entry."""
+    import glob
+    import signal
+
+    from pdqueue.client import Client
+    from pdqueue.keys import Keys
+    from tests.helpers import oracle, wait_for
+
+    cluster.start("prefill", "--lease-s", "3", worker_id="prefill0")
+    cluster.start("decode", worker_id="decode0")
+    prefix = "A long shared instruction that every request starts with, to be cached. " * 2
+    prompts = [prefix + f"Question {i}?" for i in range(4)]
+    params = [{"max_tokens": 5, "temperature": 0.0, "seed": 0}, {"max_tokens": 5, "temperature": 0.9, "seed": 7}] * 2
+    ids, expected, sampling = oracle(tiny, prompts, params)
+    client = Client(cluster.redis_url, cluster.cluster)
+    keys = Keys(cluster.cluster)
+    cluster.signal("decode0", signal.SIGSTOP)
+    try:
+        handles = [client.submit(p, **kw) for p, kw in zip(prompts, params)]
+        wait_for(lambda: cluster.r.xlen(keys.handoff) + sum(cluster.r.xlen(k) for k in
+                 cluster.r.scan_iter(match=keys.handoff_node("*"))) >= 4, 30, "4 handoffs queued")
+        cluster.signal("prefill0", signal.SIGKILL)
+        cluster.procs.pop("prefill0").wait()
+    finally:
+        cluster.signal("decode0", signal.SIGCONT)
+    results = [h.result(timeout=60) for h in handles]
+    for i, res in enumerate(results):
+        assert_same_tokens(tiny, ids[i], expected[i], list(res.token_ids), sampling[i])
+    assert sum(r.cached_tokens for r in results) > 0, "the later requests should have hit the prefix cache"
+    for h in handles:
+        kinds = [f[b"type"] for _, f in cluster.r.xrange(keys.out(h.request_id))]
+        assert kinds.count(b"done") == 1 and b"error" not in kinds, kinds
+    # The dead owner's segment goes once its last lease could have ended (the decode worker's sweep).
+    wait_for(lambda: not glob.glob(f"/dev/shm/pdq-kv-{cluster.id('prefill0')}-*"), 30, "the dead segment removed")
+
+
 # --- output, protocol, options -----------------------------------------------------------
 
 def test_cached_tokens_in_the_done_entry_and_old_entries_parse():

@@ -43,11 +43,13 @@ from pdqueue.bench.stats import gaps, meets_slo, summary
 from pdqueue.protocol import entry_id_ms
 
 MODES = ("disagg", "colocated-prefill-first", "colocated-chunked", "adaptive",
-         "prefix-off", "prefix-blind", "prefix-aware")
+         "prefix-off", "prefix-blind", "prefix-aware", "disagg-int8", "disagg-int4")
 DEFAULT_MODES = MODES[:3]
 # The prefix-caching comparison (``--workload prefix``): 2 prefill + 1 decode workers with
 # caching off, caching on with cache-blind routing, and caching with cache-aware routing.
-PREFIX_MODES = MODES[4:]
+PREFIX_MODES = MODES[4:7]
+# Precision per role (issue 17): 1 prefill worker in float32 + 1 decode worker with quantized
+# weights (``--weights``), against ``disagg`` (both float32).
 _VOCAB = {"tiny": 264, "smollm2": 49152}
 
 
@@ -164,6 +166,8 @@ def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ..
         return [("colocated", ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens)))] * 2
     if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.adapter)
         return [("prefill", ("--switchable",)), ("decode", ("--switchable",))]
+    if mode in ("disagg-int8", "disagg-int4"):
+        return [("prefill", ()), ("decode", ("--weights", mode.rpartition("-")[2]))]
     if mode.startswith("prefix-"):   # (decode workers take --routing and ignore it)
         extra = {"prefix-off": ("--no-prefix-caching",), "prefix-blind": ("--routing", "off"),
                  "prefix-aware": ("--routing", "cache")}[mode]

@@ -380,9 +380,11 @@ def check_mode(r, url: str) -> None:
     if is_cluster_url(url):
         return   # the client read CLUSTER SLOTS already: a plain server fails that itself
     try:
-        enabled = r.info("cluster").get("cluster_enabled")
+        # CLUSTER SLOTS, not INFO: every ACL role of `pdqueue acl` may run it (cluster clients
+        # need it), so the check never shows up as a denial. A plain server answers an error.
+        r.execute_command("CLUSTER", "SLOTS")
     except redis.ResponseError:
-        return   # INFO not allowed to this user: nothing to tell
-    if str(enabled) == "1":
+        return   # cluster support disabled (a plain server), or not allowed: nothing to tell
+    else:
         shown = redact_url(url)
         raise ValueError(f"{shown} is a Redis Cluster node: use redis+cluster://{shown.split('://', 1)[1]}")

@@ -40,13 +40,22 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
     from pdqueue.bench.serve_bench import BenchError
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
-    args = {extra for _, extra in workers}
+    weights = {"prefill": "fp32", "decode": "fp32"}   # --weights may differ by role (LocalCluster's own option)
+    args = set()
+    for role, extra in workers:
+        extra = list(extra)
+        if "--weights" in extra:
+            at = extra.index("--weights")
+            weights["prefill" if role == "prefill" else "decode"] = extra[at + 1]
+            del extra[at:at + 2]
+        args.add(tuple(extra))
     if len(args) != 1:
-        raise ValueError("workers of one mode must share their options")
+        raise ValueError("workers of one mode must share their options (but --weights)")
     roles = [role for role, _ in workers]
     cluster_ = LocalCluster(LocalClusterConfig(
         num_prefill=roles.count("prefill"), num_decode=roles.count("decode"), model=model, cluster=cluster,
-        redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir, worker_args=args.pop()))
+        redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir, worker_args=args.pop(),
+        prefill_weights=weights["prefill"], decode_weights=weights["decode"]))
     cluster_.start_server()
     cluster_.start_workers()
     for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
