@@ -6,6 +6,8 @@
 - ``mixed_prompts``, ``oracle``: requests of mixed lengths and the colocated engine's
   tokens for them.
 - ``wait_pools_free``: every worker's KV pool back to all-free (from the heartbeats).
+- ``pdqueue_up``: a real ``pdqueue up`` (tiny model, 1 prefill + 1 decode, a gateway) on a
+  given Redis, stopped with SIGINT when the block ends.
 
 Real worker processes live in ``tests/cluster.py``, the token comparison rule in
 ``tests/oracle.py``.
@@ -14,8 +16,14 @@ Real worker processes live in ``tests/cluster.py``, the token comparison rule in
 from __future__ import annotations
 
 import random
+import re
+import signal
+import subprocess
+import sys
 import time
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -78,3 +86,35 @@ def wait_pools_free(cluster, timeout: float = 20.0) -> None:
         wait_for(all_free, timeout, what="every KV pool all-free", interval=0.2)
     except AssertionError:
         raise AssertionError(f"pools not all-free after {timeout:g} s: {busy}") from None
+
+
+@contextmanager
+def pdqueue_up(redis_url: str, cluster: str, logs: Path, env: dict, log_dir: Path,
+               stop_timeout: float = 120.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``pdqueue up --model tiny`` against ``redis_url`` (its gateway on a free port, worker
+    logs in ``log_dir``, its stdout and stderr in ``logs``/up.out and up.err), once it printed
+    "ready:": (the process, the gateway's URL). At the end SIGINT, then up to
+    ``stop_timeout`` s (killed after that): the caller checks ``proc.returncode`` and up.err."""
+    out_path, err_path = logs / "up.out", logs / "up.err"
+    root = Path(__file__).resolve().parent.parent
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "workers", "up", "--model", "tiny", "--cluster", cluster,
+                                 "--redis-url", redis_url, "--threads", "1", "--kv-cache-mb", "16",
+                                 "--gateway-port", "0", "--log-dir", str(log_dir)],
+                                stdout=out, stderr=err, cwd=root, env=env, stdin=subprocess.DEVNULL)
+
+    def ready():
+        assert proc.poll() is None, f"up exited with {proc.returncode}: {err_path.read_text()}"
+        return "ready:" in out_path.read_text()
+
+    try:
+        wait_for(ready, 120, what="pdqueue up ready")
+        yield proc, re.search(r"OpenAI API: (http://\S+)/v1 ", out_path.read_text()).group(1)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(stop_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

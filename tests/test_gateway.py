@@ -34,7 +34,7 @@ import redis
 from pdqueue.client import Client
 from pdqueue.models.tokenizer import ByteTokenizer
 from tests.cluster import ROOT, Cluster
-from tests.helpers import wait_for, wait_pools_free
+from tests.helpers import pdqueue_up, wait_for, wait_pools_free
 
 CLUSTER = "gw"
 API_KEY = "sk-test-gateway"
@@ -160,29 +160,14 @@ def up(shared_redis_url, logs):
     """`pdqueue up` on the session's Redis: one prefill and one decode worker and its
     gateway (which reads PDQ_API_KEY from up's environment); stopped at the end, when the
     gateway goes first and nothing may be left running."""
-    out_path, err_path, log_dir = logs / "up.out", logs / "up.err", logs / "up-logs"
+    log_dir = logs / "up-logs"
     env = clean_env(PDQ_API_KEY=API_KEY, XDG_RUNTIME_DIR=str(logs / "run"))
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "workers", "up", "--model", "tiny", "--cluster", CLUSTER,
-                                 "--redis-url", shared_redis_url, "--threads", "1", "--kv-cache-mb", "16",
-                                 "--gateway-port", "0", "--log-dir", str(log_dir)],
-                                stdout=out, stderr=err, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
-
-    def ready():
-        assert proc.poll() is None, f"up exited with {proc.returncode}: {err_path.read_text()}"
-        return "ready:" in out_path.read_text()
-
-    try:
-        wait_for(ready, 120, what="pdqueue up ready")
-        url = re.search(r"OpenAI API: (http://\S+)/v1 ", out_path.read_text()).group(1)
+    with pdqueue_up(shared_redis_url, CLUSTER, logs, env, log_dir, stop_timeout=90) as (proc, url):
         state = json.loads((logs / "run" / "pdqueue" / f"up-{CLUSTER}.json").read_text())
         assert state["gateway_url"] == url
         yield Gateway(shared_redis_url, CLUSTER, log_dir, url=url), state
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(90)
-    err = err_path.read_text()
-    assert code == 0, err
+    err = (logs / "up.err").read_text()
+    assert proc.returncode == 0, err
     lines = err.splitlines()
     assert lines.index("stopping the gateway (answers in progress get up to 10 s)") < next(
         i for i, line in enumerate(lines) if line.startswith("stopping 1 prefill worker")), err

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +34,7 @@ from pdqueue.queue.connection import (
     is_cluster_url,
 )
 from tests.cluster import ROOT, Cluster
-from tests.helpers import mixed_prompts, oracle, wait_for
+from tests.helpers import mixed_prompts, oracle, pdqueue_up, wait_for
 from tests.oracle import assert_same_tokens
 from tests.redis_cluster import RedisClusterServers, unavailable_reason
 
@@ -85,31 +83,10 @@ def up(rcluster, names, tmp_path_factory):
     Stopped at the end with SIGINT: exit 0, nothing left running."""
     logs = tmp_path_factory.mktemp("rcluster-up")
     (logs / "run").mkdir()
-    out_path, err_path = logs / "up.out", logs / "up.err"
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "workers", "up", "--model", "tiny", "--cluster", names[0],
-                                 "--redis-url", rcluster.url, "--threads", "1", "--kv-cache-mb", "16",
-                                 "--gateway-port", "0", "--log-dir", str(logs / "logs")],
-                                stdout=out, stderr=err, cwd=ROOT, env=clean_env(logs), stdin=subprocess.DEVNULL)
-
-    def ready():
-        assert proc.poll() is None, f"up exited with {proc.returncode}: {err_path.read_text()}"
-        return "ready:" in out_path.read_text()
-
-    try:
-        wait_for(ready, 120, what="pdqueue up ready")
-        gateway = re.search(r"OpenAI API: (http://\S+)/v1 ", out_path.read_text()).group(1)
+    with pdqueue_up(rcluster.url, names[0], logs, clean_env(logs), logs / "logs") as (proc, gateway):
         yield {"proc": proc, "gateway": gateway, "logs": logs, "cluster": names[0]}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-    err = err_path.read_text()
-    assert code == 0, err
+    err = (logs / "up.err").read_text()
+    assert proc.returncode == 0, err
     assert "nothing left running" in err and "Traceback" not in err, err
 
 

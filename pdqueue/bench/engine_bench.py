@@ -68,17 +68,7 @@ def bench_prefill(engine: LLMEngine, num_tokens: int, repeats: int = 2) -> float
 
 def bench_decode(engine: LLMEngine, batch_size: int, context: int = 128, steps: int = 8) -> float:
     """Median seconds of one decode step with ``batch_size`` sequences of ``context`` tokens."""
-    vocab = engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(batch_size)
-    ids = []
-    for i in range(batch_size):
-        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
-        rid = f"d{batch_size}-{i}"
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True))
-        ids.append(rid)
-    while any(s.num_cached_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:
-        engine.step()  # prefill everything
-    engine.step()  # first decode step warms up
+    ids = _start_decode(engine, batch_size, steps + 3, context, prefix="d")
     times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -126,14 +116,16 @@ def run(loaded, config: EngineConfig, prompt_lens=(128, 512, 2048), batch_sizes=
     return result
 
 
-def _start_decode(engine: LLMEngine, batch_size: int, max_tokens: int, context: int = 128) -> list[str]:
-    """``batch_size`` sequences of ``context`` random tokens, prefilled and one step in."""
+def _start_decode(engine: LLMEngine, batch_size: int, max_tokens: int, context: int = 128,
+                  prefix: str = "c") -> list[str]:
+    """``batch_size`` sequences of ``context`` random tokens (ids ``<prefix><batch>-<i>``),
+    prefilled and one (warm-up) decode step in."""
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(batch_size)
     ids = []
     for i in range(batch_size):
         prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
-        rid = f"c{batch_size}-{i}"
+        rid = f"{prefix}{batch_size}-{i}"
         engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         ids.append(rid)
     while any(s.num_cached_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:

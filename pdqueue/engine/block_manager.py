@@ -129,24 +129,21 @@ class BlockManager:
         if not self.enable_caching or seq.block_table:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        return self._cached_chain(self.block_hashes(seq, max_blocks)) if max_blocks else []
+
+    def _cached_chain(self, hashes) -> list[int]:
+        """The blocks named by the leading run of ``hashes`` (a chain, in order) found in the index."""
         hit: list[int] = []
-        if max_blocks:
-            index = self._index
-            for h in self.block_hashes(seq, max_blocks):
-                block_id = index.get(h)
-                if block_id is None:
-                    break
-                hit.append(block_id)
+        for h in hashes:
+            block_id = self._index.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
         return hit
 
     def num_cached_leading(self, hashes: list[bytes]) -> int:
         """How many of ``hashes`` (a chain, in order) name blocks in the cache, from the first on."""
-        n = 0
-        for h in hashes:
-            if h not in self._index:
-                break
-            n += 1
-        return n
+        return len(self._cached_chain(hashes))
 
     def num_hit_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` that ``allocate`` would serve from the cache now."""
@@ -196,12 +193,7 @@ class BlockManager:
         checks first (``blocks_for(num_tokens)`` free blocks always suffice)."""
         hit: list[int] = []
         if self.enable_caching and not seq.block_table:
-            max_blocks = min(len(hashes), (seq.num_tokens - 1) // self.block_size)
-            for h in hashes[:max_blocks]:
-                block_id = self._index.get(h)
-                if block_id is None:
-                    break
-                hit.append(block_id)
+            hit = self._cached_chain(hashes[:(seq.num_tokens - 1) // self.block_size])
             for block_id in hit:
                 self._hold(block_id)
             seq.block_table = list(hit)

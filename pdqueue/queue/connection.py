@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import re
 import threading
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import redis
@@ -122,6 +123,19 @@ def _transient(exc: BaseException) -> bool:
 
 def _unavailable(exc: BaseException) -> ClusterUnavailable:
     return ClusterUnavailable(f"Redis Cluster unavailable: {exc}")
+
+
+@contextmanager
+def translated_errors():
+    """Transient cluster errors raised inside become ``ClusterUnavailable`` (a
+    ConnectionError: every retry path handles them); the others pass unchanged. Serves
+    sync and async calls alike (the ``await`` runs inside the block)."""
+    try:
+        yield
+    except Exception as exc:
+        if _transient(exc):
+            raise _unavailable(exc) from exc
+        raise
 
 
 def is_cluster_url(url: str) -> bool:
@@ -223,12 +237,8 @@ class ClusterPipeline(_SlotOfStreams, redis.cluster.ClusterPipeline):
         return self.execute_command("MGET", *list_or_args(keys, args))
 
     def execute(self, raise_on_error: bool = True):
-        try:
+        with translated_errors():
             return super().execute(raise_on_error)
-        except Exception as exc:
-            if _transient(exc):
-                raise _unavailable(exc) from exc
-            raise
 
 
 class RedisCluster(_SlotOfStreams, redis.cluster.RedisCluster):
@@ -236,12 +246,8 @@ class RedisCluster(_SlotOfStreams, redis.cluster.RedisCluster):
     and whose pipelines are ``ClusterPipeline`` (transactions in one slot, EVAL)."""
 
     def execute_command(self, *args, **kwargs):
-        try:
+        with translated_errors():
             return super().execute_command(*args, **kwargs)
-        except Exception as exc:
-            if _transient(exc):
-                raise _unavailable(exc) from exc
-            raise
 
     def pipeline(self, transaction=None, shard_hint=None):
         if shard_hint:
@@ -275,10 +281,9 @@ class LazyRedisCluster:
                 if self._client is None:
                     others = [redis.cluster.ClusterNode(h, p) for h, p in self._nodes[1:]]
                     try:
-                        self._client = RedisCluster.from_url(self._url, startup_nodes=others, **self._kwargs)
+                        with translated_errors():
+                            self._client = RedisCluster.from_url(self._url, startup_nodes=others, **self._kwargs)
                     except Exception as exc:
-                        if _transient(exc):
-                            raise _unavailable(exc) from exc
                         if "Cluster mode is not enabled" in str(exc):
                             raise ValueError(f"{redact_url(self._url)} is not a Redis Cluster node, or its "
                                              "user may not run CLUSTER SLOTS (pdqueue acl grants it): "
@@ -316,12 +321,8 @@ class AsyncClusterPipeline(redis.asyncio.cluster.ClusterPipeline):
         return self.execute_command("MGET", *list_or_args(keys, args))
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True):
-        try:
+        with translated_errors():
             return await super().execute(raise_on_error, allow_redirections)
-        except Exception as exc:
-            if _transient(exc):
-                raise _unavailable(exc) from exc
-            raise
 
 
 class AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
@@ -335,12 +336,8 @@ class AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
         return await super()._determine_slot(command, *args)
 
     async def execute_command(self, *args, **kwargs):
-        try:
+        with translated_errors():
             return await super().execute_command(*args, **kwargs)
-        except Exception as exc:
-            if _transient(exc):
-                raise _unavailable(exc) from exc
-            raise
 
     def pipeline(self, transaction=None, shard_hint=None):
         if shard_hint:
