@@ -3,13 +3,14 @@
 Owns: ``AttentionBatch`` (how a flat token batch maps to sequences) and ``paged_attention``
 (write the new K/V into their cache slots, then attend per sequence through its block table).
 
-Imports torch only. Layout of one layer's cache plane: ``[num_blocks, block_size,
-num_kv_heads, head_dim]`` (a view of ``kv_cache[layer, 0]`` for K or ``[layer, 1]`` for V).
+Imports torch only. Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (``kv_cache[layer]``; plane 0 holds K, plane 1 V).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,11 @@ class AttentionBatch:
                 total += num_blocks
             self._gather = (torch.cat(tables), offsets)
         return self._gather
+
+    @cached_property
+    def is_decode(self) -> bool:
+        """One new token per sequence (with ``query_starts`` 0, 1, 2, ...)."""
+        return len(self.query_lens) == self.num_tokens and all(n == 1 for n in self.query_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -90,15 +96,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out[0].transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch: AttentionBatch, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens -> attention output [T, H, D]."""
-    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    out = torch.empty_like(q)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens -> attention output [T, H, D].
+    ``layer_cache``: the layer's K and V planes, ``[2, num_blocks, block_size, Hkv, D]``."""
+    write_kv(k, v, layer_cache[0], layer_cache[1], batch.slot_mapping)
+    block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
     blocks, offsets = batch.gather_plan(block_size)
-    all_k = k_cache.index_select(0, blocks)
-    all_v = v_cache.index_select(0, blocks)
+    # K and V in one gather (a decode step is many small ops: each one saved counts).
+    gathered = layer_cache.index_select(1, blocks)
+    if batch.is_decode:
+        return _decode_attention(q, gathered, batch, offsets, block_size, scale)
+    out = torch.empty_like(q)
+    all_k, all_v = gathered
     # One sequence at a time, so a sequence's numbers never depend on its batch mates
     # (its K/V slices hold the same bytes whatever else was gathered beside them).
     for start, num_queries, num_ctx, first in zip(
@@ -107,4 +117,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         seq_k = all_k[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
         seq_v = all_v[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
         out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionBatch, offsets: list[int],
+                      block_size: int, scale: float) -> torch.Tensor:
+    """``paged_attention`` for a batch of one query per sequence (a decode step), with as
+    few tensor ops as it takes: at batch 1 a layer's attention is ~10 small ops, and their
+    fixed costs, not the bytes, are what a step pays. The same numbers as
+    ``causal_attention`` (the same SDPA call on the same K/V slices)."""
+    _, _, _, num_kv_heads, head_dim = gathered.shape
+    num_heads = q.shape[1]
+    # [2, Hkv, gathered tokens, D]: each sequence's K/V is a slice along the token axis.
+    planes = gathered.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q.view(q.shape[0], 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if batch.num_seqs == 1:
+        ctx = batch.context_lens[0]
+        return F.scaled_dot_product_attention(queries[0], planes[0, None, :, :ctx], planes[1, None, :, :ctx],
+                                              scale=scale).view(1, num_heads, head_dim)
+    out = torch.empty_like(q)
+    for i, (ctx, first) in enumerate(zip(batch.context_lens, offsets)):
+        start = first * block_size
+        out[i] = F.scaled_dot_product_attention(queries[i], planes[0, None, :, start:start + ctx],
+                                                planes[1, None, :, start:start + ctx], scale=scale).view(num_heads, head_dim)
     return out

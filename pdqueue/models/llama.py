@@ -47,20 +47,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel instead of seven ops (the same numbers: checked bit for bit).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in fp32 as Hugging Face does, so fp16/bf16 runs stay comparable.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (Hugging Face half-split convention)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> a new tensor, rotated (Hugging Face half-split convention:
+    ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``); ``cos`` and
+    ``signed_sin`` [T, 1, D], the latter ``sin`` with its first half negated, so the rotation
+    is a swap of the halves and one fused multiply-add (3 ops instead of 8)."""
+    num_tokens, heads, dim = x.shape
+    swapped = x.reshape(num_tokens, heads, 2, dim // 2).flip(2).view(num_tokens, heads, dim)
+    return (x * cos).addcmul_(swapped, signed_sin)
 
 
 class LlamaAttention(nn.Module):
@@ -75,10 +78,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k rotated together: they are adjacent in the fused projection's output.
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -91,7 +95,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))   # x is this layer's own tensor
 
 
 class LlamaModel(nn.Module):
@@ -130,7 +134,7 @@ class LlamaModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Paged forward: new tokens' K/V go into ``kv_cache``; returns normed hidden [T, H]."""
         def attend(layer_index, q, k, v):
-            return paged_attention(q, k, v, kv_cache[layer_index, 0], kv_cache[layer_index, 1], batch, self.scale)
+            return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale)
         return self._run(input_ids, positions, attend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,9 +150,9 @@ class LlamaModel(nn.Module):
         return self.compute_logits(hidden)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        cos, sin = self._rope(positions)
+        cos, signed_sin = self._rope(positions)
         x = self.embed_tokens(input_ids)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = cos.to(x.dtype)[:, None], signed_sin.to(x.dtype)[:, None]   # [T, 1, D]: broadcast over heads
         for layer_index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, lambda q, k, v, i=layer_index: attend(i, q, k, v))
         return self.norm(x)
@@ -165,7 +169,9 @@ class LlamaModel(nn.Module):
                 pos = torch.arange(cfg.max_position_embeddings, device=device).float()
                 freqs = torch.outer(pos, inv_freq)
                 angles = torch.cat((freqs, freqs), dim=-1)
-                self._rope_tables[device] = (angles.cos(), angles.sin())
+                sign = torch.ones(cfg.head_dim, device=device)
+                sign[:cfg.head_dim // 2] = -1   # rotate_half negates the second half moved first
+                self._rope_tables[device] = (angles.cos(), angles.sin() * sign)
         cos, sin = self._rope_tables[device]
         return cos[positions], sin[positions]
 
