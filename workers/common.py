@@ -37,6 +37,7 @@ class WorkerConfig:
     fetch_timeout_s: float = 10.0
     max_batch_requests: int = 16    # requests read per XREADGROUP
     reclaim_idle_ms: int = 15000    # a live but silent consumer's entries idle this long are taken over
+    max_step_s: float = 120.0       # a loop iteration running longer is stuck: its entries are no longer kept
     heartbeat_ttl_s: float = 10.0   # a worker silent this long is dead: its entries are taken at once
     max_attempts: int = 3           # recompute attempts before a request is failed
     worker_id: str | None = None

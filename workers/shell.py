@@ -13,9 +13,11 @@ asks for it (``kv_pool``) and used by every role after it. ``run()``:
     start  role.start(shell) (its engine, on the shell's KV pool); the consumer groups
            exist; the first heartbeat (retried while Redis is down); what an earlier
            process under this worker id took and never acknowledged
-           (Recovery.own_pending) -> role.accept(resumed=True)
-    loop   sweep KV segments (every min(heartbeat TTL, lease) / 3) -> keep the entries in
-           hand (Recovery.keep; those another worker took over -> role.drop) ->
+           (Recovery.own_pending) -> role.accept(resumed=True); the keeper thread
+           (Recovery.start_keeper) touches the entries in hand from here on, while the
+           loop makes progress (an iteration younger than ``--max-step-s``)
+    loop   sweep KV segments (every min(heartbeat TTL, lease) / 3) -> the entries in hand
+           another worker took over (Recovery.keep) -> role.drop ->
            role.step() -> ``tick``: switch commands (every 100 ms) and the heartbeat's
            load, until step() says there is nothing left to do or a cold stop. A Redis
            error: capped backoff with jitter and Recovery.on_redis_error(); any other
@@ -89,7 +91,7 @@ class WorkerShell:
                                    on_error=self._unit_failed)
         self.metrics = WorkerMetrics(config.engine.model)   # recorded always; served with a metrics_port
         self.recovery = Recovery(self.r, self.keys, self.worker_id, config.reclaim_idle_ms, self.publisher,
-                                 metrics=self.metrics)
+                                 metrics=self.metrics, max_step_s=config.max_step_s)
         # The role epoch starts at the process's start time (ms) and grows by one per switch,
         # so a command aimed at an earlier process under this worker id is stale too.
         self.role_epoch = self.role_since_ms = int(now_ms())
@@ -124,6 +126,9 @@ class WorkerShell:
         try:
             self._start_role(self.role)
             self._register()
+            # Entries in hand are touched from its thread while the loop makes progress, so a
+            # step longer than reclaim_idle_ms does not look hung (workers/recovery.py).
+            self.recovery.start_keeper(lambda: self.role)
             while True:
                 self._resume()
                 log.info("%s worker %s ready", self.role.name, self.worker_id)
@@ -143,6 +148,7 @@ class WorkerShell:
         keeps failing, when the worker exits with the error rather than spin."""
         failures = 0
         while not self.stop.cold.is_set():
+            self.recovery.progress()   # the keeper's watchdog: this iteration began now
             try:
                 self.sweep_segments()
                 lost = self.recovery.keep(self.role)
@@ -164,6 +170,7 @@ class WorkerShell:
     def tick(self) -> None:
         """After each step (and while a role drains): the switch commands waiting for us
         (every ``CONTROL_EVERY_S``) and the heartbeat's load."""
+        self.recovery.progress()
         self.control()
         load = self.load()
         self.heartbeat.update(load=load)
@@ -173,6 +180,7 @@ class WorkerShell:
         if self.switching is not None:   # a stop came before the new role served
             self._switch_event("failed", self.switching, reason="the worker stopped before the switch completed")
             self.switching = None
+        self.recovery.stop_keeper()
         self.publisher.close(timeout=10)
         if self._role_open:
             self.role.close()

@@ -31,6 +31,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # LongTensor[T]: block_id * block_size + offset per new token
 
     _gather: tuple[torch.Tensor, list[int]] | None = None
+    _spans: list[tuple[int, int]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -54,6 +55,13 @@ class AttentionBatch:
     def is_decode(self) -> bool:
         """One new token per sequence (with ``query_starts`` 0, 1, 2, ...)."""
         return len(self.query_lens) == self.num_tokens and all(n == 1 for n in self.query_lens)
+
+    def decode_spans(self, offsets: list[int], block_size: int) -> list[tuple[int, int]]:
+        """Each sequence's (start, end) along the gathered tokens (``gather_plan``'s order);
+        computed once a step and used by every layer."""
+        if self._spans is None:
+            self._spans = [(first * block_size, first * block_size + ctx) for first, ctx in zip(offsets, self.context_lens)]
+        return self._spans
 
     @property
     def num_tokens(self) -> int:
@@ -135,9 +143,7 @@ def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionB
         ctx = batch.context_lens[0]
         return F.scaled_dot_product_attention(queries[0], planes[0, None, :, :ctx], planes[1, None, :, :ctx],
                                               scale=scale).view(1, num_heads, head_dim)
-    out = torch.empty_like(q)
-    for i, (ctx, first) in enumerate(zip(batch.context_lens, offsets)):
-        start = first * block_size
-        out[i] = F.scaled_dot_product_attention(queries[i], planes[0, None, :, start:start + ctx],
-                                                planes[1, None, :, start:start + ctx], scale=scale).view(num_heads, head_dim)
-    return out
+    keys, values = planes[0, None], planes[1, None]   # [1, Hkv, tokens, D]
+    outs = [F.scaled_dot_product_attention(queries[i], keys[:, :, start:end], values[:, :, start:end], scale=scale)
+            for i, (start, end) in enumerate(batch.decode_spans(offsets, block_size))]
+    return torch.cat(outs).view(q.shape[0], num_heads, head_dim)

@@ -146,6 +146,10 @@ def limit_options(f):
               help="A worker silent this long is dead; its work is taken over at once.")
 @click.option("--reclaim-idle-ms", type=click.IntRange(min=100), default=15000, show_default=True,
               help="Work of a live but hung worker is taken over after this idle time.")
+@click.option("--max-step-s", type=click.FloatRange(min=0.1), default=120.0, show_default=True,
+              help="A worker loop iteration (an engine step) running longer than this is taken for stuck: its "
+                   "work is then taken over --reclaim-idle-ms later. Shorter steps keep their work however long "
+                   "they take.")
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--switchable", is_flag=True,
@@ -172,8 +176,8 @@ def limit_options(f):
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
            max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, worker_id, burst, switchable, kv_auth, kv_secret_file,
-           metrics_port, metrics_host, no_metrics, limits, log_level):
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, worker_id, burst, switchable, kv_auth,
+           kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import WorkerConfig, setup_logging
 
@@ -192,7 +196,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
-                          reclaim_idle_ms=reclaim_idle_ms, worker_id=worker_id, burst=burst, switchable=switchable,
+                          reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s, worker_id=worker_id, burst=burst,
+                          switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
                           limits=limits)
