@@ -37,6 +37,8 @@ Imports torch only.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
 
 import torch
@@ -44,6 +46,25 @@ from torch import nn
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4")   # fp32: unquantized (in the engine's --dtype)
 INT4_GROUP = 32                             # GGUF Q4_1's block size: its blocks map 1:1
+# What the layers' constructors compute from a float weight (the math, the tensors kept):
+# bump it whenever that changes. The cache of quantized weights (``pdqueue.models.
+# quant_cache``) is keyed by it, so an entry made by other math is never loaded.
+RECIPE_VERSION = 1
+
+_STORE: contextvars.ContextVar = contextvars.ContextVar("pdqueue_quant_store", default=None)
+
+
+@contextlib.contextmanager
+def tensor_store(store):
+    """While inside, each quantized layer made takes its quantized tensors from
+    ``store.get(kind, weight)`` when that returns them (the cache of quantized weights), and
+    hands the ones it computes to ``store.put(kind, weight, tensors)``; both keyed by the
+    float weight (the parameter) it was given."""
+    token = _STORE.set(store)
+    try:
+        yield store
+    finally:
+        _STORE.reset(token)
 
 
 def check_format(weights: str) -> str:
@@ -61,22 +82,29 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        w = weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.out_features, self.in_features = weight.shape
+        store = _STORE.get()
+        stored = None if store is None else store.get("int8", weight)
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():   # quantized tensors are "deprecated"; the op is the kernel we want
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w, scales.double(), torch.zeros(w.shape[0], dtype=torch.long),
-                                                 0, torch.qint8)
+            if stored is None:
+                w = weight.detach().float()
+                scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+                qweight = torch.quantize_per_channel(w, scales.double(), zeros, 0, torch.qint8)
+                if store is not None:
+                    store.put("int8", weight, {"q": qweight.int_repr(), "scales": scales})
+            else:   # the same quantized tensor (int8 values, scales, zero points), from the cache
+                qweight = torch._make_per_channel_quantized_tensor(stored["q"], stored["scales"].double(), zeros, 0)
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.nbytes = w.numel() + 4 * w.shape[0]   # int8 weights + float scales
+        self.nbytes = weight.numel() + 4 * self.out_features   # int8 weights + float scales
         # The row that fixes the activations' range (so their grid) whatever the batch.
         self.register_buffer("_anchor", torch.zeros(1, self.in_features), persistent=False)
         self._anchor[0, 0], self._anchor[0, -1] = -_EDGE, _EDGE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
+        if x.dim() != 2:   # the model's activations are [tokens, features] already
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         n = x.shape[0]
         # Few, in-place elementwise ops: at batch 1 their fixed costs are a third of the call.
         step = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30).mul_(1 / 127.0)
@@ -84,8 +112,7 @@ class Int8Linear(nn.Module):
         hi = torch.round(u)                   # integers: fbgemm's grid for [-127.5, 127.5] is the integers
         lo = u.sub_(hi).mul_(255.0)           # the remainder (|.| <= 0.5) in the same range
         y = torch.ops.quantized.linear_dynamic(torch.cat((hi, lo, self._anchor)), self._packed, False)
-        y = y[:n].add_(y[n:2 * n], alpha=1 / 255).mul_(step)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y[:n].add_(y[n:2 * n], alpha=1 / 255).mul_(step)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
@@ -98,28 +125,35 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP):
         super().__init__()
-        w = weight.detach().float()
-        self.out_features, self.in_features = n, k = w.shape
+        self.out_features, self.in_features = n, k = weight.shape
         if k % group or n % 16:
             raise ValueError(f"int4: a {n} x {k} weight; the kernel needs out_features a multiple of 16 and "
                              f"in_features a multiple of the group size {group}")
         self.group = group
-        g = w.reshape(n, k // group, group)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = torch.clamp(torch.round((g - lo[..., None]) / scale[..., None]), 0, 15).to(torch.int32).reshape(n, k)
-        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        zero = lo + 8 * scale
-        # [k / group, n, 2] (scale, zero) as the kernel expects
-        self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        store = _STORE.get()
+        kind = f"int4g{group}"
+        stored = None if store is None else store.get(kind, weight)
+        if stored is None:
+            g = weight.detach().float().reshape(n, k // group, group)
+            lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+            scale = ((hi - lo) / 15).clamp(min=1e-12)
+            q = torch.clamp(torch.round((g - lo[..., None]) / scale[..., None]), 0, 15).to(torch.int32).reshape(n, k)
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            zero = lo + 8 * scale
+            # [k / group, n, 2] (scale, zero) as the kernel expects
+            self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            if store is not None:   # torch's packed layout as it is: the cache's key holds torch's version
+                store.put(kind, weight, {"packed": self._packed, "scales_zeros": self._scales_zeros})
+        else:
+            self._packed, self._scales_zeros = stored["packed"], stored["scales_zeros"]
         self.nbytes = n * k // 2 + self._scales_zeros.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
+        if x.dim() != 2:   # the model's activations are [tokens, features] already
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._packed, self.group,
                                                        self._scales_zeros)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
