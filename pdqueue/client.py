@@ -294,18 +294,15 @@ class RequestHandle:
         self.client.cancel(self.request_id)
 
 
-class Client:
-    """``Client()`` finds the cluster itself (see the module docstring); an explicit
-    ``redis_url`` (or ``config.url``, or ``redis_client``) and ``cluster`` win."""
+class _Settled:
+    """What ``Client`` and ``AsyncClient`` share: their settings, and where a request goes."""
 
-    def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
-                 redis_client: redis.Redis | None = None, config: RedisConfig | None = None,
-                 cancel_ttl_s: int = CANCEL_TTL_S):
+    def _settle(self, redis_url, cluster, config, redis_client, cancel_ttl_s, make_client) -> None:
         config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
         self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
-        self.redis = redis_client or client_from_url(config.url, **config.redis_kwargs())
+        self.redis = redis_client or make_client(config.url, **config.redis_kwargs())
         self.max_block_ms = config.max_block_ms
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
@@ -314,6 +311,16 @@ class Client:
 
     def _stream_of(self, req: Request) -> str:
         return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
+
+
+class Client(_Settled):
+    """``Client()`` finds the cluster itself (see the module docstring); an explicit
+    ``redis_url`` (or ``config.url``, or ``redis_client``) and ``cluster`` win."""
+
+    def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
+                 redis_client: redis.Redis | None = None, config: RedisConfig | None = None,
+                 cancel_ttl_s: int = CANCEL_TTL_S):
+        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, client_from_url)
 
     def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
@@ -429,25 +436,13 @@ class AsyncRequestHandle:
         await self.client.cancel(self.request_id)
 
 
-class AsyncClient:
+class AsyncClient(_Settled):
     """See ``Client``."""
 
     def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
                  redis_client: redis.asyncio.Redis | None = None,
                  config: RedisConfig | None = None, cancel_ttl_s: int = CANCEL_TTL_S):
-        config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
-        self.url = config.url if redis_client is None or redis_url is not None else None
-        self.keys = Keys(cluster)
-        self._own_redis = redis_client is None
-        self.redis = redis_client or async_client_from_url(config.url, **config.redis_kwargs())
-        self.max_block_ms = config.max_block_ms
-        self.backoff_initial_s = config.backoff_initial_s
-        self.backoff_max_s = config.backoff_max_s
-        self.unavailable_after_s = config.unavailable_after_s
-        self.cancel_ttl_s = cancel_ttl_s
-
-    def _stream_of(self, req: Request) -> str:
-        return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
+        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, async_client_from_url)
 
     async def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                      max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
