@@ -1,7 +1,10 @@
-"""The on-disk cache of GGUF files converted to Hugging Face directories.
+"""The on-disk cache of GGUF files converted to Hugging Face directories, and of quantized
+weights (``--weights int8|int4``).
 
-Owns: where an entry lives (keyed by the GGUF file's content), whether an entry is whole,
-putting a new entry in place, and pruning. Standard library only.
+Owns: where an entry lives (keyed by the GGUF file's content; a quantized entry by the float
+weights' identity, the format, the quantization recipe and torch's version), whether an
+entry is whole, putting a new entry in place, and pruning. Standard library only (the
+quantized tensors are read and written by ``pdqueue.models.quant_cache``).
 
 Layout under ``cache_root()`` (``$PDQ_CACHE_DIR``, else ``~/.cache/pdqueue``)::
 
@@ -13,6 +16,12 @@ Layout under ``cache_root()`` (``$PDQ_CACHE_DIR``, else ``~/.cache/pdqueue``)::
                                 sha256, last seen. A file whose stat is unchanged is not
                                 hashed again (a full SHA-256 of SmolLM2's 98 MB GGUF takes
                                 ~0.13 s with SHA-NI, more without; a lookup ~1 ms).
+    models/quant-<key[:32]>/    one model's quantized layers in one format (int8 or int4):
+                                weights.safetensors (plain tensors: int8 weights and scales,
+                                or torch's packed int4 layout and its bf16 scales/zeros),
+                                then entry.json: the full key, what it was made from
+                                (fingerprint, format, recipe, torch, the source path) and
+                                the file's size. Its mtime is the time it was last used.
     models/.lock                flock: index updates, entry swaps and pruning.
 
 The key is the content, so every install of the same file (each fresh virtualenv has its
@@ -29,6 +38,15 @@ Pruning (after each load that goes through the cache) removes:
 - temporary directories older than ``TEMP_AFTER_S`` (left by a killed conversion);
 - entries of the old mtime-keyed layout (``<stem>-<size>-<mtime_ns>`` directly under the
   cache root) older than ``UNREFERENCED_AFTER_S``.
+
+A quantized entry follows its float weights by the same rules: it is referenced while its
+GGUF's converted entry is (the same indexed file maps to it), or, made from a Hugging Face
+directory, while that directory's fingerprint (its safetensors' names, sizes and mtimes) is
+unchanged; unreferenced for a day or unused for 30 days, it goes. An entry of an older
+recipe or torch version is never used again and goes after 30 days unused (another install
+sharing the cache may still use it). Loading one costs what quantizing costs minus the
+math: for int8, fbgemm's ``linear_prepack`` still runs at load (its packed object is not a
+plain tensor and has no serialized form but the int8 weights and scales).
 """
 
 from __future__ import annotations
@@ -52,6 +70,9 @@ MANIFEST = "entry.json"
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 _ENTRY = re.compile(r"gguf-[0-9a-f]{32}")
 _TEMP = re.compile(r"\.gguf-[0-9a-f]{32}\..+")
+_QUANT_ENTRY = re.compile(r"quant-[0-9a-f]{32}")
+_QUANT_TEMP = re.compile(r"\.quant-[0-9a-f]{32}\..+")
+QUANT_FILE = "weights.safetensors"
 _LEGACY = re.compile(r".+-\d+-\d{18,20}")  # <stem>-<size>-<mtime_ns>
 _LEGACY_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 _LEGACY_CONFIG = {"architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
@@ -174,14 +195,19 @@ def new_entry_tmp(digest: str) -> Path:
 def install(tmp: Path, digest: str, source: Path) -> Path:
     """Seal ``tmp`` (write its entry.json) and rename it into place. When a whole entry is
     already there (another loader won), ``tmp`` is dropped; a broken one is replaced."""
-    target = entry_dir(digest)
     files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"sha256": digest, "source": str(source), "files": files},
                                            indent=1))
+    return _put_in_place(tmp, entry_dir(digest), lambda target: entry_ok(target, digest))
+
+
+def _put_in_place(tmp: Path, target: Path, whole, replace: bool = False) -> Path:
+    """Rename the sealed ``tmp`` to ``target`` unless ``whole(target)`` (another loader won;
+    ``replace``: even then, for an entry found unreadable although its sizes are right)."""
     tmp.chmod(0o755)  # mkdtemp makes it owner-only
     try:
         with locked():
-            if not entry_ok(target, digest):
+            if replace or not whole(target):
                 if target.exists():
                     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.broken-", dir=target.parent))
                     os.rename(target, aside / "entry")
@@ -191,6 +217,64 @@ def install(tmp: Path, digest: str, source: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     mark_used(target)
     return target
+
+
+# --- quantized weights ----------------------------------------------------------------
+
+def directory_fingerprint(directory: Path) -> str:
+    """A Hugging Face directory's weights' identity: its safetensors' names, sizes, mtimes."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    return hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
+
+
+def quant_key(fingerprint: str, weights: str, recipe: int, torch_version: str) -> str:
+    """The key of quantized weights: what they were made from and how."""
+    return hashlib.sha256(json.dumps({"fingerprint": fingerprint, "weights": weights, "recipe": recipe,
+                                      "torch": torch_version}, sort_keys=True).encode()).hexdigest()
+
+
+def quant_entry_dir(key: str) -> Path:
+    return models_dir() / f"quant-{key[:32]}"
+
+
+def quant_entry_ok(entry: Path, key: str) -> bool:
+    """True when the quantized entry is whole: its entry.json names the key and its
+    weights file is there with its recorded size."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest["key"] != key or QUANT_FILE not in files:
+            return False
+        return all((entry / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def new_quant_tmp(key: str) -> Path:
+    """A private temporary directory to write a quantized entry into (then ``install_quant``)."""
+    directory = models_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{quant_entry_dir(key).name}.", dir=directory))
+
+
+def install_quant(tmp: Path, key: str, made_from: dict, replace: bool = False) -> Path:
+    """Seal ``tmp`` (entry.json: the key, ``made_from``, the files' sizes) and rename it into
+    place, as ``install`` does; ``replace``: the entry there was found unreadable."""
+    files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({**made_from, "key": key, "files": files}, indent=1))
+    return _put_in_place(tmp, quant_entry_dir(key), lambda target: quant_entry_ok(target, key), replace)
+
+
+def _quant_referenced(entry: Path, live: set) -> bool:
+    """Whether the float weights a quantized entry was made from are still in use."""
+    try:
+        made_from = json.loads((entry / MANIFEST).read_text())
+        if made_from.get("gguf_sha256"):
+            return entry_dir(made_from["gguf_sha256"]).name in live
+        directory = made_from.get("directory")
+        return bool(directory) and directory_fingerprint(Path(directory)) == made_from["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def prune(now: float | None = None) -> list[Path]:
@@ -225,8 +309,10 @@ def prune(now: float | None = None) -> list[Path]:
                 age = now - path.stat().st_mtime
             except OSError:
                 continue
-            if ours and _TEMP.fullmatch(path.name):
+            if ours and (_TEMP.fullmatch(path.name) or _QUANT_TEMP.fullmatch(path.name)):
                 stale = age > TEMP_AFTER_S
+            elif ours and _QUANT_ENTRY.fullmatch(path.name):
+                stale = age > UNUSED_AFTER_S or (age > UNREFERENCED_AFTER_S and not _quant_referenced(path, live))
             elif not pattern.fullmatch(path.name):
                 continue
             elif ours:

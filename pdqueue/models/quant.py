@@ -1,8 +1,10 @@
 """Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
 
 Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``quantize_model`` (swap a loaded
-``LlamaModel``'s linear layers and LM head for quantized ones, in place) and
-``step_weight_bytes`` (the bytes of weights one decode step reads).
+``LlamaModel``'s linear layers and LM head for quantized ones, in place),
+``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
+``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
+the layers their tensors and takes the ones they compute).
 
 Why these kernels (measured on this machine, one thread, SmolLM2-135M's shapes; see
 docs/architecture.md "Quantized weights"): a decode step reads every weight once, so the bytes
