@@ -61,6 +61,7 @@ class ErrorCode(str, Enum):
     TOO_LONG = "too_long"        # prompt (+ max_tokens) does not fit the model or the KV pool
     DUPLICATE = "duplicate"      # a request with this id was already taken
     INTERNAL = "internal"        # a worker bug or an unrecoverable failure
+    UNAVAILABLE = "unavailable"  # the cluster stopped before answering (`pdqueue up` with its own server)
 
 
 class ProtocolError(ValueError):

@@ -16,7 +16,11 @@ prompts in hand and keep serving their exported KV until the decode side has cop
 then decode workers (warm: running requests finish). A second ``hurry`` signal repeats
 SIGTERM (a worker's cold stop); stragglers past the grace period get SIGKILL on their
 process group. While they stop, ``still_running`` tells who is left and what each holds
-(from its heartbeat). Then the embedded server stops, KV segments of our workers that a
+(from its heartbeat). With an embedded server, whose queue dies with it, the workers first
+answer everything it holds (``drain``: until nothing is left, a second ``hurry``, or nothing
+answered for ``DRAIN_STALL_S``), and what is still unanswered once they are stopped gets an
+``error`` entry (code ``unavailable``) on its ``out:<id>`` (``fail_unanswered``), so no client
+is left waiting on a server that is gone. Then the embedded server stops, KV segments of our workers that a
 killed worker left in /dev/shm are unlinked, and the state file and a temporary log
 directory are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not
 leave workers or the server behind.
@@ -66,6 +70,14 @@ ROLES_IN_STOP_ORDER = ("prefill", "colocated", "decode")
 DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
 DEFAULT_GATEWAY_PORT = 8000  # the gateway's port when it is free (README's examples)
 STOP_REPORT_INTERVAL_S = 2.0
+# Stopping with an embedded server, whose queue dies with it: the workers first answer what
+# it holds, until nothing is left or nothing was answered for DRAIN_STALL_S; what is left
+# then gets an error entry (code UNANSWERED_CODE) that its client reads within
+# UNANSWERED_READ_S, before the server goes.
+DRAIN_STALL_S = 30.0
+UNANSWERED_CODE = "unavailable"   # pdqueue.protocol.ErrorCode.UNAVAILABLE
+UNANSWERED_READ_S = 1.0
+UNANSWERED_TTL_MS = 60_000
 
 Progress = Callable[[str], None]
 
@@ -353,12 +365,16 @@ class LocalCluster:
         hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace_s
         killed: list[str] = []
-        roles = self.current_roles()
         if self.gateway is not None and self.gateway.alive:  # first: no new requests reach the workers
             say("stopping the gateway (answers in progress get up to 10 s)")
             self.gateway.signal(signal.SIGTERM)
             killed += self._wait([self.gateway], min(deadline, time.monotonic() + 15.0), hurry, say,
                                  cold_announced=hurry.is_set())
+        if self.server is not None and not hurry.is_set():
+            # The queue dies with the embedded server: answer what it holds first.
+            self.drain(hurry, say, waiting)
+            deadline = time.monotonic() + grace_s
+        roles = self.current_roles()
         for role in ROLES_IN_STOP_ORDER:
             group = [w for w in self.workers if roles.get(w.worker_id, w.role) == role and w.alive]
             if not group:
@@ -375,6 +391,11 @@ class LocalCluster:
                 w.proc.wait()
                 killed.append(w.worker_id)
         if self.server is not None:
+            failed = self.fail_unanswered()
+            if failed:
+                say(f"{_count(failed, 'request', 'requests')} not answered: their clients got an error "
+                    f"(code {UNANSWERED_CODE}: the local cluster stopped)")
+                time.sleep(UNANSWERED_READ_S)   # clients blocked on out:<id> read it before the server goes
             say("stopping the Redis server")
             if keep_logs and self.server.log_path is not None:
                 try:
@@ -401,18 +422,24 @@ class LocalCluster:
         more; SIGKILL whoever is left at the deadline. Returns the ids killed."""
         hurried = False
         next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+        next_signal = 0.0
         while any(w.alive for w in group) and time.monotonic() < deadline:
             if waiting is not None and time.monotonic() >= next_report:
                 next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
                 waiting(f"waiting for {self.still_running([w for w in group if w.alive])}")
-            if hurry.is_set() and not hurried:
-                hurried = True
-                if not cold_announced:
-                    say("stopping now (cold)")
-                for w in group:
-                    if w.alive:
-                        w.signal(signal.SIGTERM)
-                deadline = min(deadline, time.monotonic() + 5.0)
+            if hurry.is_set():
+                if not hurried:
+                    hurried = True
+                    if not cold_announced:
+                        say("stopping now (cold)")
+                    deadline = min(deadline, time.monotonic() + 5.0)
+                # The second SIGTERM is the cold stop; repeated, because two signals sent
+                # back to back may reach the process as one (they do not queue).
+                if time.monotonic() >= next_signal:
+                    next_signal = time.monotonic() + 0.5
+                    for w in group:
+                        if w.alive:
+                            w.signal(signal.SIGTERM)
             time.sleep(0.05)
         killed = []
         for w in group:
@@ -422,6 +449,95 @@ class LocalCluster:
                 w.proc.wait()
                 killed.append(w.worker_id)
         return killed
+
+    # -- what the embedded server holds when `up` stops ------------------------------------
+    def _work_streams(self) -> list[tuple[str, str]]:
+        """(stream, group) of every stream holding requests or handoffs of this cluster. An
+        answered entry is deleted (acknowledged and XDELed), so what a stream holds is what is
+        still to be answered: waiting to be read, or in a worker's hands."""
+        streams = [(s, PREFILL_GROUP) for s in request_streams_of(self.redis, self.keys)]
+        handoffs = {k.decode() if isinstance(k, bytes) else k
+                    for k in self.redis.scan_iter(match=self.keys.handoff_node("*"), count=200)}
+        return streams + [(s, DECODE_GROUP) for s in sorted({self.keys.handoff, *handoffs})]
+
+    def backlog(self) -> tuple[int, int]:
+        """(requests waiting to be read, requests in a worker's hands) in this cluster's
+        streams; a request counts once where it is (its prompt, then its handoff)."""
+        streams = self._work_streams()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for stream, group in streams:
+                pipe.xlen(stream)
+                pipe.xpending(stream, group)
+            replies = pipe.execute(raise_on_error=False)
+        held = waiting = 0
+        for length, pending in zip(replies[::2], replies[1::2]):
+            length = length if isinstance(length, int) else 0
+            in_hand = int(pending.get("pending") or 0) if isinstance(pending, dict) else 0
+            held += in_hand
+            waiting += max(0, length - in_hand)
+        return waiting, held
+
+    def drain(self, hurry: threading.Event, say: Progress, waiting: Progress | None = None,
+              stall_s: float = DRAIN_STALL_S) -> bool:
+        """Let the workers answer everything the embedded server holds before they are
+        stopped: the queue dies with the server. Ends when nothing is left (True), on
+        ``hurry`` (a second Ctrl-C), when no worker is alive, or when the backlog has not
+        shrunk for ``stall_s`` (nothing is being answered: a role missing, a worker stuck)."""
+        try:
+            queued, held = self.backlog()
+        except redis.RedisError:
+            return False
+        if not queued + held:
+            return True
+        say(f"answering what is left first: {queued} queued, {held} in hand (Ctrl-C again: stop now, "
+            f"what is not answered then gets an error)")
+        best, since = queued + held, time.monotonic()
+        next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+        while not hurry.is_set():
+            if not any(w.alive for w in self.workers):
+                say("no worker is running: the rest cannot be answered")
+                return False
+            try:
+                queued, held = self.backlog()
+            except redis.RedisError:
+                return False
+            left = queued + held
+            if not left:
+                say("everything queued was answered")
+                return True
+            if left < best:
+                best, since = left, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                say(f"nothing answered for {stall_s:g} s: stopping with {left} left")
+                return False
+            if waiting is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+                waiting(f"answering what is left: {queued} queued, {held} in hand (Ctrl-C again: stop now)")
+            hurry.wait(0.2)
+        return False
+
+    def fail_unanswered(self, reason: str = "the local cluster (pdqueue up) stopped before answering") -> int:
+        """Once the workers are gone, before the embedded server is: an ``error`` entry on
+        ``out:<id>`` of every request still in the streams, so that its client learns at
+        once (``RequestFailed``, code ``unavailable``) instead of losing its Redis. Returns
+        how many."""
+        from pdqueue.protocol import entry_request_id, error_entry
+
+        try:
+            ids: set[str] = set()
+            for stream, _ in self._work_streams():
+                for entry_id, fields in self.redis.xrange(stream):
+                    rid = entry_request_id(entry_id, fields)
+                    if rid:
+                        ids.add(rid)
+            with self.redis.pipeline(transaction=False) as pipe:
+                for rid in sorted(ids):
+                    pipe.xadd(self.keys.out(rid), error_entry(reason, UNANSWERED_CODE))
+                    pipe.pexpire(self.keys.out(rid), UNANSWERED_TTL_MS)
+                pipe.execute()
+        except redis.RedisError:
+            return 0
+        return len(ids)
 
     def still_running(self, group: list[WorkerProcess] | None = None) -> str:
         """``decode-0-ab12 (3 requests in hand), prefill-0-ab12 (1 KV lease)``: the workers
