@@ -437,3 +437,72 @@ def test_oracle_rejects_a_real_mismatch(tiny):
         assert_same_tokens(tiny, prompt, out, out[:-1])
     assert assert_same_tokens(tiny, prompt, out, list(out)) == 0
     assert not [f for f in FLIPS if f.label == ""]
+
+
+# --- contiguous decode K/V copies (engine/decode_kv.py) -----------------------------------
+
+def test_sdpa_reads_the_same_numbers_whatever_the_strides():
+    """What the copies rest on: a decode query's SDPA over K/V gathered from blocks
+    (strided) and over a contiguous copy with room to grow gives the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, group, dim, block = 3, 3, 64, 16
+    for ctx in (1, 15, 16, 17, 128, 333, 1000, 3000):
+        blocks = -(-ctx // block)
+        gathered = torch.randn(2, blocks, block, kv_heads, dim, generator=gen)
+        planes = gathered.view(2, -1, kv_heads, dim).transpose(1, 2)
+        copy = torch.empty(2, kv_heads, ctx + 100, dim)
+        copy[:, :, :ctx] = planes[:, :, :ctx]
+        q = torch.randn(1, kv_heads, group, dim, generator=gen)
+        strided = torch.nn.functional.scaled_dot_product_attention(q, planes[0, None, :, :ctx],
+                                                                   planes[1, None, :, :ctx], scale=0.125)
+        contiguous = torch.nn.functional.scaled_dot_product_attention(q, copy[0, None, :, :ctx],
+                                                                      copy[1, None, :, :ctx], scale=0.125)
+        assert torch.equal(strided, contiguous), ctx
+
+
+def _without_copies(eng: LLMEngine) -> LLMEngine:
+    eng.runner.decode_kv = None
+    return eng
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "chunked"])
+def test_decode_copies_give_the_gathered_tokens(tiny, policy):
+    """Decode steps that read per-sequence copies produce exactly the tokens of steps that
+    gather from the pool, through mixed steps (chunked), preemption by recompute and
+    finished sequences; each copy is built once per stretch of decode steps, not per step."""
+    lens = [5, 12, 20, 31, 40, 47, 60, 70]
+    prompts = tiny_prompts(lens, seed=3)
+    params = [greedy(40, ignore_eos=True) if i % 2 else sampled(40, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    for num_blocks in (128, 10):   # 10: preemptions
+        gathered = _without_copies(engine(tiny, policy=policy, max_num_batched_tokens=64, num_blocks=num_blocks))
+        copied = engine(tiny, policy=policy, max_num_batched_tokens=64, num_blocks=num_blocks)
+        store = copied.runner.decode_kv
+        store.budget_bytes = 4096 * store.bytes_per_token   # the small pool's own size would fit one copy
+        assert copied.generate(prompts, params) == gathered.generate(prompts, params)
+        assert copied.scheduler.num_preemptions == gathered.scheduler.num_preemptions
+        assert 0 < store.builds <= len(prompts) * (1 + copied.scheduler.num_preemptions) + 20, store.builds
+        assert store.nbytes == 0   # every copy went with its sequence
+    assert copied.scheduler.num_preemptions > 0
+
+
+def test_decode_copies_within_budget_else_gather(tiny):
+    """Copies never take more than their budget: a step whose copies would not fit
+    gathers instead (and the tokens do not change)."""
+    prompts = tiny_prompts([40, 60, 80, 100], seed=4)
+    params = [greedy(n, ignore_eos=True) for n in (10, 15, 20, 60)]   # the batch shrinks to one
+    expected = _without_copies(engine(tiny)).generate(prompts, params)
+    eng = engine(tiny)
+    store = eng.runner.decode_kv
+    store.budget_bytes = 400 * store.bytes_per_token   # room for one or two sequences, not four
+    peak = []
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, q)
+    outs = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished:
+        for out in eng.step():
+            outs[out.request_id].append(out.token_id)
+        peak.append(store.nbytes)
+    assert [outs[str(i)] for i in range(len(prompts))] == expected
+    assert max(peak) <= store.budget_bytes
+    assert store.builds > 0   # it did copy once the batch shrank to what fits

@@ -282,6 +282,8 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self._texts.pop(seq.request_id, None)
+        if self.runner.decode_kv is not None:
+            self.runner.decode_kv.release(seq)
 
     def abort(self, request_id: str, reason: str = FinishReason.CANCELLED) -> Sequence | None:
         """Stop a request now and free its blocks; None if it is not here."""

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from pdqueue.engine.decode_kv import DecodeKV
 from pdqueue.engine.sequence import Sequence
 from pdqueue.models.attention import AttentionBatch
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: str | torch.device = "cpu",
+                 decode_kv: bool = True):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
+        # Decode steps read contiguous per-sequence copies of the K/V instead of gathering
+        # the blocks every layer (engine/decode_kv.py); None: always gather.
+        self.decode_kv = DecodeKV(kv_cache, block_size) if decode_kv else None
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -47,12 +52,18 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         dev = self.device
+        tables = [t.to(dev) for t in block_tables]
+        seqs = [seq for seq, _ in batch]
+        copies = None
+        if self.decode_kv is not None:
+            copies = self.decode_kv.prepare(seqs, context_lens, tables, all(n == 1 for n in query_lens))
         attn = AttentionBatch(
             query_starts=query_starts,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=[t.to(dev) for t in block_tables],
+            block_tables=tables,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_kv=copies,
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -60,6 +71,8 @@ class ModelRunner:
             attn,
             self.kv_cache,
         )
+        if copies is not None:
+            self.decode_kv.advance(seqs, context_lens)
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)

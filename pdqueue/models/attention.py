@@ -30,8 +30,13 @@ class AttentionBatch:
     block_tables: list[torch.Tensor]  # LongTensor per sequence, on the cache's device
     slot_mapping: torch.Tensor  # LongTensor[T]: block_id * block_size + offset per new token
 
+    # A decode step's contiguous K/V copies, one per sequence ([layers, 2, Hkv, capacity, D],
+    # holding the tokens before this step's: pdqueue.engine.decode_kv); None: gather from the pool.
+    decode_kv: list[torch.Tensor] | None = None
+
     _gather: tuple[torch.Tensor, list[int]] | None = None
     _spans: list[tuple[int, int]] | None = None
+    _copy_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +67,14 @@ class AttentionBatch:
         if self._spans is None:
             self._spans = [(first * block_size, first * block_size + ctx) for first, ctx in zip(offsets, self.context_lens)]
         return self._spans
+
+    def copy_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per sequence, views of its ``decode_kv`` copy: (keys ``[L, 1, Hkv, context, D]``,
+        values the same, the new token's slot ``[L, 2, Hkv, D]``); once a step, for every layer."""
+        if self._copy_views is None:
+            self._copy_views = [(c[:, 0, None, :, :n], c[:, 1, None, :, :n], c[:, :, :, n - 1])
+                                for c, n in zip(self.decode_kv, self.context_lens)]
+        return self._copy_views
 
     @property
     def num_tokens(self) -> int:
@@ -105,10 +118,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+                    batch: AttentionBatch, scale: float, layer: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens -> attention output [T, H, D].
-    ``layer_cache``: the layer's K and V planes, ``[2, num_blocks, block_size, Hkv, D]``."""
+    ``layer_cache``: the layer's K and V planes, ``[2, num_blocks, block_size, Hkv, D]``;
+    ``layer``: its index (for ``batch.decode_kv``)."""
     write_kv(k, v, layer_cache[0], layer_cache[1], batch.slot_mapping)
+    if batch.decode_kv is not None:
+        return _copied_decode_attention(q, k, v, batch, layer, scale)
     block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
     blocks, offsets = batch.gather_plan(block_size)
     # K and V in one gather (a decode step is many small ops: each one saved counts).
@@ -147,3 +163,20 @@ def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionB
     outs = [F.scaled_dot_product_attention(queries[i], keys[:, :, start:end], values[:, :, start:end], scale=scale)
             for i, (start, end) in enumerate(batch.decode_spans(offsets, block_size))]
     return torch.cat(outs).view(q.shape[0], num_heads, head_dim)
+
+
+def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+                             layer: int, scale: float) -> torch.Tensor:
+    """A decode step over each sequence's contiguous copy (``batch.decode_kv``): the new
+    token's K/V goes into the copy too, and SDPA reads the copy. No gather; the same numbers
+    as ``_decode_attention``."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    queries = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    new = torch.stack((k, v), dim=1)   # [B, 2, Hkv, D]
+    outs = []
+    for i, (keys, values, slot) in enumerate(batch.copy_views()):
+        slot[layer].copy_(new[i])
+        outs.append(F.scaled_dot_product_attention(queries[i], keys[layer], values[layer], scale=scale))
+    out = outs[0] if num_seqs == 1 else torch.cat(outs)
+    return out.view(num_seqs, num_heads, head_dim)

@@ -137,7 +137,7 @@ class LlamaModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Paged forward: new tokens' K/V go into ``kv_cache``; returns normed hidden [T, H]."""
         def attend(layer_index, q, k, v):
-            return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale)
+            return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale, layer_index)
         return self._run(input_ids, positions, attend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
