@@ -71,7 +71,7 @@ DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README'
 DEFAULT_GATEWAY_PORT = 8000  # the gateway's port when it is free (README's examples)
 STOP_REPORT_INTERVAL_S = 2.0
 # Stopping with an embedded server, whose queue dies with it: the workers first answer what
-# it holds, until nothing is left or nothing was answered for DRAIN_STALL_S; what is left
+# it holds, until nothing is left or nothing progressed for DRAIN_STALL_S; what is left
 # then gets an error entry (code UNANSWERED_CODE) that its client reads within
 # UNANSWERED_READ_S, before the server goes.
 DRAIN_STALL_S = 30.0
@@ -481,8 +481,9 @@ class LocalCluster:
               stall_s: float = DRAIN_STALL_S) -> bool:
         """Let the workers answer everything the embedded server holds before they are
         stopped: the queue dies with the server. Ends when nothing is left (True), on
-        ``hurry`` (a second Ctrl-C), when no worker is alive, or when the backlog has not
-        shrunk for ``stall_s`` (nothing is being answered: a role missing, a worker stuck)."""
+        ``hurry`` (a second Ctrl-C), when no worker is alive, or after ``stall_s`` without
+        progress (neither the backlog nor any worker's KV use changed: a role missing, a
+        worker stuck)."""
         try:
             queued, held = self.backlog()
         except redis.RedisError:
@@ -491,7 +492,7 @@ class LocalCluster:
             return True
         say(f"answering what is left first: {queued} queued, {held} in hand (Ctrl-C again: stop now, "
             f"what is not answered then gets an error)")
-        best, since = queued + held, time.monotonic()
+        last, since = None, time.monotonic()
         next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
         while not hurry.is_set():
             if not any(w.alive for w in self.workers):
@@ -499,22 +500,30 @@ class LocalCluster:
                 return False
             try:
                 queued, held = self.backlog()
+                progress = (queued, held, self._work_signature())
             except redis.RedisError:
                 return False
             left = queued + held
             if not left:
                 say("everything queued was answered")
                 return True
-            if left < best:
-                best, since = left, time.monotonic()
+            if progress != last:
+                last, since = progress, time.monotonic()
             elif time.monotonic() - since > stall_s:
-                say(f"nothing answered for {stall_s:g} s: stopping with {left} left")
+                say(f"no progress for {stall_s:g} s: stopping with {left} left")
                 return False
             if waiting is not None and time.monotonic() >= next_report:
                 next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
                 waiting(f"answering what is left: {queued} queued, {held} in hand (Ctrl-C again: stop now)")
             hurry.wait(0.2)
         return False
+
+    def _work_signature(self) -> tuple:
+        """What changes while the workers make progress on long requests that do not finish
+        yet: each one's free KV blocks (a decode sequence takes a block every 16 tokens) and
+        running count, from the heartbeats."""
+        return tuple(sorted((w.get("worker_id", ""), (w.get("load") or {}).get("kv_free"),
+                             (w.get("load") or {}).get("running")) for w in list_workers(self.redis, self.keys)))
 
     def fail_unanswered(self, reason: str = "the local cluster (pdqueue up) stopped before answering") -> int:
         """Once the workers are gone, before the embedded server is: an ``error`` entry on
