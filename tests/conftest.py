@@ -22,6 +22,36 @@ from pdqueue.queue.redis_server import RedisServer
 _KEPT_ENV = {"PDQ_REDIS_SERVER", "PDQ_CACHE_DIR"}
 
 
+# --- parallel runs (pytest-xdist: `scripts/test` runs `-n 3 --dist loadgroup`) ----------------
+#
+# Each xdist worker is a pytest session of its own: its own redis-server (``redis_server``),
+# basetemp, KV segment prefix (tests/kv_peers.py) and cluster tags (tests/cluster.py). Tests are
+# handed out one at a time, except these modules, which run whole on one worker: their module-
+# or session-scoped fixtures (a `pdqueue up`, a 6-node Redis Cluster, network-namespace hosts,
+# a sender process, SmolLM2's runs) start once, not once per worker, and their tests do not
+# interleave with another module's (which would tear such a fixture down and start it again).
+ONE_WORKER_MODULES = {
+    "test_gateway.py", "test_redis_cluster.py", "test_netns.py", "test_kv_auth.py", "test_transfer.py",
+    "test_nixl.py", "test_security.py", "test_engine.py", "test_models.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONE_WORKER_MODULES and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Several test processes share the cores: torch work in this one (oracles, engines)
+        # runs on one thread, as the worker processes the tests start do (--threads 1).
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _no_pdq_environment(monkeypatch):
     for name in list(os.environ):

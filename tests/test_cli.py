@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pdqueue.client import Client
+from pdqueue.client import Client, RequestFailed
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import state_url
 from pdqueue.keys import PREFILL_GROUP, Keys
@@ -35,6 +35,9 @@ from pdqueue.queue.streams import ensure_group
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--threads", "1", "--kv-cache-mb", "16"]
 LONG_PROMPT = "story 1"  # the tiny model answers it greedily with ~1100 tokens: seconds of decoding
+# Tests whose outcome depends on what listens on Redis's default port 6379 (an `up` without
+# --redis-port takes it when free): under pytest-xdist they run one after another on one worker.
+USES_PORT_6379 = pytest.mark.xdist_group("redis-port-6379")
 
 
 def pdq(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -172,6 +175,7 @@ def test_up_serves_submit_and_status_then_leaves_nothing_behind(tmp_path, env):
     assert_user_error(pdq("submit", "hi", "--redis-url", url, env=env), "cannot reach Redis")
 
 
+@USES_PORT_6379
 def test_up_demo_streams_answers_and_exits(tmp_path, env):
     result = subprocess.run([sys.executable, "-m", "workers", "up", "--demo", *TINY], capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=240, stdin=subprocess.DEVNULL)
@@ -209,12 +213,74 @@ def test_ctrl_c_in_the_terminal_is_a_warm_stop(tmp_path, env):
     # The workers never lost Redis: it stopped after them.
     logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
     assert "redis unavailable" not in logs.lower(), logs[-3000:]
-    # While the decode worker finishes, a line every ~2 s says whom `up` waits for, and why.
+    # The workers answer what the embedded server holds before they are stopped; a line
+    # every ~2 s says how much is left, then the warm stops (nothing in hand by then).
     lines = err.splitlines()
-    decode_stop = next(i for i, line in enumerate(lines) if line.startswith("stopping 1 decode worker"))
-    waiting = [i for i, line in enumerate(lines) if line.startswith("waiting for decode-0-")]
-    assert waiting and decode_stop < waiting[0] and waiting[-1] < lines.index("stopping the Redis server"), err
-    assert any(re.search(r"\([1-4] requests? in hand\)", lines[i]) for i in waiting), err
+    first = next(i for i, line in enumerate(lines) if line.startswith("answering what is left first: 0 queued, "))
+    waiting = [i for i, line in enumerate(lines) if line.startswith("answering what is left: 0 queued, ")]
+    answered = lines.index("everything queued was answered")
+    assert waiting and first < waiting[0] and waiting[-1] < answered, err
+    assert any(re.search(r", [1-4] in hand", lines[i]) for i in waiting), err
+    assert answered < lines.index("stopping 1 prefill worker (warm: work in hand finishes)") \
+        < lines.index("stopping 1 decode worker (warm: work in hand finishes)") < lines.index("stopping the Redis server")
+    assert " not answered: " not in err, err
+
+
+def test_ctrl_c_answers_what_is_queued_before_stopping(tmp_path, env):
+    """The queue dies with the embedded server, so a Ctrl-C first lets the workers answer
+    every request it holds, not only those in hand: here some are still queued (the decode
+    worker takes 32 at a time)."""
+    up = Up(tmp_path, env, "--redis-port", str(free_port()), *TINY, own_group=True)
+    try:
+        state = up.wait_ready()
+        with Client(state_url(state), config=RedisConfig(unavailable_after_s=10)) as client:
+            handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=200, temperature=0,
+                                               ignore_eos=True) for i in range(48)])
+            next(handles[0].stream(timeout=120))   # the first one has started
+            os.killpg(up.proc.pid, signal.SIGINT)
+            assert [h.result(timeout=120).num_tokens for h in handles] == [200] * 48   # nothing lost
+        assert up.proc.wait(90) == 0, up.output
+    finally:
+        up.ensure_stopped()
+    err = up.err_path.read_text()
+    queued = int(re.search(r"answering what is left first: (\d+) queued", err).group(1))
+    assert queued > 0 and "everything queued was answered" in err and " not answered: " not in err, err
+    assert "Traceback" not in up.output
+
+
+def test_a_second_ctrl_c_fails_what_is_left_at_once(tmp_path, env):
+    """The second Ctrl-C stops now: every request not answered by then gets an error entry
+    (code `unavailable`) before the server goes, so its client learns at once instead of
+    losing its Redis; the workers stop without being killed."""
+    up = Up(tmp_path, env, "--redis-port", str(free_port()), *TINY, own_group=True)
+    try:
+        state = up.wait_ready()
+        with Client(state_url(state), config=RedisConfig(unavailable_after_s=60)) as client:
+            handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=2000, temperature=0,
+                                               ignore_eos=True) for i in range(12)])
+            next(handles[0].stream(timeout=120))
+            os.killpg(up.proc.pid, signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while "answering what is left first" not in up.err_path.read_text():
+                assert time.monotonic() < deadline, up.output
+                time.sleep(0.1)
+            os.killpg(up.proc.pid, signal.SIGINT)
+            outcomes, started = [], time.monotonic()
+            for h in handles:
+                try:
+                    outcomes.append(h.result(timeout=60).num_tokens)
+                except RequestFailed as exc:
+                    outcomes.append(exc.code)
+            assert time.monotonic() - started < 30   # an answer each, not a lost connection after 60 s
+        assert outcomes == ["unavailable"] * 12, outcomes
+        assert up.proc.wait(60) == 0, up.output
+    finally:
+        up.ensure_stopped()
+    err = up.err_path.read_text()
+    assert "12 requests not answered: their clients got an error (code unavailable" in err, err
+    assert "SIGKILL" not in err and "Traceback" not in up.output, err
+    for pid in [state["server_pid"], *(w["pid"] for w in state["workers"])]:
+        assert gone(pid), f"process {pid} is still running"
 
 
 def test_up_reports_every_worker_that_failed_before_ready(tmp_path, env):
@@ -301,6 +367,7 @@ def test_up_takes_a_port_that_was_just_released(tmp_path, env):
         up.ensure_stopped()
 
 
+@USES_PORT_6379
 def test_two_local_clusters_side_by_side(tmp_path, env):
     """One `up` per cluster name. The first gets Redis's own port 6379 when it is free (then
     README's redis-cli examples and Client() work against it), the second a free one."""
@@ -450,6 +517,7 @@ def test_unreachable_redis_gives_one_line_and_exit_1(env, args):
     assert_user_error(pdq(*args, env={**env, "PDQ_REDIS_URL": url}), f"cannot reach Redis at {url}")
 
 
+@USES_PORT_6379
 def test_without_a_local_cluster_the_error_says_how_to_start_one(env):
     result = pdq("status", env=env)
     if result.returncode == 0:
