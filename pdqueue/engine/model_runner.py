@@ -18,13 +18,17 @@ from pdqueue.models.attention import AttentionBatch
 
 class ModelRunner:
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: str | torch.device = "cpu",
-                 decode_kv: bool = True):
+                 decode_kv: bool | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = torch.device(device)
         # Decode steps read contiguous per-sequence copies of the K/V instead of gathering
-        # the blocks every layer (engine/decode_kv.py); None: always gather.
+        # the blocks every layer (engine/decode_kv.py); None: always gather. By default on
+        # CPU only: there memory is plentiful and the gather is slow; an accelerator's
+        # memory is better spent on the pool.
+        if decode_kv is None:
+            decode_kv = self.device.type == "cpu"
         self.decode_kv = DecodeKV(kv_cache, block_size) if decode_kv else None
 
     @torch.inference_mode()
