@@ -119,7 +119,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.scale = config.head_dim ** -0.5
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (uninitialised) weight, the embedding skips its random init: under the
+        # loader's meta device that init imports torch._dynamo, ~2 s of every worker's start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models read the embedding matrix directly (no shared Parameter to re-tie
