@@ -40,7 +40,8 @@ class DecodeKV:
         self.num_layers = layers
         self.bytes_per_token = layers * 2 * self.num_kv_heads * self.head_dim * kv_cache.element_size()
         self.budget_bytes = kv_cache.numel() * kv_cache.element_size() if budget_bytes is None else budget_bytes
-        # id(seq) -> (seq, copy [layers, 2, Hkv, capacity, D], tokens it holds)
+        # id(seq) -> (seq, copy [layers, 2, Hkv, capacity, D], tokens it holds); holding seq
+        # keeps its id from being reused by another sequence while the entry lives.
         self._copies: dict[int, tuple[object, torch.Tensor, int]] = {}
         self.builds = 0   # copies built from the pool (tests, debugging)
 
@@ -61,7 +62,7 @@ class DecodeKV:
         missing, need = [], self.nbytes
         for i, (seq, ctx) in enumerate(zip(seqs, context_lens)):
             entry = self._copies.get(id(seq))
-            if entry is None or entry[0] is not seq or entry[2] != ctx - 1 or entry[1].shape[3] < ctx:
+            if entry is None or entry[2] != ctx - 1 or entry[1].shape[3] < ctx:
                 if entry is not None:
                     need -= entry[1].numel() * entry[1].element_size()
                     del self._copies[id(seq)]
@@ -82,12 +83,7 @@ class DecodeKV:
 
     def release(self, seq) -> None:
         """``seq`` is finished or gone: its copy too."""
-        entry = self._copies.get(id(seq))
-        if entry is not None and entry[0] is seq:
-            del self._copies[id(seq)]
-
-    def clear(self) -> None:
-        self._copies.clear()
+        self._copies.pop(id(seq), None)
 
     def _capacity(self, ctx: int) -> int:
         return -(-int(ctx * GROWTH + ROUND) // ROUND) * ROUND

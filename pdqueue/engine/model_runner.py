@@ -56,26 +56,23 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_seqs.append(seq)
         dev = self.device
-        tables = [t.to(dev) for t in block_tables]
-        seqs = [seq for seq, _ in batch]
-        copies = None
-        if self.decode_kv is not None:
-            copies = self.decode_kv.prepare(seqs, context_lens, tables, all(n == 1 for n in query_lens))
         attn = AttentionBatch(
             query_starts=query_starts,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=tables,
+            block_tables=[t.to(dev) for t in block_tables],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_kv=copies,
         )
+        seqs = [seq for seq, _ in batch]
+        if self.decode_kv is not None:
+            attn.decode_kv = self.decode_kv.prepare(seqs, context_lens, attn.block_tables, attn.is_decode)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             attn,
             self.kv_cache,
         )
-        if copies is not None:
+        if attn.decode_kv is not None:
             self.decode_kv.advance(seqs, context_lens)
         if not sample_rows:
             return None, []

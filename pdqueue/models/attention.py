@@ -155,14 +155,15 @@ def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionB
     # [2, Hkv, gathered tokens, D]: each sequence's K/V is a slice along the token axis.
     planes = gathered.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)
     queries = q.view(q.shape[0], 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if batch.num_seqs == 1:
-        ctx = batch.context_lens[0]
-        return F.scaled_dot_product_attention(queries[0], planes[0, None, :, :ctx], planes[1, None, :, :ctx],
-                                              scale=scale).view(1, num_heads, head_dim)
     keys, values = planes[0, None], planes[1, None]   # [1, Hkv, tokens, D]
     outs = [F.scaled_dot_product_attention(queries[i], keys[:, :, start:end], values[:, :, start:end], scale=scale)
             for i, (start, end) in enumerate(batch.decode_spans(offsets, block_size))]
-    return torch.cat(outs).view(q.shape[0], num_heads, head_dim)
+    return _joined(outs, q.shape)
+
+
+def _joined(outs: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Per-sequence decode outputs [1, Hkv, group, D] -> [B, H, D] (no copy for one)."""
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(shape)
 
 
 def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
@@ -178,5 +179,4 @@ def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for i, (keys, values, slot) in enumerate(batch.copy_views()):
         slot[layer].copy_(new[i])
         outs.append(F.scaled_dot_product_attention(queries[i], keys[layer], values[layer], scale=scale))
-    out = outs[0] if num_seqs == 1 else torch.cat(outs)
-    return out.view(num_seqs, num_heads, head_dim)
+    return _joined(outs, q.shape)
