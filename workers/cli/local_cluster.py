@@ -17,15 +17,15 @@ then decode workers (warm: running requests finish). A second ``hurry`` signal r
 SIGTERM (a worker's cold stop); stragglers past the grace period get SIGKILL on their
 process group. While they stop, ``still_running`` tells who is left and what each holds
 (from its heartbeat). With an embedded server, whose queue dies with it, the workers first
-answer everything it holds (``drain``: until nothing is left, a second ``hurry``, or nothing
-answered for ``DRAIN_STALL_S``), and what is still unanswered once they are stopped gets an
+answer everything it holds (``drain``: until nothing is left, a second ``hurry``, or no
+progress for ``DRAIN_STALL_S``), and what is still unanswered once they are stopped gets an
 ``error`` entry (code ``unavailable``) on its ``out:<id>`` (``fail_unanswered``), so no client
 is left waiting on a server that is gone. Then the embedded server stops, KV segments of our workers that a
 killed worker left in /dev/shm are unlinked, and the state file and a temporary log
 directory are removed. Every child also gets PDEATHSIG, so a SIGKILLed supervisor does not
 leave workers or the server behind.
 
-Imports redis and pdqueue.queue/keys/discovery (never torch).
+Imports redis and pdqueue.queue/keys/protocol/discovery (never torch).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from pdqueue.config import SECURITY_ENV, redact_url, url_credentials
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.protocol import ErrorCode, entry_request_id, error_entry
 from pdqueue.queue.connection import connect
 from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
@@ -72,10 +73,9 @@ DEFAULT_GATEWAY_PORT = 8000  # the gateway's port when it is free (README's exam
 STOP_REPORT_INTERVAL_S = 2.0
 # Stopping with an embedded server, whose queue dies with it: the workers first answer what
 # it holds, until nothing is left or nothing progressed for DRAIN_STALL_S; what is left
-# then gets an error entry (code UNANSWERED_CODE) that its client reads within
+# then gets an error entry (ErrorCode.UNAVAILABLE) that its client reads within
 # UNANSWERED_READ_S, before the server goes.
 DRAIN_STALL_S = 30.0
-UNANSWERED_CODE = "unavailable"   # pdqueue.protocol.ErrorCode.UNAVAILABLE
 UNANSWERED_READ_S = 1.0
 UNANSWERED_TTL_MS = 60_000
 
@@ -394,7 +394,7 @@ class LocalCluster:
             failed = self.fail_unanswered()
             if failed:
                 say(f"{_count(failed, 'request', 'requests')} not answered: their clients got an error "
-                    f"(code {UNANSWERED_CODE}: the local cluster stopped)")
+                    f"(code {ErrorCode.UNAVAILABLE.value}: the local cluster stopped)")
                 time.sleep(UNANSWERED_READ_S)   # clients blocked on out:<id> read it before the server goes
             say("stopping the Redis server")
             if keep_logs and self.server.log_path is not None:
@@ -530,8 +530,6 @@ class LocalCluster:
         ``out:<id>`` of every request still in the streams, so that its client learns at
         once (``RequestFailed``, code ``unavailable``) instead of losing its Redis. Returns
         how many."""
-        from pdqueue.protocol import entry_request_id, error_entry
-
         try:
             ids: set[str] = set()
             for stream, _ in self._work_streams():
@@ -541,7 +539,7 @@ class LocalCluster:
                         ids.add(rid)
             with self.redis.pipeline(transaction=False) as pipe:
                 for rid in sorted(ids):
-                    pipe.xadd(self.keys.out(rid), error_entry(reason, UNANSWERED_CODE))
+                    pipe.xadd(self.keys.out(rid), error_entry(reason, ErrorCode.UNAVAILABLE))
                     pipe.pexpire(self.keys.out(rid), UNANSWERED_TTL_MS)
                 pipe.execute()
         except redis.RedisError:
@@ -556,7 +554,7 @@ class LocalCluster:
         group = [w for w in self.workers if w.alive] if group is None else group
         try:
             registered = {w["worker_id"]: w for w in list_workers(self.redis, self.keys)}
-            in_hand = self._pending_by_consumer({w.get("node", "") for w in registered.values()})
+            in_hand = self._pending_by_consumer()
         except (redis.RedisError, AssertionError):
             registered, in_hand = {}, {}
         parts = []
@@ -568,13 +566,11 @@ class LocalCluster:
             parts.append(w.worker_id + (f" ({', '.join(held)})" if held else ""))
         return ", ".join(parts)
 
-    def _pending_by_consumer(self, nodes: set[str]) -> dict[str, int]:
+    def _pending_by_consumer(self) -> dict[str, int]:
         """Entries taken and not yet acknowledged, by consumer (worker id), in the request
         streams (prefill group) and the handoff streams (decode group)."""
-        streams = [(s, PREFILL_GROUP) for s in request_streams_of(self.redis, self.keys)]
-        streams += [(s, DECODE_GROUP) for s in {self.keys.handoff, *(self.keys.handoff_node(n) for n in nodes if n)}]
         with self.redis.pipeline(transaction=False) as pipe:
-            for stream, group in streams:
+            for stream, group in self._work_streams():
                 pipe.xpending(stream, group)
             replies = pipe.execute(raise_on_error=False)
         counts: dict[str, int] = {}
