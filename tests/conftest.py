@@ -52,6 +52,14 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A model cache of this test's own ($PDQ_CACHE_DIR)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PDQ_CACHE_DIR", str(root))
+    return root
+
+
 @pytest.fixture(autouse=True)
 def _no_pdq_environment(monkeypatch):
     for name in list(os.environ):

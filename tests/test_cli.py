@@ -40,6 +40,12 @@ LONG_PROMPT = "story 1"  # the tiny model answers it greedily with ~1100 tokens:
 USES_PORT_6379 = pytest.mark.xdist_group("redis-port-6379")
 
 
+def submit_long(client: Client, n: int, max_tokens: int) -> list:
+    """``n`` greedy requests that run exactly ``max_tokens`` tokens each (distinct prompts)."""
+    return client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=max_tokens, temperature=0,
+                                    ignore_eos=True) for i in range(n)])
+
+
 def pdq(*args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workers", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -194,8 +200,7 @@ def test_ctrl_c_in_the_terminal_is_a_warm_stop(tmp_path, env):
     try:
         state = up.wait_ready()
         client = Client(state_url(state), config=RedisConfig(unavailable_after_s=10))
-        handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=2000, temperature=0,
-                                           ignore_eos=True) for i in range(4)])  # seconds of decoding
+        handles = submit_long(client, 4, 2000)  # seconds of decoding
         events = handles[0].stream(timeout=120)
         first = [next(events) for _ in range(5)]
         os.killpg(up.proc.pid, signal.SIGINT)  # up and everything in its process group
@@ -234,8 +239,7 @@ def test_ctrl_c_answers_what_is_queued_before_stopping(tmp_path, env):
     try:
         state = up.wait_ready()
         with Client(state_url(state), config=RedisConfig(unavailable_after_s=10)) as client:
-            handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=200, temperature=0,
-                                               ignore_eos=True) for i in range(48)])
+            handles = submit_long(client, 48, 200)
             next(handles[0].stream(timeout=120))   # the first one has started
             os.killpg(up.proc.pid, signal.SIGINT)
             assert [h.result(timeout=120).num_tokens for h in handles] == [200] * 48   # nothing lost
@@ -256,8 +260,7 @@ def test_a_second_ctrl_c_fails_what_is_left_at_once(tmp_path, env):
     try:
         state = up.wait_ready()
         with Client(state_url(state), config=RedisConfig(unavailable_after_s=60)) as client:
-            handles = client.submit_many([dict(prompt=f"{LONG_PROMPT}{i}", max_tokens=2000, temperature=0,
-                                               ignore_eos=True) for i in range(12)])
+            handles = submit_long(client, 12, 2000)
             next(handles[0].stream(timeout=120))
             os.killpg(up.proc.pid, signal.SIGINT)
             deadline = time.monotonic() + 30

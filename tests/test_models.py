@@ -400,13 +400,6 @@ def test_gguf_header_tables_match_the_gguf_package(tmp_path):
 
 # --- the GGUF conversion cache (pdqueue.models.cache) -------------------------------------
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("PDQ_CACHE_DIR", str(root))
-    return root
-
-
 def cache_entries(root: Path) -> list[Path]:
     """Converted models under the cache root, wherever the cache keeps them."""
     return sorted(p.parent for p in root.rglob("model.safetensors") if not p.parent.name.startswith("."))

@@ -24,13 +24,6 @@ from tests.gguf_files import write_tiny_gguf
 IDS = torch.arange(1, 48)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("PDQ_CACHE_DIR", str(root))
-    return root
-
-
 def quant_entries(root: Path) -> list[Path]:
     return sorted(p for p in (root / "models").glob("quant-*") if p.is_dir())
 

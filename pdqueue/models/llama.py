@@ -120,7 +120,8 @@ class LlamaModel(nn.Module):
         self.config = config
         self.scale = config.head_dim ** -0.5
         # Given its (uninitialised) weight, the embedding skips its random init: under the
-        # loader's meta device that init imports torch._dynamo, ~2 s of every worker's start.
+        # loader's meta device that init cost ~1.5 s of a process's first model load
+        # (tiny: 2.0 -> 0.5 s, measured); the weights are loaded over it anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
