@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import re
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -118,3 +119,14 @@ def pdqueue_up(redis_url: str, cluster: str, logs: Path, env: dict, log_dir: Pat
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def run_together(code: str, args: list[str], n: int, cache_dir) -> list[str]:
+    """``n`` Python processes running ``code`` (with ``args``) at once, on the model cache
+    ``cache_dir`` (``$PDQ_CACHE_DIR``); each must exit 0. Returns their standard outputs."""
+    env = {**os.environ, "PDQ_CACHE_DIR": str(cache_dir)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=Path(__file__).resolve().parent.parent) for _ in range(n)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    return [out for out, _ in outs]

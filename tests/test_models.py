@@ -24,6 +24,7 @@ from pdqueue.models.loader import (TINY_CONFIG, ensure_gguf_cache, load_model, m
 from pdqueue.models.source import ModelSourceError
 from pdqueue.models.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from tests.gguf_files import write_tiny_gguf
+from tests.helpers import run_together
 
 BLOCK_SIZE = 16
 PROMPT_LENS = [1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
@@ -499,12 +500,8 @@ def test_loaders_starting_together_share_one_entry(tmp_path, cache_dir):
     path = write_tiny_gguf(tmp_path / "m.gguf")
     code = ("import sys, torch; from pdqueue.models.loader import load_model\n"
             "m = load_model(sys.argv[1]); print(float(sum(p.double().sum() for p in m.model.parameters())))")
-    env = {**os.environ, "PDQ_CACHE_DIR": str(cache_dir)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=Path(__file__).resolve().parent.parent) for _ in range(3)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    assert len({out for out, _ in outs}) == 1
+    outs = run_together(code, [str(path)], 3, cache_dir)
+    assert len(set(outs)) == 1
     [entry] = cache_entries(cache_dir)
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".gguf-")] == []
     assert same_weights(load_model(path), load_model(path, use_cache=False))

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from pdqueue.models import cache, quant, quant_cache
 from pdqueue.models.loader import ensure_gguf_cache, load_model, resolve_model_path
 from tests.gguf_files import write_tiny_gguf
+from tests.helpers import run_together
 
 IDS = torch.arange(1, 48)
 
@@ -91,12 +90,8 @@ def test_loaders_starting_together_share_one_entry(tmp_path, cache_dir):
     code = ("import sys, torch; from pdqueue.models.loader import load_model\n"
             "m = load_model(sys.argv[1], weights='int4')\n"
             "print(m.model.quant_cache, m.model.dense_logits(torch.arange(1, 48)).double().sum().item())")
-    env = {**os.environ, "PDQ_CACHE_DIR": str(cache_dir)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=Path(__file__).resolve().parent.parent) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
-    assert len({out.split()[1] for out, _ in outs}) == 1
+    outs = run_together(code, [str(path)], 2, cache_dir)
+    assert len({out.split()[1] for out in outs}) == 1
     [entry] = quant_entries(cache_dir)
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".quant-")] == []
     cached = load_model(path, weights="int4")
