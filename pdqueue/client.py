@@ -55,7 +55,7 @@ from pdqueue.protocol import (
     request_to_fields,
     validate_request,
 )
-from pdqueue.queue.connection import async_client_from_url, client_from_url
+from pdqueue.queue.connection import async_client_from_url, client_from_url, raise_dropped_cancellation
 from pdqueue.queue.streams import parse_read_reply
 from pdqueue.retry import backoff_delay
 
@@ -390,6 +390,7 @@ class AsyncRequestHandle:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 await asyncio.sleep(reading.read_failed(exc))
                 continue
+            raise_dropped_cancellation()
             for event in reading.events(reply):
                 yield event
 
@@ -412,6 +413,7 @@ class AsyncRequestHandle:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 await asyncio.sleep(reading.read_failed(exc))
                 continue
+            raise_dropped_cancellation()
             batch: list[ResultEvent] = []
             try:
                 batch.extend(reading.events(reply))

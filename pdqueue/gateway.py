@@ -245,12 +245,13 @@ class _Answer:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not work.done():  # the client left (or the server is stopping)
+                # Cancel the pdqueue request first: it must not wait for ``work`` to stop.
+                await reply.abandon()
                 work.cancel()
                 try:
                     await work
                 except BaseException:
                     pass
-                await reply.abandon()
             watch.cancel()
         exc = None if work.cancelled() else work.exception()
         if isinstance(exc, OSError):  # the connection broke while sending

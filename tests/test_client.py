@@ -245,6 +245,41 @@ def test_async_client(redis_url, echo):
     asyncio.run(main())
 
 
+def test_cancelling_an_async_stream_stops_it_at_once(redis_url):
+    """A task reading a stream whose tokens keep coming stops when it is cancelled (and
+    ``asyncio.timeout`` around it fires). On Python 3.11 redis-py times out each command's
+    write with ``asyncio.wait_for``, which drops a cancellation that lands just as the write
+    completes; the stream then read on to the answer's end (the gateway's hang-up flake)."""
+    worker = EchoWorker(redis_url, token_delay_s=0.0005)
+
+    async def read_all(handle):
+        async for _ in handle.stream(timeout=60):
+            pass
+
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            for i in range(25):
+                handle = await client.submit("y" * 4000, max_tokens=4000)
+                async for _ in handle.stream(timeout=60):   # tokens are flowing
+                    break
+                task = asyncio.ensure_future(read_all(handle))
+                await asyncio.sleep(0.002 * (i % 7))
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=2.0)
+                assert done and task.cancelled(), f"round {i}: the cancelled stream kept reading"
+                started = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.01 + 0.002 * (i % 7)):
+                        await client.handle(handle.request_id).result(timeout=60)
+                assert time.monotonic() - started < 2.0, f"round {i}: the timeout fired late"
+                await handle.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
 def test_async_client_streams_more_requests_at_once_than_redis_pys_default_pool(redis_url):
     """Every stream being read holds a connection while its XREAD blocks: 150 requests
     submitted and read at once need 150 (redis-py's default pool stops at 100, and the

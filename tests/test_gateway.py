@@ -350,13 +350,18 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_blocks(gateway, clu
     # Hang up for good: the response's file object holds the socket's descriptor too, so
     # close it as well (a shut-down socket whose descriptor stays open still ACKs what the
     # gateway sends, which is a client that stopped reading, not one that left).
+    hung_up = time.time()
     c.sock.shutdown(2)
     resp.close()
     c.close()
-    # (How soon the gateway sees the hang-up depends on uvicorn: at once on EOF, or at its
-    # next write; a decode worker that stalls delays the latter, seen up to ~14 s here.)
     fields = wait_for(lambda: done_entry(cluster, rid), 60, what="the request's done entry after the hang-up")
-    assert fields[b"finish_reason"] == b"cancelled"
+    entries = cluster.r.xrange(cluster.keys.out(rid))
+    first_ms, last_ms = (int(e[0].split(b"-")[0]) for e in (entries[0], entries[-1]))
+    mentions = "\n".join(line for path in sorted(gateway.log_path.parent.glob("*.log"))
+                          for line in path.read_text(errors="replace").splitlines() if rid in line)
+    assert fields[b"finish_reason"] == b"cancelled", (
+        f"hung up at {hung_up:.3f}; answer from {first_ms / 1e3:.3f} to {last_ms / 1e3:.3f}; "
+        f"cancel key: {cluster.r.exists(cluster.keys.cancel(rid))}; logs:\n{mentions}")
     assert len(json.loads(fields[b"token_ids"])) < 4000
     wait_pools_free(cluster, timeout=10)
 

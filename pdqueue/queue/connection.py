@@ -33,11 +33,16 @@ kind of client is known before any I/O (the async client and a worker's publishe
 theirs without a round trip), a URL says the same in every process and in ``ps``, and a
 plain URL of a cluster node is caught by ``check_mode`` (INFO) in the CLI's checks.
 
+``raise_dropped_cancellation()`` works around a redis.asyncio trait on Python 3.11: a
+task's cancellation can be dropped inside a command (see its docstring); loops that read
+until an answer ends call it after each read.
+
 Imports redis only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from contextlib import contextmanager
@@ -385,3 +390,15 @@ def check_mode(r, url: str) -> None:
     else:
         shown = redact_url(url)
         raise ValueError(f"{shown} is a Redis Cluster node: use redis+cluster://{shown.split('://', 1)[1]}")
+
+
+def raise_dropped_cancellation() -> None:
+    """Raise the cancellation of this task that a Redis call dropped. On Python 3.11 redis-py
+    times out a command's write with ``asyncio.wait_for``, which returns normally when the
+    cancellation lands just as the write completes (fixed in 3.12): the request stays counted
+    in ``Task.cancelling()`` but nothing is raised, and a stream would read on to its answer's
+    end. Code that suppresses a cancellation on purpose calls ``uncancel()``, so a count left
+    here is one that was lost."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
