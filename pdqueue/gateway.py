@@ -269,7 +269,6 @@ class Gateway:
         self.metrics = Metrics()
         self.client: AsyncClient | None = None
         self._poller: asyncio.Task | None = None
-        self._pending_cancels: set[asyncio.Task] = set()
         self._ignored_logged: set[tuple[str, ...]] = set()
 
     # ---- lifespan ------------------------------------------------------------------------
@@ -283,8 +282,6 @@ class Gateway:
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-        if self._pending_cancels:
-            await asyncio.wait(self._pending_cancels, timeout=2.0)
         if self.client is not None:
             await self.client.aclose()
         self.view.close()

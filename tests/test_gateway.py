@@ -337,8 +337,9 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_blocks(gateway, clu
     rid = f"hangup-{uuid.uuid4().hex[:8]}"
     c = gateway.conn()
     c.request("POST", "/v1/completions", body=json.dumps({
-        # 4000 of tiny's 4096 positions: the longest answer there is, so that a gateway slowed by
-        # other test processes on the cores still notices the hang-up before it ends.
+        # 4000 of tiny's 4096 positions (~15 s): an answer that ends by itself long after the
+        # hang-up. (It once did end first, 1 run in ~12: the gateway saw the hang-up at once, but
+        # its reader had swallowed the cancellation and read on; see raise_dropped_cancellation.)
         "model": "tiny", "prompt": "a long story", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
         "stream": True}).encode(), headers={"content-type": "application/json", "x-request-id": rid,
                                              "authorization": f"Bearer {API_KEY}"})
