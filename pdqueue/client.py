@@ -248,11 +248,10 @@ class _Reading:
                 return
 
 
-class RequestHandle:
-    """One submitted request. ``stream``/``text_stream``/``result`` read its answer; they
-    share one read position, so each token is yielded once across them."""
+class _Handle:
+    """What both handles hold: the request's ids, its answer's key and what was read of it."""
 
-    def __init__(self, client: "Client", request_id: str, entry_id: str | None = None):
+    def __init__(self, client: "Client | AsyncClient", request_id: str, entry_id: str | None = None):
         self.client = client
         self.request_id = request_id
         self.entry_id = entry_id
@@ -262,6 +261,11 @@ class RequestHandle:
     @property
     def completion(self) -> Completion | None:
         return self._asm.completion
+
+
+class RequestHandle(_Handle):
+    """One submitted request. ``stream``/``text_stream``/``result`` read its answer; they
+    share one read position, so each token is yielded once across them."""
 
     def stream(self, timeout: float | None = None) -> Iterator[ResultEvent]:
         """Yield token events in index order until done (the generator returns the
@@ -366,20 +370,9 @@ class Client(_Settled):
         self.close()
 
 
-class AsyncRequestHandle:
+class AsyncRequestHandle(_Handle):
     """``RequestHandle`` for asyncio. ``stream`` is an async generator; the completion is
     then in ``handle.completion``."""
-
-    def __init__(self, client: "AsyncClient", request_id: str, entry_id: str | None = None):
-        self.client = client
-        self.request_id = request_id
-        self.entry_id = entry_id
-        self.key = client.keys.out(request_id)
-        self._asm = _Assembler(request_id)
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._asm.completion
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[ResultEvent]:
         reading = _Reading(self, timeout)
