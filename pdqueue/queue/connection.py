@@ -398,7 +398,9 @@ def raise_dropped_cancellation() -> None:
     cancellation lands just as the write completes (fixed in 3.12): the request stays counted
     in ``Task.cancelling()`` but nothing is raised, and a stream would read on to its answer's
     end. Code that suppresses a cancellation on purpose calls ``uncancel()``, so a count left
-    here is one that was lost."""
+    here is one that was lost. (Python 3.10 has the same ``wait_for`` but no count to read:
+    there a dropped cancellation stays dropped.)"""
     task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    cancelling = getattr(task, "cancelling", None)   # Python 3.11+
+    if cancelling is not None and cancelling():
         raise asyncio.CancelledError()
