@@ -476,7 +476,7 @@ def test_timeout_gives_504_and_drops_the_request(cluster, shared_redis_url, logs
         # freed its blocks (a handoff answered before its fetch gives its lease back).
         fields = wait_for(lambda: done_entry(cluster, "late-1"), 10, what="the request's done entry")
         assert fields[b"finish_reason"] in (b"cancelled", b"expired")
-        assert len(json.loads(fields[b"token_ids"])) < 4000
+        assert len(json.loads(fields[b"token_ids"])) < 3000   # fewer than it asked for
         wait_pools_free(cluster)
     finally:
         assert gw.stop() == 0, gw.log()
