@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from pdqueue.client import Client
-from pdqueue.keys import DECODE_GROUP, Keys
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
 from pdqueue.transfer.shm import read_segment_info
@@ -66,13 +66,37 @@ def out_len(cluster, rid) -> int:
     return redis.Redis.from_url(cluster.redis_url).xlen(Keys().out(rid))
 
 
+def pending_request_ids(cluster, consumer: str) -> set[str]:
+    """The request ids of the entries pending under ``consumer`` in the prefill group."""
+    r, keys, found = cluster.r, cluster.keys, set()
+    for stream in (*keys.request_streams, keys.requests_for(consumer)):
+        if not r.exists(stream):
+            continue
+        for p in r.xpending_range(stream, PREFILL_GROUP, "-", "+", 1000, consumername=consumer):
+            entry = r.xrange(stream, p["message_id"], p["message_id"])
+            if entry:
+                found.add(entry[0][1][b"id"].decode())
+    return found
+
+
 def test_prefill_killed_mid_batch(cluster, tiny):
+    """p0 dies holding requests it took and never handed off; p1 takes them over (they
+    are pending under p0 in the group) and every request is answered once."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
     client, handles, ids, expected = submit(cluster, tiny, 24, 8)
-    cluster.signal("p0", signal.SIGKILL)  # whatever it had taken is pending under p0
+    p0 = cluster.id("p0")
+    wait_for(lambda: pending_request_ids(cluster, p0), what="p0 to hold requests", interval=0.005)
+    cluster.signal("p0", signal.SIGSTOP)   # frozen: what it holds now is what it dies with
+    time.sleep(0.2)                        # writes already on the wire land first
+    held = pending_request_ids(cluster, p0)
+    cluster.signal("p0", signal.SIGKILL)
+    assert held, "p0 answered everything it held before it was stopped: nothing to take over"
     cluster.start("prefill", *FAST, worker_id="p1")
-    check_all(cluster, tiny, client, handles, ids, expected)
+    results = check_all(cluster, tiny, client, handles, ids, expected)
+    by_id = {h.request_id: res for h, res in zip(handles, results)}
+    assert {by_id[rid].prefill_worker for rid in held} == {cluster.id("p1")}, \
+        {rid: by_id[rid].prefill_worker for rid in held}
     wait_pools_free(cluster)
 
 

@@ -268,7 +268,8 @@ def test_publisher_close_gives_up_when_redis_is_gone():
 
 def test_heartbeat_registers_updates_and_expires(r):
     registry = Registry(r, KEYS)
-    hb = registry.heartbeat("p0", role="prefill", node="n1", ttl_s=1.0, model="tiny",
+    ttl_s = 2.0   # beats every ttl_s / 3: a margin of 3 beats for a loaded machine
+    hb = registry.heartbeat("p0", role="prefill", node="n1", ttl_s=ttl_s, model="tiny",
                             endpoints={"zmq": "tcp://127.0.0.1:5555"}, load={"running": 0})
     dec = registry.heartbeat("d0", role="decode", node="n1", ttl_s=30)
     try:
@@ -280,10 +281,10 @@ def test_heartbeat_registers_updates_and_expires(r):
         hb.update(running=3, kv_free=10)
         wait_for(lambda: registry.get("p0")["load"] == {"running": 3, "kv_free": 10}, timeout=5,
                  what="the updated load in the registry")
-        time.sleep(2.0)  # twice the TTL: only the beats can keep it alive this long
+        time.sleep(1.5 * ttl_s)  # past the TTL: only the beats can keep it alive this long
         assert registry.get("p0") is not None
         hb.stop(remove=False)
-        wait_for(lambda: registry.get("p0") is None, timeout=3.0, what="p0's entry to expire")  # 3x the TTL
+        wait_for(lambda: registry.get("p0") is None, timeout=3 * ttl_s, what="p0's entry to expire")
         assert [w["worker_id"] for w in list_workers(r, KEYS)] == ["d0"]
     finally:
         hb.stop(remove=False)

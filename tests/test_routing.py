@@ -13,6 +13,7 @@ import pytest
 from pdqueue.client import Client
 from pdqueue.keys import Keys
 from tests.helpers import oracle, wait_for
+from workers.routing import REFRESH_S
 from tests.oracle import assert_same_tokens
 
 BS = 16
@@ -27,6 +28,22 @@ def conversation(i: int) -> tuple[str, str]:
 
 def greedy(n: int = 4) -> dict:
     return {"max_tokens": n, "temperature": 0.0, "seed": 0}
+
+
+def read_since(cluster, name: str, since: float, timeout: float = 30.0) -> float:
+    """Wait until worker ``name`` reads its own request stream after ``since`` (monotonic
+    time; a consumer's idle time restarts at each read attempt) and return when that was."""
+    stream = Keys(cluster.cluster).requests_for(cluster.id(name))
+
+    def last_read():
+        for c in cluster.r.xinfo_consumers(stream, "prefill"):
+            name_ = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name_ == cluster.id(name):
+                at = time.monotonic() - c["idle"] / 1000
+                return at if at > since else None
+        return None
+
+    return wait_for(last_read, timeout, f"{name} to read its own stream again", interval=0.05)
 
 
 def load_of(cluster, name: str) -> dict:
@@ -69,13 +86,14 @@ def test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once(cluster, t
         assert client.submit(t1, **greedy()).result(timeout=60).prefill_worker == cluster.id("a")
     cluster.start("colocated", worker_id="b")
     wait_for(lambda: cluster.r.scard(Keys(cluster.cluster).routed_streams) == 2, 10, "both own streams")
-    time.sleep(1.5)   # b's view of its peers (REFRESH_S) includes a
+    time.sleep(2 * REFRESH_S)   # b's view of its peers, re-read every REFRESH_S, includes a
     cluster.signal("a", signal.SIGSTOP)
     try:
         handles = [client.submit(t2, **greedy()) for _, t2 in convs]
         results = [h.result(timeout=60) for h in handles]
     finally:
         cluster.signal("a", signal.SIGCONT)
+        woke = time.monotonic()
     prompts = [t2 for _, t2 in convs]
     ids, expected, sampling = oracle(tiny, prompts, [greedy()] * len(prompts))
     for i, res in enumerate(results):
@@ -83,7 +101,10 @@ def test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once(cluster, t
     assert {r.prefill_worker for r in results} == {cluster.id("b")}
     wait_for(lambda: load_of(cluster, "b").get("taken_over", 0) >= 1, 10, "b's heartbeat counting take-overs")
     assert load_of(cluster, "b")["routed_out"] >= 1
-    time.sleep(2.0)   # a is awake again: it must not answer any of them a second time
+    # a is awake again: once it has read its own stream twice since (two loop iterations),
+    # it must not have answered any of them a second time.
+    second_read = read_since(cluster, "a", read_since(cluster, "a", woke))
+    assert second_read > woke
     keys = Keys(cluster.cluster)
     for h in handles:
         kinds = [f[b"type"] for _, f in cluster.r.xrange(keys.out(h.request_id))]

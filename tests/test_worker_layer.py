@@ -99,13 +99,16 @@ def test_reclaim_takes_dead_workers_entries_at_once_and_hung_ones_when_idle(r, m
     hung, = [e[1] for e in read_group(r, PREFILL_GROUP, "hung-worker", [KEYS.requests], count=1)]
     r.set(KEYS.worker("hung-worker"), "alive")
     monkeypatch.setattr(r, "exists", None)   # liveness is one pipelined round trip, not EXISTS each
-    time.sleep(0.25)
-    recovery = Recovery(r, KEYS, "w1", reclaim_idle_ms=400, publisher=Publisher(lambda: r))
+    time.sleep(0.25)   # past the 200 ms minimum idle time of a dead worker's entries
+    # The hung worker's entry is taken once idle past reclaim_idle_ms (6x the wait above, so a
+    # slow first call still finds it too young), and only then: polled, not slept for.
+    recovery = Recovery(r, KEYS, "w1", reclaim_idle_ms=1500, publisher=Publisher(lambda: r))
     try:
         assert [e[1] for e in recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10)] == [dead]
         assert recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10) == []   # at most every 0.5 s
-        time.sleep(0.5)
-        assert [e[1] for e in recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10)] == [hung]
+        taken = wait_for(lambda: recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10), timeout=10,
+                         what="the hung worker's entry reclaimed")
+        assert [e[1] for e in taken] == [hung]
     finally:
         recovery.publisher.close()
 
