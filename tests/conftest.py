@@ -36,11 +36,63 @@ ONE_WORKER_MODULES = {
 }
 
 
+# --- tiers, by what a test starts (`bash scripts/test --fast` runs pure and redis) -------------
+#
+#   pure       nothing: functions, classes, the tiny model in this process
+#   redis      the session's redis-server (fixtures redis_server, redis_url, r)
+#   processes  worker, gateway, CLI or server processes of its own
+#   model      the real SmolLM2 (marked slow)
+#
+# A test's tier is the highest that applies: marked slow, or asking for the smollm2 fixture,
+# is `model`; a test in a module of PROCESS_MODULES, asking for a fixture of
+# PROCESS_FIXTURES, or marked `processes` is `processes`; one asking for a Redis fixture is
+# `redis`; the rest is `pure`. Tests that start processes by themselves in a mixed module are
+# marked `@pytest.mark.processes` (checked with `PDQ_TEST_TRACE_PROCS=1`,
+# which fails a pure or redis test that starts a process).
+TIERS = ("pure", "redis", "processes", "model")
+REDIS_FIXTURES = {"redis_server", "redis_url", "r"}
+PROCESS_FIXTURES = {"cluster", "env"}
+PROCESS_MODULES = {
+    "test_batch.py", "test_bench.py", "test_chaos.py", "test_cli.py", "test_faults.py", "test_fuzz.py", "test_gateway.py",
+    "test_long_step.py", "test_netns.py", "test_nixl.py", "test_pipeline.py", "test_redis_cluster.py",
+    "test_routing.py", "test_security.py", "test_switching.py",
+}
+
+
+def tier_of(item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if item.get_closest_marker("slow") or "smollm2" in fixtures:
+        return "model"
+    if (item.path.name in PROCESS_MODULES or fixtures & PROCESS_FIXTURES
+            or item.get_closest_marker("processes")):
+        return "processes"
+    return "redis" if fixtures & REDIS_FIXTURES else "pure"
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ONE_WORKER_MODULES and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(request, monkeypatch):
+    """With PDQ_TEST_TRACE_PROCS=1, a pure or redis test that starts a process fails: how
+    the tiers above are kept true."""
+    if os.environ.get("PDQ_TEST_TRACE_PROCS") != "1" or tier_of(request.node) in ("processes", "model"):
+        return
+    import subprocess
+
+    real = subprocess.Popen.__init__
+
+    def popen(self, args, *a, **kw):
+        pytest.fail(f"a {tier_of(request.node)}-tier test started a process ({args!r}): mark it "
+                    f"@pytest.mark.processes or move it")
+        real(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
 
 
 def pytest_configure(config):

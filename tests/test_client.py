@@ -303,6 +303,7 @@ def test_async_client_streams_more_requests_at_once_than_redis_pys_default_pool(
     assert asyncio.run(main()) == [f"x{i:03d}" for i in range(150)]
 
 
+@pytest.mark.processes
 def test_stream_survives_a_redis_restart(tmp_path):
     with RedisServer(dir=tmp_path, appendonly=True, extra_args=("--appendfsync", "always")) as server:
         worker = EchoWorker(server.url, token_delay_s=0.01)
@@ -318,6 +319,7 @@ def test_stream_survives_a_redis_restart(tmp_path):
             worker.close()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_a_redis_gone_for_good_raises_redis_unavailable(use_async):
     """Not a silent wait for the whole timeout: after ``unavailable_after_s`` of failed
@@ -384,6 +386,7 @@ def test_client_without_a_url_finds_the_running_up(redis_url, echo, no_local_set
         assert client.url == redis_url
 
 
+@pytest.mark.processes
 def test_resolve_order(no_local_settings, monkeypatch):
     from pdqueue.discovery import DEFAULT_URL, DiscoveryError, Target, resolve
 
@@ -422,6 +425,7 @@ def dead_pid() -> int:
     return child.pid
 
 
+@pytest.mark.processes
 def test_discovery_and_the_client_import_no_torch():
     code = ("import sys, pdqueue.discovery; from pdqueue import Client; "
             "assert 'torch' not in sys.modules, 'torch imported'")

@@ -53,6 +53,7 @@ def test_plan_round_trips(r):
     assert plan["reason"] == "TTFT p90 over SLO" and plan["mode"] == "reactive" and plan["time_ms"] > 0
 
 
+@pytest.mark.processes
 def test_control_needs_no_torch():
     code = "import sys, pdqueue.control, pdqueue.planner, pdqueue.planner_obs; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -119,6 +119,7 @@ def test_stream_collector_reports_backlog_lag_and_pending_per_group(r):
     assert total(streams, "pdqueue:stream_backlog", **req) == 4
 
 
+@pytest.mark.processes
 def test_the_metrics_module_imports_no_torch():
     """The gateway and `pdqueue metrics-sd` import it: no torch, no model code."""
     code = "import sys, pdqueue.metrics, workers.cli.metrics; print(sorted({'torch', 'pdqueue.models'} & set(sys.modules)))"
@@ -244,6 +245,7 @@ def test_every_worker_counts_what_it_did_exactly_once(cluster, r):
     wait_for(lambda: hit_pct() == want, timeout=30, what=f"status to show the prefill worker's {want}% cache hits")
 
 
+@pytest.mark.processes
 def test_a_metrics_port_in_use_is_refused_before_the_model_loads(redis_url):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

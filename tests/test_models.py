@@ -368,6 +368,7 @@ def test_bad_model_sources_are_refused_with_the_reason(tmp_path):
     assert resolve_model_path("tiny") is None
 
 
+@pytest.mark.processes
 def test_model_check_needs_no_torch(tmp_path):
     write_tiny_gguf(tmp_path / "m.gguf")
     code = ("import sys; from pdqueue.models.source import resolve_model_path, ModelSourceError\n"
@@ -494,6 +495,7 @@ def test_a_damaged_cache_entry_is_not_used(tmp_path, cache_dir, damage):
     assert same_weights(loaded, load_model(path, use_cache=False))
 
 
+@pytest.mark.processes
 def test_loaders_starting_together_share_one_entry(tmp_path, cache_dir):
     """Workers of one `up` convert at the same time: each gets a whole entry, one is kept,
     no temporary directory is left (the first rename wins, the lock orders the rest)."""

@@ -137,6 +137,7 @@ def test_recorded_phases_have_the_intended_percentiles():
     assert p90s(BORDER_TTFT)[0] == pytest.approx(4100)
 
 
+@pytest.mark.processes
 def test_planner_imports_only_the_standard_library():
     code = ("import sys, pdqueue.planner; bad = [m for m in ('redis', 'torch', 'numpy', 'msgpack') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")

@@ -250,6 +250,7 @@ def test_handoff_rejects_other_versions_and_garbage():
         decode_handoff(encode_handoff(make_handoff(output_ids=[])))
 
 
+@pytest.mark.processes
 def test_producer_imports_no_torch():
     code = ("import sys, pdqueue; from pdqueue import Client, AsyncClient; "
             "import pdqueue.queue, pdqueue.config; "

@@ -278,6 +278,7 @@ def pdq(*args: str, timeout: float = 120):
                           cwd=Path(__file__).resolve().parent.parent, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.processes
 def test_bench_engine_reports_quantized_beside_fp32():
     import json
 
@@ -299,6 +300,7 @@ def test_bench_engine_reports_quantized_beside_fp32():
     (["worker", "decode", "--model", "tiny", "--weights", "int5"], "--weights"),
     (["bench", "quality", "--model", "tiny", "--formats", "fp32,int3"], "--formats"),
 ])
+@pytest.mark.processes
 def test_weights_option_errors_are_one_line(args, needle):
     result = pdq(*args)
     lines = result.stderr.strip().splitlines()

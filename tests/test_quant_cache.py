@@ -83,6 +83,7 @@ def test_a_damaged_entry_is_ignored_and_rewritten(tmp_path, cache_dir, damage):
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".quant-")] == []
 
 
+@pytest.mark.processes
 def test_loaders_starting_together_share_one_entry(tmp_path, cache_dir):
     """Two workers of one `up` start together: both quantize, both succeed, one entry is kept
     and no temporary directory is left."""

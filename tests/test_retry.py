@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from pdqueue.procs import pid_alive
 from pdqueue.retry import Backoff, backoff_delay
 
@@ -57,6 +59,7 @@ def test_setting_the_stop_event_wakes_a_sleeper():
     assert time.monotonic() - started < 2.0
 
 
+@pytest.mark.processes
 def test_pid_alive():
     assert pid_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -64,6 +67,7 @@ def test_pid_alive():
     assert not pid_alive(child.pid)
 
 
+@pytest.mark.processes
 def test_neither_module_nor_the_up_supervisor_imports_torch():
     code = ("import sys, pdqueue.retry, pdqueue.procs, workers.cli.local_cluster; "
             "assert 'torch' not in sys.modules, 'torch imported'")
