@@ -170,6 +170,39 @@ def test_tiny_policies_agree(tiny, kind):
     report_flips(f"tiny {kind} policies", flips, len(prompts))
 
 
+def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
+    """Prompts that arrive while others decode, under a TBT target no step can meet: their
+    chunks are cut to the minimum (scheduler.MIN_CHUNK), and every answer is still the
+    prefill_first engine's, token for token."""
+    from pdqueue.engine.scheduler import MIN_CHUNK
+
+    prompts = [tiny_prompts(lens=[8] * 4, seed=3)[i] for i in range(4)] + tiny_prompts(lens=[150, 90, 200], seed=4)
+    params = [sampled(24, seed=50 + i, ignore_eos=True) for i in range(len(prompts))]
+    first = engine(tiny, policy="prefill_first").generate(prompts, params)
+    eng = engine(tiny, policy="chunked", max_num_batched_tokens=256, tbt_slo_ms=0.01, num_blocks=256)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    results = {rid: [] for rid in ids}
+    for rid, p, q in list(zip(ids, prompts, params))[:4]:
+        eng.add_request(rid, p, q)
+    steps, chunks = 0, []
+    while eng.has_unfinished:
+        if steps == 8:   # the short ones decode (and the cost model has their steps): the long arrive
+            for rid, p, q in list(zip(ids, prompts, params))[4:]:
+                eng.add_request(rid, p, q)
+        batch_before = eng.stats.num_tokens
+        decoding = sum(1 for s in eng.scheduler.running if s.num_uncomputed_tokens == 1)
+        for out in eng.step():
+            results[out.request_id].append(out.token_id)
+        if steps > 8 and decoding:
+            chunks.append(eng.stats.num_tokens - batch_before - decoding)
+        steps += 1
+    assert eng.scheduler.num_budgeted_steps > 0
+    assert chunks and max(chunks) <= MIN_CHUNK, chunks
+    flips = assert_all_same(tiny, prompts, first, [results[rid] for rid in ids], params,
+                            label="tiny prefill_first vs chunked under a TBT budget")
+    report_flips("tiny TBT budget", flips, len(prompts))
+
+
 @pytest.mark.slow
 def test_smollm2_policies_agree(smollm2, smol_runs):
     prompts, params, first = smol_runs  # prefill_first

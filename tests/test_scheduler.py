@@ -151,3 +151,87 @@ def test_sampled_frequencies_follow_the_distribution(params, expected):
         counts[sample(logits[None], [p], [i])[0]] += 1
     for got, want in zip(counts, expected):
         assert abs(got / n - want) < 0.015, (counts, expected)
+
+
+# ---- the TBT budget of the chunked policy ----------------------------------------------------
+
+@pytest.mark.parametrize("percentile", [50, 90, 99])
+def test_slow_gaps_allowed_is_what_the_percentile_tolerates(percentile):
+    from pdqueue.bench.stats import percentile as pct
+    from pdqueue.engine.scheduler import slow_gaps_allowed
+
+    for n in range(1, 80):
+        allowed = slow_gaps_allowed(n, percentile)
+        for k in range(n + 1):   # k slow gaps, as slow as can be: meets iff within the allowance
+            gaps = [10.0] * (n - k) + [1e9] * k
+            assert (pct(gaps, percentile) <= 100.0) == (k <= allowed), (n, k, allowed)
+
+
+def test_step_cost_model_learns_a_linear_cost():
+    import random
+
+    from pdqueue.engine.step_cost import StepCostModel
+
+    model, rng = StepCostModel(), random.Random(0)
+    assert model.prefill_tokens_within(0.1, 4) is None   # nothing learned yet
+    for _ in range(200):
+        d, p = rng.randint(0, 16), rng.choice([0, 0, 16, 64, 256])
+        model.observe(d, p, 0.010 + 0.002 * d + 0.0005 * p + rng.uniform(-1e-4, 1e-4))
+    assert model.ready
+    assert model.predict(8, 100) == pytest.approx(0.010 + 0.016 + 0.05, rel=0.02)
+    assert model.prefill_tokens_within(0.1, 8) == pytest.approx((0.1 - 0.026) / 0.0005, rel=0.03)
+
+
+def budgeted(tbt_slo_ms=50.0, budget=512):
+    config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=budget, max_num_seqs=8,
+                          tbt_slo_ms=tbt_slo_ms)
+    bm = BlockManager(512, 4)
+    sch = Scheduler(config, bm)
+    for d in range(0, 8):     # a step costs 10 ms + 2 ms per decode + 0.1 ms per prompt token
+        for p in (0, 64, 256):
+            sch.cost.observe(d, p, 0.010 + 0.002 * d + 0.0001 * p)
+    return sch
+
+
+def decoding(sch, rid, max_tokens, ignore_eos=True, slow_gaps=0):
+    s = Sequence(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos))
+    sch.add(s)
+    run_step(sch.schedule())          # its prompt, then it decodes
+    s.slow_gaps = slow_gaps
+    return s
+
+
+def test_tbt_budget_cuts_prompt_chunks_only_for_decodes_without_slow_gaps_left():
+    sch = budgeted()
+    a = decoding(sch, "a", max_tokens=31)          # 30 gaps: 2 may be slow at p90
+    sch.add(seq("doc", 400))
+    batch = sch.schedule()
+    assert dict((s.request_id, n) for s, n in batch) == {"a": 1, "doc": 400 if 511 >= 400 else 511}
+    run_step(batch)
+    sch.observe_step(batch, 0.2)                  # slow: a's first slow gap
+    assert a.slow_gaps == 1
+
+    sch2 = budgeted()
+    b = decoding(sch2, "b", max_tokens=8)          # 7 gaps: none may be slow
+    sch2.add(seq("doc", 400))
+    batch = dict((s.request_id, n) for s, n in sch2.schedule())
+    # within 50 ms x STEP_SHARE: (42.5 ms - 10 - 2 x 1) / 0.1 ms = 305 tokens
+    assert batch["b"] == 1 and batch["doc"] == pytest.approx(305, abs=2)
+    assert sch2.num_budgeted_steps == 1
+
+
+def test_tbt_budget_counts_earned_gaps_without_ignore_eos_and_keeps_a_minimum_chunk():
+    from pdqueue.engine.scheduler import MIN_CHUNK
+
+    sch = budgeted(tbt_slo_ms=12.0)   # 10.2 ms for the step: 10 + 2 ms of decode leave nothing
+    decoding(sch, "a", max_tokens=100, ignore_eos=False)   # may stop any time: no slow gap to spend
+    sch.add(seq("doc", 400))
+    batch = dict((s.request_id, n) for s, n in sch.schedule())
+    assert batch == {"a": 1, "doc": MIN_CHUNK}
+
+
+def test_without_a_tbt_target_chunks_fill_the_token_budget():
+    sch = budgeted(tbt_slo_ms=None)
+    decoding(sch, "a", max_tokens=8)
+    sch.add(seq("doc", 400))
+    assert dict((s.request_id, n) for s, n in sch.schedule())["doc"] == 400

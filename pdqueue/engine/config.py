@@ -45,6 +45,10 @@ class EngineConfig:
     num_threads: int | None = None    # torch intra-op threads; None: torch's default
     prefix_caching: bool = True       # reuse the KV of cached full prompt blocks (block_manager.py)
     weights: str = "fp32"             # WEIGHT_FORMATS; the model is loaded so (models.loader.load_model)
+    # The chunked policy's TBT budget (scheduler.py): the inter-token gap each running request
+    # should keep at its ``tbt_percentile``-th percentile; None: chunks fill the token budget.
+    tbt_slo_ms: float | None = None
+    tbt_percentile: int = 90
 
     def __post_init__(self):
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))
@@ -56,6 +60,12 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.weights != "fp32" and (self.dtype != "float32" or not self.device.startswith("cpu")):
             raise ValueError(f"weights {self.weights} run on CPU in float32 only (--device cpu --dtype float32)")
+        if self.tbt_slo_ms is not None and self.tbt_slo_ms <= 0:
+            raise ValueError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms}")
+        if self.tbt_slo_ms is not None and self.policy != PrefillPolicy.CHUNKED:
+            raise ValueError("a TBT target (tbt_slo_ms, --tbt-slo-ms) needs the chunked policy (--policy chunked)")
+        if not 0 < self.tbt_percentile <= 100:
+            raise ValueError(f"tbt_percentile must be in (0, 100], got {self.tbt_percentile}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_mb < 1:

@@ -240,6 +240,7 @@ class LLMEngine:
             for seq, index, token_id in zip(sample_seqs, indices, token_ids):
                 outputs.append(self._append(seq, index, token_id))
         elapsed = time.perf_counter() - started
+        self.scheduler.observe_step(batch, elapsed)
         num_tokens = sum(n for _, n in batch)
         self.stats.num_seqs += len(batch)
         self.stats.num_tokens += num_tokens

@@ -9,6 +9,17 @@ A step is a list of ``(sequence, num_new_tokens)``. Two policies:
   the token budget on prompt chunks (Sarathi-style), so a long prompt never stalls decodes
   by more than one budget's worth of compute.
 
+**The TBT budget** (``tbt_slo_ms``, chunked only). A running request meets its TBT target when
+the ``tbt_percentile``-th percentile of its gaps is within it, so a few of its gaps may be
+slow: with n gaps, ``n - 1 - ceil(p (n - 1) / 100)`` of them (``slow_gaps_allowed``; 2 of 30
+at p90, none of 8). While every decode in the step can still afford one slow gap, prompt
+chunks take the whole token budget (TTFT first); otherwise they take only what fits beside
+the decodes within the target, as predicted by ``StepCostModel`` from this engine's own
+steps (at least ``MIN_CHUNK`` tokens, so prompts always progress). A request's allowance is
+counted on the gaps it will have: ``max_tokens - 1`` with ``ignore_eos``, else the gaps it
+already has (it may stop at any token). A step that runs past the target counts one slow gap
+for each of its decodes.
+
 When the pool runs out of blocks the newest running sequence is preempted by recompute: its
 blocks are freed and it goes back to the front of the waiting queue with its generated
 tokens, to be prefilled again (from its own blocks, if the prefix cache still has them).
@@ -26,8 +37,26 @@ from collections import deque
 from pdqueue.engine.block_manager import BlockManager
 from pdqueue.engine.config import EngineConfig, PrefillPolicy
 from pdqueue.engine.sequence import Sequence, SequenceStatus
+from pdqueue.engine.step_cost import StepCostModel
 
 ScheduledBatch = list[tuple[Sequence, int]]
+
+MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
+STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
+
+
+def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
+    """How many of ``num_gaps`` gaps may exceed a target while their ``percentile``-th
+    percentile (linear interpolation, as pdqueue.bench.stats) stays within it."""
+    if num_gaps <= 1:
+        return 0
+    return num_gaps - 1 - (-(-percentile * (num_gaps - 1) // 100))
+
+
+def slow_gaps_left(seq: Sequence, percentile: int) -> int:
+    p = seq.params
+    num_gaps = p.max_tokens - 1 if p.ignore_eos else seq.num_output_tokens
+    return slow_gaps_allowed(num_gaps, percentile) - seq.slow_gaps
 
 
 class Scheduler:
@@ -39,6 +68,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.tbt_step_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1000 * STEP_SHARE
+        self.tbt_percentile = config.tbt_percentile
+        self.cost = StepCostModel()
+        self.num_budgeted_steps = 0   # steps whose prompt chunks the TBT budget cut
 
     @property
     def num_unfinished(self) -> int:
@@ -64,7 +97,7 @@ class Scheduler:
         if self.policy == PrefillPolicy.PREFILL_FIRST:
             return self._admit(self.max_num_batched_tokens, whole_prompts=True) or self._decode_all()
         batch = self._decode_all()
-        budget = self.max_num_batched_tokens - len(batch)
+        budget = self._prompt_budget(batch)
         for seq in self.running:  # continue prompts already being prefilled in chunks
             if budget <= 0:
                 break
@@ -73,6 +106,30 @@ class Scheduler:
                 batch.append((seq, num_new))
                 budget -= num_new
         return batch + self._admit(budget, whole_prompts=False)
+
+    def _prompt_budget(self, decodes: ScheduledBatch) -> int:
+        """Prompt tokens this step may take beside ``decodes`` (see the TBT budget above)."""
+        full = self.max_num_batched_tokens - len(decodes)
+        if self.tbt_step_s is None or not decodes or not self.waiting and not any(
+                s.num_uncomputed_tokens > 1 for s in self.running):
+            return full
+        if all(slow_gaps_left(seq, self.tbt_percentile) > 0 for seq, _ in decodes):
+            return full
+        fit = self.cost.prefill_tokens_within(self.tbt_step_s, len(decodes))
+        if fit is None or fit >= full:   # not learned yet, or the whole budget fits
+            return full
+        self.num_budgeted_steps += 1
+        return max(MIN_CHUNK, fit)
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """After a step ran: its cost feeds the model; past the target, its decodes each
+        had one slow gap."""
+        # (called after the step: a decode row's one token was an output token)
+        decodes = [seq for seq, n in batch if n == 1 and seq.num_cached_tokens > seq.num_prompt_tokens]
+        self.cost.observe(len(decodes), sum(n for _, n in batch) - len(decodes), seconds)
+        if self.tbt_step_s is not None and seconds > self.tbt_step_s:
+            for seq in decodes:
+                seq.slow_gaps += 1
 
     def _admit(self, budget: int, whole_prompts: bool) -> ScheduledBatch:
         batch: ScheduledBatch = []

@@ -43,6 +43,7 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.max_hashed_blocks: int | None = None   # cap on blocks named (KV from an engine with another chain root)
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
+        self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (scheduler.py)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "
