@@ -41,10 +41,11 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
+from workers.migration import Migrator
 from workers.role import IDLE_BLOCK_MS, Role
 
 log = logging.getLogger("pdqueue.decode")
@@ -91,6 +92,7 @@ class DecodeRole(Role):
                                    auth=kv_auth_for(shell.config, shell.r, shell.keys))
         self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
         self.jobs: dict[str, Job] = {}
+        self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self._step_s = 0.05   # moving average of an engine step
         self._check = Every(CHECK_EVERY_S)
         log.info("decode: node %s, transfer %s", shell.node, shell.config.transfer)
@@ -106,7 +108,9 @@ class DecodeRole(Role):
                 "fetching": self.fetcher.in_flight, "backlog": len(self.in_state(JobState.BACKLOG)),
                 "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
                 "step_ms": round(self._step_s * 1000, 2), "auth_failures": self.receiver.auth_failures,
-                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
+                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
+                "draining": int(self.migrator is not None and self.migrator.announced_at is not None),
+                "migrated_out": self.migrator.moved if self.migrator is not None else 0}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -117,6 +121,10 @@ class DecodeRole(Role):
     # ---- one step boundary ---------------------------------------------------------------
     def step(self) -> bool:
         self.admit_fetched()
+        if self.migrator is not None:
+            self.migrator.free_released()
+            if not self.shell.accepting and self.jobs:
+                self.migrate_out()
         started = len(self.jobs) - len(self.in_state(JobState.BACKLOG))
         idle = not self.engine.has_unfinished and not started
         if self.shell.accepting:
@@ -235,6 +243,23 @@ class DecodeRole(Role):
                 fetches += 1
         return fetches
 
+    # ---- move: BACKLOG | RUNNING -> handed to a peer (workers/migration.py) -----------------
+    def migrate_out(self) -> None:
+        """Not accepting (warm stop, switch): hand what is in hand to a peer decode worker,
+        the running requests with their KV and tokens so far; a job still fetching moves
+        once it runs, one still prefilling (recompute) finishes here."""
+        self.migrator.announce()
+        target = self.migrator.target()
+        if target is None:
+            return
+        with self.shell.unit() as unit:
+            for job in [j for j in self.jobs.values() if j.state is not JobState.FETCHING]:
+                h = job.handoff if job.state is JobState.BACKLOG else self.migrator.export(job.handoff)
+                if h is None:
+                    continue
+                del self.jobs[job.request_id]
+                unit.handoff(job.stream, job.entry_id, job.request_id, target, encode_handoff(h))
+
     # ---- fetched: FETCHING -> RUNNING | recompute ----------------------------------------
     def admit_fetched(self, wait_s: float = 0.0) -> None:
         """Add every finished fetch to the engine (recompute the failed ones); with
@@ -333,7 +358,13 @@ class DecodeRole(Role):
             first_step_ms=second - job.kv.done_ms if second else 0.0,
             ttst_ms=second - req.enqueued_ms if second else 0.0)
 
+    def drain(self) -> None:
+        if self.migrator is not None:
+            self.migrator.drain()
+
     def close(self) -> None:
+        if self.migrator is not None:
+            self.migrator.close()
         self.fetcher.close()
         self.receiver.close()
 

@@ -202,6 +202,24 @@ class LLMEngine:
         self._track(seq, seq.output_ids)
         self.scheduler.add_running(seq)
 
+    def detach_running(self, request_id: str) -> tuple[Sequence, list[int]] | None:
+        """Take a decoding sequence out of the engine with its KV, to resume it elsewhere
+        (workers/migration.py): returns it and the blocks that hold the KV of all its tokens
+        but the last (the caller's references now; back with ``free_blocks``). None when it
+        is not here or not between two decode steps (still prefilling)."""
+        seq = self._seqs.get(request_id)
+        if (seq is None or seq not in self.scheduler.running or seq.num_output_tokens == 0
+                or seq.num_cached_tokens != seq.num_tokens - 1):
+            return None
+        block_ids = self.block_manager.detach(seq)
+        keep = self.block_manager.blocks_for(seq.num_cached_tokens)
+        if len(block_ids) > keep:   # a block reserved for the next token, not written yet
+            self.block_manager.free_blocks(block_ids[keep:])
+            block_ids = block_ids[:keep]
+        self.scheduler.remove(seq)
+        self._forget(seq)
+        return seq, block_ids
+
     def _track(self, seq: Sequence, prior_ids: list[int]) -> None:
         self._seqs[seq.request_id] = seq
         self._texts[seq.request_id] = OutputText(self.tokenizer, seq.params.stop, prior_ids)

@@ -1,0 +1,119 @@
+"""Running requests that move with their KV (workers/migration.py): a decode worker that is
+stopped warm hands its running requests to a peer, which goes on token for token; nothing
+is lost or answered twice when the receiver dies mid-move or when no peer takes work."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import pytest
+import redis
+
+from pdqueue.client import Client
+from pdqueue.keys import Keys
+from tests.cluster import Cluster
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.oracle import assert_same_tokens
+
+N, MAX_TOKENS = 8, 2500   # tiny decodes ~150 steps/s: long enough to be caught mid-way
+
+
+@pytest.fixture
+def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    c.stop_and_check(killed_ok=True)
+
+
+def submit(cluster, tiny, n=N, max_tokens=MAX_TOKENS):
+    prompts = mixed_prompts(n, seed=7)
+    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 40 + i, "ignore_eos": True}
+              for i in range(n)]
+    ids, expected, sampling = oracle(tiny, prompts, params)
+    client = Client(cluster.redis_url)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+    return client, handles, (ids, expected, sampling)
+
+
+def out_of(cluster, rid) -> list:
+    return cluster.r.xrange(Keys().out(rid))
+
+
+def all_streaming_on(cluster, handles, worker: str) -> bool:
+    load = cluster.workers().get(worker, {}).get("load", {})
+    return load.get("running", 0) == len(handles) and all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
+
+
+def check_answers(cluster, tiny, client, handles, oracle_runs):
+    """Every request answered once, with the colocated engine's tokens, its stream gapless."""
+    ids, expected, sampling = oracle_runs
+    results = [h.result(timeout=120) for h in handles]
+    for pid, exp, res, sp in zip(ids, expected, results, sampling):
+        assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
+    done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(Keys().done))
+    assert all(done[h.request_id] == 1 for h in handles), done
+    for h, res in zip(handles, results):
+        streamed = [t for e in client.handle(h.request_id).stream(timeout=10) for t in e.token_ids]
+        assert streamed == list(res.token_ids)
+    return results
+
+
+def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(cluster, tiny):
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, runs = submit(cluster, tiny)
+    wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
+    cluster.start("decode", *FAST, worker_id="d1")
+    stopped = time.monotonic()
+    cluster.signal("d0", signal.SIGTERM)
+    assert cluster.procs["d0"].wait(timeout=30) == 0
+    took = time.monotonic() - stopped
+    unfinished = [h for h in handles if not any(f[b"type"] == b"done" for _, f in out_of(cluster, h.request_id))]
+    assert unfinished, "every request ended before d0 did: nothing was moved"
+    results = check_answers(cluster, tiny, client, handles, runs)
+    moved = [res for h, res in zip(handles, results) if h in unfinished]
+    # They went on on d1 with the KV d0 had (copied, not recomputed).
+    assert {res.decode_worker for res in moved} == {cluster.id("d1")}
+    assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}, {res.transfer_path for res in moved}
+    print(f"d0 stopped in {took:.2f} s, {len(moved)} requests moved")
+    wait_pools_free(cluster)
+
+
+def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny):
+    """Two decode workers stopped at once (as `pdqueue up` stops them) must not hand their
+    requests to each other: nobody would be left to take them."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start("decode", *FAST, worker_id="d1")
+    client, handles, runs = submit(cluster, tiny)
+    wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles), what="tokens flowing")
+    cluster.signal("d0", signal.SIGTERM)
+    cluster.signal("d1", signal.SIGTERM)
+    assert cluster.procs["d0"].wait(timeout=60) == 0 and cluster.procs["d1"].wait(timeout=60) == 0
+    results = check_answers(cluster, tiny, client, handles, runs)
+    assert all(res.transfer_path != "recompute" for res in results)
+
+
+def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny):
+    """d0 moves its requests to d1, which is frozen and then killed before it serves them;
+    a new decode worker takes them (fetching the KV while d0 still serves it, or
+    recomputing): every request still gives the colocated engine's tokens, once."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, runs = submit(cluster, tiny)
+    wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
+    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
+    cluster.signal("d1", signal.SIGSTOP)
+    cluster.signal("d0", signal.SIGTERM)
+    handoffs = Keys().handoff_streams(cluster.workers()["d0"]["node"])
+    wait_for(lambda: "d0" not in cluster.workers() or cluster.workers()["d0"]["load"].get("migrated_out", 0) > 0,
+             what="d0 moving its requests")
+    cluster.signal("d1", signal.SIGKILL)
+    cluster.start("decode", *FAST, worker_id="d2")
+    results = check_answers(cluster, tiny, client, handles, runs)
+    assert cluster.id("d2") in {res.decode_worker for res in results}
+    assert cluster.procs["d0"].wait(timeout=30) == 0
+    del handoffs
+    wait_pools_free(cluster)

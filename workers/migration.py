@@ -1,0 +1,174 @@
+"""Running requests that move with their KV: a worker that stops taking work (a warm stop, a
+role switch) hands its running decodes to a peer instead of finishing them itself.
+
+A move, for one running sequence at a step boundary (every token it sampled is published,
+the KV of all but the last is in its blocks):
+
+    detach     the engine gives the sequence's blocks up (``LLMEngine.detach_running``)
+    export     a lease on those blocks and a ticket (``KVSender``, made at the first move:
+               over the shared segment when the pool is one, else TCP/ZeroMQ only)
+    handoff    one unit finishes the entry in hand (``ack_and_write``) with a new handoff:
+               the prompt, *every token so far*, the seed, the ticket
+    resume     a decode worker takes it like any handoff: it copies the KV, and sampling
+               goes on at the next index with the same seed, so the tokens are those the
+               request would have had unmoved (``add_prefilled``; OutputText replays the
+               earlier tokens for stop strings)
+    free       the blocks come back to the engine when the receiver releases the lease or
+               it expires (``poll_freeable``); the drain waits for that, at most lease + 1 s
+
+Failure rules (each the existing rule of a handoff, so nothing new can be lost or doubled):
+the source dies before its unit lands: the old entry is pending under it and is taken over,
+the taker catches up with ``out:<id>`` and recomputes; it dies after: the new handoff is in
+Redis and its segment outlives it for the lease (``keep_until``), else the fetch fails and the
+receiver recomputes from prompt + tokens; the receiver dies: its entry is taken over as any
+handoff. The tokens on ``out:<id>`` are the source's, then the receiver's from the next index.
+
+Where to: only while a peer decode worker lives that is not itself stopping or switching
+(``draining`` in its heartbeat's load). Stopping workers announce it at once and look for
+peers ``SETTLE_S`` later, so two workers stopped together (``up``'s Ctrl-C) do not hand their
+requests to each other: they finish them, as without migration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdqueue.protocol import Handoff
+from pdqueue.queue.registry import list_workers
+from pdqueue.transfer.sender import KVSender
+from workers.common import kv_auth_for
+
+log = logging.getLogger("pdqueue.migration")
+
+SETTLE_S = 0.25       # after announcing a drain, before reading which peers still take work
+PEERS_EVERY_S = 0.2   # while requests remain that could not move yet, peers are read this often
+
+
+class Migrator:
+    """A role's side of moving its running requests away (decode role)."""
+
+    def __init__(self, shell, engine):
+        self.shell, self.engine = shell, engine
+        self.sender: KVSender | None = None
+        self.announced_at: float | None = None
+        self.moved = 0
+        self.started_at: float | None = None
+        self._target: str | None = None
+        self._target_at = 0.0
+
+    # ---- when ------------------------------------------------------------------------------
+    def announce(self) -> None:
+        """Once, when the role stops accepting: tell peers now (a beat), not at the next beat."""
+        if self.announced_at is not None:
+            return
+        self.announced_at = time.monotonic()
+        hb = self.shell.heartbeat
+        hb.update(draining=1)
+        try:
+            hb.beat()
+        except Exception as exc:   # the next regular beat says it; peers may then hand work here
+            log.warning("could not announce the drain: %s", exc)
+
+    def target(self) -> str | None:
+        """The handoff stream to move to, or None: no peer takes work (finish here)."""
+        now = time.monotonic()
+        if self.announced_at is None or now - self.announced_at < SETTLE_S:
+            return None
+        if now - self._target_at < PEERS_EVERY_S:
+            return self._target
+        self._target_at = now
+        self._target = self._find_target()
+        return self._target
+
+    def _find_target(self) -> str | None:
+        shell = self.shell
+        try:
+            peers = [w for w in list_workers(shell.r, shell.keys, role="decode")
+                     if w["worker_id"] != shell.worker_id and not w.get("switching_to")
+                     and not (w.get("load") or {}).get("draining")]
+        except Exception:
+            return None
+        if not peers:
+            return None
+        if shell.config.transfer in ("auto", "shm") and any(w.get("node") == shell.node for w in peers):
+            return shell.keys.handoff_node(shell.node)
+        return shell.keys.handoff
+
+    # ---- how -------------------------------------------------------------------------------
+    def _sender(self) -> KVSender:
+        if self.sender is None:
+            shell, config = self.shell, self.shell.config
+            auth = kv_auth_for(config, shell.r, shell.keys)
+            pool = shell.segment
+            if pool is not None:
+                # From now on, a block this engine hands out for new content gets a new epoch
+                # first, so a late shm copy of an exported block cannot validate.
+                self.engine.block_manager.on_rewrite = pool.bump_epochs
+                self.sender = KVSender.for_shared_pool(pool, shell.node, endpoint=config.bind,
+                                                       advertise=config.advertise, lease_s=config.lease_s,
+                                                       data_port=config.data_port, auth=auth, shared_blocks=True)
+            else:
+                self.sender = KVSender(self.engine.kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
+                                       shell.node, endpoint=config.bind, advertise=config.advertise,
+                                       lease_s=config.lease_s, data_port=config.data_port, auth=auth,
+                                       shared_blocks=True)
+            log.info("migration: KV served at %s, data %s, segment %s", self.sender.endpoint,
+                     self.sender.data_endpoint or "-", pool.name if pool else None)
+        return self.sender
+
+    def export(self, handoff: Handoff) -> Handoff | None:
+        """Detach the running sequence of ``handoff``'s request and return the handoff that
+        resumes it elsewhere; None when it is not at a point it can move from (prefilling)."""
+        rid = handoff.request.id
+        detached = self.engine.detach_running(rid)
+        if detached is None:
+            return None
+        seq, block_ids = detached
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+        engine = self.engine
+        ticket = self._sender().export(
+            rid, block_ids, seq.num_cached_tokens,
+            block_hashes=seq.block_hashes if engine.prefix_caching else (),
+            hash_root=engine.prefix_root if engine.prefix_caching else b"")
+        if self.shell.segment is not None:
+            # Should we die now, the segment stays while the lease could be live.
+            self.shell.segment.keep_until(time.time() + self.shell.config.lease_s)
+        self.moved += 1
+        return Handoff(request=handoff.request, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
+                       seed=handoff.seed, ticket=ticket.to_dict(), prefill_worker=handoff.prefill_worker,
+                       attempt=handoff.attempt, enqueued_ms=handoff.enqueued_ms,
+                       prefill_start_ms=handoff.prefill_start_ms, prefill_end_ms=handoff.prefill_end_ms,
+                       first_token_ms=handoff.first_token_ms, cached_tokens=handoff.cached_tokens)
+
+    def free_released(self) -> None:
+        if self.sender is not None:
+            for _rid, block_ids in self.sender.poll_freeable():
+                self.engine.free_blocks(list(block_ids))
+
+    # ---- the end -----------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Serve the exported KV until every lease is released or expired."""
+        if self.sender is None:
+            return
+        deadline = time.monotonic() + self.shell.config.lease_s + 1
+        while len(self.sender.leases) and time.monotonic() < deadline and not self.shell.stop.cold.is_set():
+            self.free_released()
+            try:
+                self.shell.tick()
+            except Exception:
+                pass   # the leases are served all the same
+            time.sleep(0.01)
+        self.free_released()
+        if self.started_at is not None:
+            log.info("migration: %d running requests moved; their KV released %.0f ms after the first move",
+                     self.moved, (time.monotonic() - self.started_at) * 1000)
+
+    def close(self) -> None:
+        if self.sender is None:
+            return
+        self.sender.close()
+        deadline = time.monotonic() + 2.0   # a TCP send may still read the pool (see PrefillRole.close)
+        while self.sender.leases.holding() and time.monotonic() < deadline:
+            time.sleep(0.005)
