@@ -5,9 +5,10 @@ gateway, started and stopped with the cluster, is the one under test), and the o
 (http.client) checks the SSE framing and hangs up mid-stream.
 
 One cluster serves the whole module (the workers take a few seconds to load); tests that
-need another gateway (no workers, a short timeout) start their own `python -m workers
-serve`. Greedy requests are sent one at a time, so each runs alone in its batch and the
-gateway's text must equal, byte for byte, what pdqueue's Client gets for the same request.
+need another gateway (no workers, a short timeout, one to stop or kill) start their own
+`python -m workers serve` on the same cluster. Greedy requests are sent one at a time, so
+each runs alone in its batch and the gateway's text must equal, byte for byte, what
+pdqueue's Client gets for the same request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import http.client
+import io
 import json
 import os
 import re
@@ -22,8 +24,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -169,8 +173,9 @@ def up(shared_redis_url, logs):
     err = (logs / "up.err").read_text()
     assert proc.returncode == 0, err
     lines = err.splitlines()
-    assert lines.index("stopping the gateway (answers in progress get up to 10 s)") < next(
-        i for i, line in enumerate(lines) if line.startswith("stopping 1 prefill worker")), err
+    first = {what: next((i for i, line in enumerate(lines) if what in line), len(lines))
+             for what in ("gateway", "stopping 1 prefill worker")}
+    assert first["gateway"] < first["stopping 1 prefill worker"] < len(lines), err   # the gateway is told first
     assert "nothing left running" in err and "Traceback" not in err, err
     assert not Gateway._listening(url), "the gateway's port is still open"
     assert not [p for w in state["workers"] for p in glob.glob(f"/dev/shm/pdq-kv-{w['worker_id']}-*")]
@@ -292,6 +297,7 @@ def test_sse_framing(gateway):
     assert text.endswith("data: [DONE]\n\n")
     events = text.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
+    # A plain stream is data lines only, no id and no comment: some clients read every line as data.
     assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1]), events
     chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
     assert {c["id"] for c in chunks} == {"chatcmpl-sse-check-1"}
@@ -333,6 +339,41 @@ def done_entry(cluster, request_id: str) -> dict | None:
     return None
 
 
+def open_stream(gw: Gateway, path: str, body: dict, headers: dict | None = None, timeout: float = 60):
+    """A POST whose answer is read as it comes: (the connection, its response)."""
+    c = gw.conn(timeout=timeout)
+    c.request("POST", path, body=json.dumps(body).encode(), headers={
+        "content-type": "application/json", "authorization": f"Bearer {API_KEY}", **(headers or {})})
+    return c, c.getresponse()
+
+
+def sse_events(resp):
+    """The events of an SSE response as they come, as (id or None, data); comments skipped."""
+    event_id, data = None, []
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        line = line.decode().rstrip("\n")
+        if line.startswith("id: "):
+            event_id = int(line[len("id: "):])
+        elif line.startswith("data: "):
+            data.append(line[len("data: "):])
+        elif not line and data:
+            yield event_id, "\n".join(data)
+            event_id, data = None, []
+
+
+def hang_up(c: http.client.HTTPConnection, resp) -> None:
+    """Close the connection for good: the response's file object holds the socket's
+    descriptor too, so close it as well (a shut-down socket whose descriptor stays open
+    still ACKs what the gateway sends, which is a client that stopped reading, not one that
+    left)."""
+    c.sock.shutdown(socket.SHUT_RDWR)
+    resp.close()
+    c.close()
+
+
 def test_disconnect_mid_stream_cancels_the_request_and_frees_blocks(gateway, cluster):
     rid = f"hangup-{uuid.uuid4().hex[:8]}"
     c = gateway.conn()
@@ -348,13 +389,8 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_blocks(gateway, clu
     for _ in range(3):  # a few chunks: the request runs in the decode worker
         assert resp.readline().startswith(b"data: ")
         assert resp.readline() == b"\n"
-    # Hang up for good: the response's file object holds the socket's descriptor too, so
-    # close it as well (a shut-down socket whose descriptor stays open still ACKs what the
-    # gateway sends, which is a client that stopped reading, not one that left).
     hung_up = time.time()
-    c.sock.shutdown(2)
-    resp.close()
-    c.close()
+    hang_up(c, resp)
     fields = wait_for(lambda: done_entry(cluster, rid), 60, what="the request's done entry after the hang-up")
     entries = cluster.r.xrange(cluster.keys.out(rid))
     first_ms, last_ms = (int(e[0].split(b"-")[0]) for e in (entries[0], entries[-1]))
@@ -393,6 +429,27 @@ def test_errors(gateway):
     assert status == 400 and "X-Request-Id" in json.loads(raw)["error"]["message"]
     status, _, _ = gateway.get("/v1/models")
     assert status == 401
+    for headers, param in (({"last-event-id": "7"}, "Last-Event-ID"),   # a resume needs the request's id
+                           ({"idempotency-key": "k-1", "last-event-id": "seven"}, "Last-Event-ID"),
+                           ({"idempotency-key": "k-1", "x-request-id": "k-2"}, "Idempotency-Key"),
+                           ({"idempotency-key": "bad key!"}, "Idempotency-Key")):
+        status, _, raw = gateway.post("/v1/completions", {"prompt": "Hi", "stream": True}, headers=headers)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, (headers, raw)
+
+
+def test_unknown_routes_and_methods_are_openai_errors(gateway):
+    with pytest.raises(openai.NotFoundError) as info:   # an endpoint this server does not have
+        gateway.openai().embeddings.create(model="tiny", input="not served here")
+    assert info.value.body["code"] == "unknown_url" and "POST /v1/embeddings" in info.value.body["message"]
+    status, headers, raw = gateway.get("/nowhere")
+    body = json.loads(raw)
+    assert status == 404 and headers["content-type"] == "application/json"
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["type"] == "invalid_request_error"
+    status, headers, raw = gateway.get("/v1/completions")   # the route, another method
+    assert status == 405 and headers["allow"] == "POST", raw
+    assert json.loads(raw)["error"]["code"] == "method_not_allowed"
+    status, _, raw = gateway.get("/v1/requests/never-sent", headers={"authorization": f"Bearer {API_KEY}"})
+    assert status == 404 and json.loads(raw)["error"]["code"] == "request_not_found"
 
 
 def test_unknown_fields_are_ignored_with_a_warning(gateway, client):
@@ -436,33 +493,279 @@ def test_models_health_metrics(gateway):
                      text, re.M), text
 
 
-def test_a_stream_waiting_for_tokens_sends_keepalives_and_notices_a_hang_up(gateway, cluster):
-    """While no token comes (the decode worker is stopped), the gateway writes an SSE comment
-    every second; so a client that hangs up meanwhile is found within about a second (the
-    cancel key is set before any further token), not at the next token."""
-    decode_pid = next(int(w["pid"]) for w in cluster.workers().values() if w["role"] == "decode")
-    rid = f"idle-{uuid.uuid4().hex[:8]}"
-    c = gateway.conn(timeout=10)
-    c.request("POST", "/v1/completions", body=json.dumps({
-        "model": "tiny", "prompt": "a quiet story", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
-        "stream": True}).encode(), headers={"content-type": "application/json", "x-request-id": rid,
-                                             "authorization": f"Bearer {API_KEY}"})
-    resp = c.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    os.kill(decode_pid, signal.SIGSTOP)
+def role_pid(cluster, role: str) -> int:
+    return next(int(w["pid"]) for w in cluster.workers().values() if w["role"] == role)
+
+
+@contextmanager
+def stopped(pid: int):
+    """The process stopped (SIGSTOP) for the block: no token comes meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 8
-        while not resp.readline().startswith(b": keep-alive"):   # (tokens already sent come first)
-            assert time.monotonic() < deadline, "no keep-alive comment while no token came"
-        c.sock.shutdown(2)
-        resp.close()
-        c.close()
-        wait_for(lambda: cluster.r.exists(cluster.keys.cancel(rid)), 5, what="the gateway's cancel after the hang-up")
+        yield
     finally:
-        os.kill(decode_pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+
+
+def nothing_arrives(c: http.client.HTTPConnection, resp, seconds: float) -> bool:
+    """True if the response gets no byte for ``seconds`` (hang up after: the read was cut)."""
+    c.sock.settimeout(seconds)
+    try:
+        resp.read1(1)
+        return False
+    except TimeoutError:
+        return True
+
+
+def test_a_client_that_leaves_before_the_first_token_cancels_with_nothing_written(gateway, cluster):
+    """No SSE comment by default (some benchmark clients drop every event after one): while
+    no token comes (the prefill worker is stopped) the gateway writes nothing, and a client
+    that hangs up meanwhile is seen on the connection itself: its request is cancelled before
+    any token (the cancel key at once, the done entry says cancelled)."""
+    rid = f"early-{uuid.uuid4().hex[:8]}"
+    with stopped(role_pid(cluster, "prefill")):
+        c, resp = open_stream(gateway, "/v1/completions", {"prompt": "a long prefill", "max_tokens": 50,
+                                                           "temperature": 0, "stream": True}, {"x-request-id": rid})
+        assert resp.status == 200
+        assert nothing_arrives(c, resp, 2.0), "the gateway wrote something while no token came"
+        hang_up(c, resp)
+        wait_for(lambda: cluster.r.exists(cluster.keys.cancel(rid)), 3, what="the gateway's cancel after the hang-up")
+        assert not cluster.r.exists(cluster.keys.out(rid))   # not a token yet
     fields = wait_for(lambda: done_entry(cluster, rid), 30, what="the request's done entry")
-    assert fields[b"finish_reason"] == b"cancelled"
-    wait_pools_free(cluster, timeout=20)
+    assert fields[b"finish_reason"] == b"cancelled" and json.loads(fields[b"token_ids"]) == []
+
+
+def test_sse_keepalive_s_writes_comments_while_no_token_comes(cluster, shared_redis_url, logs):
+    gw = Gateway(shared_redis_url, CLUSTER, logs, "--sse-keepalive-s", "0.2", name="gateway-keepalive")
+    try:
+        with stopped(role_pid(cluster, "prefill")):
+            c, resp = open_stream(gw, "/v1/completions", {"prompt": "quiet", "max_tokens": 4, "temperature": 0,
+                                                          "stream": True})
+            assert resp.status == 200
+            deadline = time.monotonic() + 5
+            while resp.readline() != b": keep-alive\n":
+                assert time.monotonic() < deadline, "no keep-alive comment while no token came"
+        events = list(sse_events(resp))   # then the answer, its framing unchanged
+        c.close()
+        assert events[-1] == (None, "[DONE]") and len(events) >= 2
+    finally:
+        assert gw.stop() == 0, gw.log()
+
+
+# ---- stopping: drain on the first signal, end the open answers on the second -----------------
+
+def test_a_first_sigterm_drains_open_answers_run_to_their_end(cluster, shared_redis_url, logs):
+    """After SIGTERM the gateway keeps its listener: /health and new requests get 503 with
+    Retry-After, while the open stream, stalled for longer than uvicorn's old 10 s limit
+    (its decode worker stopped), gets every token and [DONE]; then the gateway exits 0."""
+    gw = Gateway(shared_redis_url, CLUSTER, logs, name="gateway-drain")
+    rid = f"drain-{uuid.uuid4().hex[:8]}"
+    try:
+        c, resp = open_stream(gw, "/v1/completions", {"prompt": "drain", "max_tokens": 200, "temperature": 0,
+                                                      "ignore_eos": True, "stream": True,
+                                                      "stream_options": {"include_usage": True}}, {"x-request-id": rid})
+        events = sse_events(resp)
+        got = [next(events)]
+        with stopped(role_pid(cluster, "decode")):   # the answer cannot end by itself meanwhile
+            os.killpg(gw.proc.pid, signal.SIGTERM)
+            signalled = time.monotonic()
+            wait_for(lambda: gw.get("/health")[0] == 503, 5, what="/health 503 while draining")
+            status, headers, raw = gw.post("/v1/completions", {"prompt": "too late", "max_tokens": 2})
+            assert status == 503 and headers["retry-after"] == "5", raw
+            assert json.loads(raw)["error"]["code"] == "service_unavailable"
+            time.sleep(max(0.0, signalled + 11 - time.monotonic()))
+            assert gw.proc.poll() is None, f"the gateway exited with an answer open: {gw.log()}"
+        got += list(events)
+        c.close()
+        assert got[-1] == (None, "[DONE]")
+        chunks = [json.loads(data) for _, data in got[:-1]]
+        text, token_ids, finish = out_answer(cluster, rid)
+        assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == text
+        assert chunks[-1]["usage"]["completion_tokens"] == len(token_ids) == 200 and finish == "length"
+        assert gw.proc.wait(20) == 0, gw.log()
+    finally:
+        gw.stop()
+        wait_for(lambda: "decode" in {w["role"] for w in cluster.workers().values()}, 15,
+                 what="the decode worker's heartbeat back")
+
+
+def test_a_second_sigterm_ends_open_answers_with_an_error_and_cancels_them(cluster, shared_redis_url, logs):
+    """A second SIGTERM during the drain: the open stream ends with an error event and
+    [DONE] (the body is ended, not cut), the open non-streaming request gets a JSON 503,
+    both requests are cancelled, and the gateway exits 0."""
+    gw = Gateway(shared_redis_url, CLUSTER, logs, name="gateway-forced")
+    sid, wid = (f"{what}-{uuid.uuid4().hex[:8]}" for what in ("forced-stream", "forced-whole"))
+    long = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    whole: dict = {}
+    try:
+        c, resp = open_stream(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Go on"}],
+                                                           "stream": True, **long}, {"x-request-id": sid})
+        events = sse_events(resp)
+        got = [next(events), next(events)]
+        waiting = threading.Thread(target=lambda: whole.update(answer=gw.post(
+            "/v1/completions", {"prompt": "go on", **long}, headers={"x-request-id": wid})))
+        waiting.start()
+        wait_for(lambda: cluster.r.exists(cluster.keys.out(wid)), 30, what="the non-streaming request running")
+        os.killpg(gw.proc.pid, signal.SIGTERM)
+        wait_for(lambda: gw.get("/health")[0] == 503, 5, what="/health 503 while draining")
+        os.killpg(gw.proc.pid, signal.SIGTERM)
+        got += list(events)   # to the body's end (a cut connection raises IncompleteRead)
+        c.close()
+        waiting.join(30)
+        assert got[-1] == (None, "[DONE]")
+        event_id, data = got[-2]
+        assert event_id is None and json.loads(data)["error"]["code"] == "service_unavailable", got[-2]
+        status, headers, raw = whole["answer"]
+        assert status == 503 and headers["retry-after"] == "5", raw
+        assert json.loads(raw)["error"]["code"] == "service_unavailable"
+        assert gw.proc.wait(10) == 0, gw.log()
+        for rid in (sid, wid):
+            fields = wait_for(lambda: done_entry(cluster, rid), 30, what=f"{rid}'s done entry")
+            assert fields[b"finish_reason"] == b"cancelled" and len(json.loads(fields[b"token_ids"])) < 3000
+        wait_pools_free(cluster)
+    finally:
+        gw.stop()
+
+
+# ---- resuming: Idempotency-Key, Last-Event-ID, GET /v1/requests/{id} -------------------------
+
+def out_answer(cluster, request_id: str) -> tuple[str, list[int], str]:
+    """The request's answer as the workers wrote it (its done entry): text, token ids, finish reason."""
+    fields = wait_for(lambda: done_entry(cluster, request_id), 60, what=f"{request_id}'s done entry")
+    return fields[b"text"].decode(), json.loads(fields[b"token_ids"]), fields[b"finish_reason"].decode()
+
+
+def submissions(cluster, request_id: str) -> tuple[int, int]:
+    """(times the workers finished the request, duplicates they refused): (1, 0) is run once, sent once."""
+    rid = request_id.encode()
+    done = sum(1 for _, f in cluster.r.xrange(cluster.keys.done) if f.get(b"id") == rid)
+    dead = sum(1 for _, f in cluster.r.xrange(cluster.keys.dead) if f.get(b"field:id") == rid)
+    return done, dead
+
+
+def content(chunk: dict) -> str:
+    choice = chunk["choices"][0]
+    return choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+
+
+def stream_body(kind: str, max_tokens: int) -> tuple[str, dict]:
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if kind == "chat":
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Tell a story"}]}
+    return "/v1/completions", {**body, "prompt": "Tell a story"}
+
+
+def check_resumed(cluster, key: str, before: list, after: list, max_tokens: int) -> str:
+    """Events read before and after a resume: every one with an id, ids increasing (none
+    twice), their text the request's whole answer, which ran once and to its end (the
+    hang-up did not cancel it). Returns the text."""
+    ids = [event_id for event_id, _ in before + after]
+    assert None not in ids and ids == sorted(set(ids)), ids
+    assert after[-1][1] == "[DONE]" and ids[-3:] == [max_tokens, max_tokens + 1, max_tokens + 2], ids
+    chunks = [json.loads(data) for _, data in before + after[:-1]]
+    text, token_ids, finish = out_answer(cluster, key)
+    assert "".join(content(ch) for ch in chunks if ch["choices"]) == text
+    assert len(token_ids) == max_tokens and finish == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    assert len({ch["created"] for ch in chunks}) == 1 and len({ch["id"] for ch in chunks}) == 1
+    assert submissions(cluster, key) == (1, 0)
+    return text
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_stream_resumed_with_last_event_id_gets_every_token_once(gateway, cluster, kind):
+    """An Idempotency-Key makes a stream resumable: its events carry ids, and a client that
+    hangs up after a few events does not cancel it. A POST with the same key and
+    Last-Event-ID re-attaches (no second submit) and sends exactly the rest; GET
+    /v1/requests/{id} reads it again, whole or from an event on."""
+    key = f"resume-{kind}-{uuid.uuid4().hex[:8]}"
+    path, body = stream_body(kind, 300)
+    c, resp = open_stream(gateway, path, body, {"idempotency-key": key})
+    assert resp.status == 200 and resp.getheader("x-request-id") == key
+    events = sse_events(resp)
+    before = [next(events) for _ in range(4)]
+    hang_up(c, resp)
+    if kind == "chat":
+        assert before[0][0] == -1   # the role chunk
+    c, resp = open_stream(gateway, path, body, {"idempotency-key": key, "last-event-id": str(before[-1][0])})
+    assert resp.status == 200
+    after = list(sse_events(resp))
+    c.close()
+    text = check_resumed(cluster, key, before, after, 300)
+
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{key}"
+    status, _, raw = gateway.get(f"/v1/requests/{response_id}", headers=auth)   # by the response's id
+    whole = json.loads(raw)
+    assert status == 200 and whole["id"] == response_id and whole["usage"]["completion_tokens"] == 300
+    assert (whole["choices"][0]["message"]["content"] if kind == "chat" else whole["choices"][0]["text"]) == text
+    mid = before[2][0]
+    status, headers, raw = gateway.get(f"/v1/requests/{key}", headers={**auth, "accept": "text/event-stream",
+                                                                       "last-event-id": str(mid)})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    again = list(sse_events(io.BytesIO(raw)))
+    assert again[0][0] > mid and again[-1] == (302, "[DONE]")
+    said = "".join(content(json.loads(d)) for i, d in before if i <= mid and json.loads(d)["choices"])
+    assert said + "".join(content(json.loads(d)) for _, d in again[:-1] if json.loads(d)["choices"]) == text
+
+
+def test_a_stream_resumes_on_a_new_gateway_after_kill_9(cluster, shared_redis_url, logs):
+    """The gateway serving a resumable stream dies (SIGKILL): the client's connection is cut
+    mid-stream; a new gateway process takes the resume and sends the rest exactly once."""
+    key = f"killed-{uuid.uuid4().hex[:8]}"
+    path, body = stream_body("completion", 400)
+    first = Gateway(shared_redis_url, CLUSTER, logs, name="gateway-killed")
+    try:
+        c, resp = open_stream(first, path, body, {"idempotency-key": key})
+        events = sse_events(resp)
+        before = [next(events) for _ in range(5)]
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        try:
+            before += list(events)   # what the dead gateway had written reaches the client, then the cut
+        except (http.client.IncompleteRead, ConnectionError):
+            pass
+        c.close()
+        assert before[-1][1] != "[DONE]", "the stream ended before the kill"
+    finally:
+        first.stop()
+    second = Gateway(shared_redis_url, CLUSTER, logs, name="gateway-after-kill")
+    try:
+        c, resp = open_stream(second, path, body, {"idempotency-key": key, "last-event-id": str(before[-1][0])})
+        assert resp.status == 200
+        after = list(sse_events(resp))
+        c.close()
+        check_resumed(cluster, key, before, after, 400)
+    finally:
+        assert second.stop() == 0, second.log()
+
+
+def test_an_idempotency_key_retry_gets_the_first_answer_and_runs_once(gateway, cluster):
+    """Retries with the same Idempotency-Key, one while the first runs and one after it
+    ended (sampled, no seed: a second generation would differ), all get the first's whole
+    answer; the request was submitted and run once. Other parameters with the key: 422."""
+    key = f"idem-{uuid.uuid4().hex[:8]}"
+    body = {"model": "tiny", "prompt": "Count to", "max_tokens": 200, "temperature": 0.9, "ignore_eos": True}
+    answers: dict = {}
+    first = threading.Thread(target=lambda: answers.update(
+        first=gateway.post("/v1/completions", body, headers={"idempotency-key": key})))
+    first.start()
+    wait_for(lambda: cluster.r.exists(cluster.keys.out(key)), 30, what="the first request running")
+    answers["while"] = gateway.post("/v1/completions", body, headers={"idempotency-key": key})
+    first.join(60)
+    oa = gateway.openai()
+    later = oa.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True},
+                                  extra_headers={"Idempotency-Key": key})
+    text, token_ids, _ = out_answer(cluster, key)
+    for status, headers, raw in answers.values():
+        assert status == 200 and headers["x-request-id"] == key, raw
+        got = json.loads(raw)
+        assert got["choices"][0]["text"] == text and got["id"] == f"cmpl-{key}"
+    assert later.choices[0].text == text and later.usage.completion_tokens == len(token_ids) == 200
+    assert submissions(cluster, key) == (1, 0)
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        oa.completions.create(model="tiny", prompt="Count to", max_tokens=5, extra_headers={"Idempotency-Key": key})
+    assert info.value.body["code"] == "idempotency_key_reused"
 
 
 def test_timeout_gives_504_and_drops_the_request(cluster, shared_redis_url, logs):

@@ -1,7 +1,9 @@
 """`pdqueue serve`: the OpenAI-compatible HTTP gateway (``pdqueue.gateway``) in front of a
 cluster. Finds the cluster as `submit` does (``--redis-url``/``--cluster``, the running
 `up`, the default), binds the port (0: a free one), prints the URL on its first line, then
-serves until SIGINT/SIGTERM. Never imports torch.
+serves until SIGINT/SIGTERM: the first drains (open answers run to their end, new requests
+get 503), a second ends the open answers with an error (``pdqueue.gateway.serve``). Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ DEFAULT_PORT = 8000
                    "over this [default: no limit].")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
               show_default=True, help="Seconds a request may take (504 after; the workers drop it too).")
+@click.option("--sse-keepalive-s", "keepalive_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Write an SSE comment (': keep-alive') after this many seconds without a token [default: never; "
+                   "some benchmark clients drop every event after a comment, and a client that leaves is seen "
+                   "without one].")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, log_level):
+def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepalive_s, log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
     \b
-    Also GET /health (200 while prefill and decode, or colocated, workers live; else 503)
-    and GET /metrics (Prometheus). Stateless: run as many as you like.
+    Also GET /health (200 while prefill and decode, or colocated, workers live; else 503),
+    GET /v1/requests/ID (a request sent with an Idempotency-Key, read again or resumed) and
+    GET /metrics (Prometheus). Stateless: run as many as you like.
+
+    \b
+    SIGTERM or Ctrl-C: open answers run to their end, new requests get 503; a second one
+    ends the open answers now (an error event, then [DONE]).
     """
     from pdqueue.gateway import GatewayConfig, bind, serve as run
 
@@ -50,4 +61,5 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, log_l
                f"{target.source}){'; API key required' if api_key else ''}", nl=True)
     click.get_text_stream("stdout").flush()
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
-                      max_backlog=max_backlog, timeout_s=timeout_s), sock, log_level=log_level)
+                      max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s), sock,
+        log_level=log_level)
