@@ -117,3 +117,24 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny):
     assert cluster.procs["d0"].wait(timeout=30) == 0
     del handoffs
     wait_pools_free(cluster)
+
+
+def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster, tiny):
+    """A colocated worker finishes its request entries with handoffs of its running
+    requests (prompt, tokens so far, KV): a decode worker goes on with them."""
+    cluster.start("colocated", *FAST, worker_id="c0")
+    client, handles, runs = submit(cluster, tiny)
+    wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    stopped = time.monotonic()
+    cluster.signal("c0", signal.SIGTERM)
+    assert cluster.procs["c0"].wait(timeout=30) == 0
+    took = time.monotonic() - stopped
+    unfinished = [h for h in handles if not any(f[b"type"] == b"done" for _, f in out_of(cluster, h.request_id))]
+    assert unfinished, "every request ended before c0 did: nothing was moved"
+    results = check_answers(cluster, tiny, client, handles, runs)
+    moved = [res for h, res in zip(handles, results) if h in unfinished]
+    assert {(res.prefill_worker, res.decode_worker) for res in moved} == {(cluster.id("c0"), cluster.id("d0"))}
+    assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}
+    print(f"c0 stopped in {took:.2f} s, {len(moved)} requests moved")
+    wait_pools_free(cluster)

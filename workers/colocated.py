@@ -14,13 +14,18 @@ A request here, from XADD to done:
                    with a done entry of reason cancelled/expired
 
 Dropped (another worker took the entry over): aborted, no answer.
+
+Stopping (a warm stop, a switch): the requests decoding here move to a decode worker with
+their KV and tokens so far, when one takes work (workers/migration.py: the request entry is
+finished with a handoff, as a prefill worker's would be); the others finish here.
 """
 
 from __future__ import annotations
 
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Completion
+from pdqueue.protocol import Completion, Handoff, encode_handoff
 from workers.common import Every, now_ms, tbt_stats
+from workers.migration import Migrator
 from workers.role import RequestRole
 
 CHECK_EVERY_S = 0.1   # cancel keys and deadlines of the requests in hand
@@ -32,11 +37,13 @@ class ColocatedRole(RequestRole):
     def start(self, shell) -> None:
         super().start(shell)
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
+        self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self._check = Every(CHECK_EVERY_S)
 
     def load(self) -> dict:
         return {**super().load(), "step_ms": round(self.step_s * 1000, 2),
-                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
+                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
+                "migrated_out": self.migrator.moved if self.migrator is not None else 0}
 
     def read_limit(self) -> int:
         """No more than the free batch slots: the rest stays in Redis for other workers."""
@@ -44,7 +51,12 @@ class ColocatedRole(RequestRole):
                    self.shell.config.max_batch_requests)
 
     def housekeeping(self) -> None:
-        """Every ~100 ms: end cancelled and expired requests (blocks freed, done published)."""
+        """Before each step: moves when stopping; every ~100 ms: end cancelled and expired
+        requests (blocks freed, done published)."""
+        if self.migrator is not None:
+            self.migrator.free_released()
+            if not self.shell.accepting and self.inflight:
+                self.migrate_out()
         if not self._check.due():
             return
         stopped = self.shell.to_stop({rid: it.request for rid, it in self.inflight.items()})
@@ -57,6 +69,36 @@ class ColocatedRole(RequestRole):
                     rid, self.shell.loaded.tokenizer.decode(output), tuple(output), reason,
                     num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
                     prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"))
+
+    def migrate_out(self) -> None:
+        """Not accepting: the requests past their first token go on on a decode worker."""
+        self.migrator.announce()
+        target = self.migrator.target()
+        if target is None:
+            return
+        with self.shell.unit() as unit:
+            for rid, it in list(self.inflight.items()):
+                exported = self.migrator.export(rid) if it.token_times_ms else None
+                if exported is None:
+                    continue
+                seq, ticket = exported
+                del self.inflight[rid]
+                req, first = it.request, it.token_times_ms[0]
+                handoff = Handoff(request=req, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
+                                  seed=it.params.seed, ticket=ticket, prefill_worker=self.shell.worker_id,
+                                  enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms, prefill_end_ms=first,
+                                  first_token_ms=first, cached_tokens=seq.cached_tokens)
+                unit.handoff(it.stream, it.entry_id, rid, target, encode_handoff(handoff))
+
+    def drain(self) -> None:
+        super().drain()
+        if self.migrator is not None:
+            self.migrator.drain()
+
+    def close(self) -> None:
+        if self.migrator is not None:
+            self.migrator.close()
+        super().close()
 
     def publish(self, outputs) -> None:
         t = now_ms()

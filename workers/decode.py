@@ -254,7 +254,7 @@ class DecodeRole(Role):
             return
         with self.shell.unit() as unit:
             for job in [j for j in self.jobs.values() if j.state is not JobState.FETCHING]:
-                h = job.handoff if job.state is JobState.BACKLOG else self.migrator.export(job.handoff)
+                h = job.handoff if job.state is JobState.BACKLOG else self.migrator.resume(job.handoff)
                 if h is None:
                     continue
                 del self.jobs[job.request_id]

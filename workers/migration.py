@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from pdqueue.protocol import Handoff
 from pdqueue.queue.registry import list_workers
@@ -117,10 +118,10 @@ class Migrator:
                      self.sender.data_endpoint or "-", pool.name if pool else None)
         return self.sender
 
-    def export(self, handoff: Handoff) -> Handoff | None:
-        """Detach the running sequence of ``handoff``'s request and return the handoff that
-        resumes it elsewhere; None when it is not at a point it can move from (prefilling)."""
-        rid = handoff.request.id
+    def export(self, request_id: str):
+        """Detach the running sequence of ``request_id`` and lease its KV: (the sequence, the
+        ticket as a dict), or None when it is not at a point it can move from (prefilling)."""
+        rid = request_id
         detached = self.engine.detach_running(rid)
         if detached is None:
             return None
@@ -136,11 +137,16 @@ class Migrator:
             # Should we die now, the segment stays while the lease could be live.
             self.shell.segment.keep_until(time.time() + self.shell.config.lease_s)
         self.moved += 1
-        return Handoff(request=handoff.request, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
-                       seed=handoff.seed, ticket=ticket.to_dict(), prefill_worker=handoff.prefill_worker,
-                       attempt=handoff.attempt, enqueued_ms=handoff.enqueued_ms,
-                       prefill_start_ms=handoff.prefill_start_ms, prefill_end_ms=handoff.prefill_end_ms,
-                       first_token_ms=handoff.first_token_ms, cached_tokens=handoff.cached_tokens)
+        return seq, ticket.to_dict()
+
+    def resume(self, handoff: Handoff) -> Handoff | None:
+        """The handoff that resumes a running request of the decode role elsewhere (its
+        times and attempts kept), or None (see ``export``)."""
+        exported = self.export(handoff.request.id)
+        if exported is None:
+            return None
+        seq, ticket = exported
+        return replace(handoff, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids), ticket=ticket)
 
     def free_released(self) -> None:
         if self.sender is not None:
