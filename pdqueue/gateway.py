@@ -467,7 +467,7 @@ class Gateway:
 
     # ---- the records of resumable requests (pdq:{NAME}:gw:<id>) --------------------------
     def _record_key(self, request_id: str) -> str:
-        return f"{self.keys.prefix}gw:{request_id}"
+        return self.keys.gateway_record(request_id)
 
     async def _load_record(self, request_id: str) -> tuple[_Spec, str] | None:
         """The spec and parameters of a resumable request sent before (any gateway), or None."""

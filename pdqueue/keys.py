@@ -21,6 +21,7 @@ on Redis Cluster.
 | ``events``             | stream, trimmed          | workers, planners   | operators, status  |
 | ``plan``               | hash                     | the planner         | actuators, status  |
 | ``kv_secret``          | string (hex), no TTL     | first worker, SET NX| workers (KV auth)  |
+| ``gw:<request_id>``    | string (JSON), TTL       | gateways, SET NX    | gateways (resume)  |
 
 Imports nothing but the standard library.
 """
@@ -138,6 +139,10 @@ class Keys:
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}cancel:{request_id}"
+
+    def gateway_record(self, request_id: str) -> str:
+        """What a gateway needs to resume a resumable request's answer (pdqueue.gateway)."""
+        return f"{self.prefix}gw:{request_id}"
 
     def seen(self, request_id: str) -> str:
         """Idempotency marker. Its value is the stream entry id that first carried the id:
