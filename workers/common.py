@@ -39,6 +39,7 @@ class WorkerConfig:
     reclaim_idle_ms: int = 15000    # a live but silent consumer's entries idle this long are taken over
     max_step_s: float = 120.0       # a loop iteration running longer is stuck: its entries are no longer kept
     heartbeat_ttl_s: float = 10.0   # a worker silent this long is dead: its entries are taken at once
+    redis_gone_exit_s: float = 300.0  # Redis unreachable this long: the worker exits, freeing its memory (0: never)
     max_attempts: int = 3           # recompute attempts before a request is failed
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)

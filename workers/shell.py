@@ -11,7 +11,8 @@ takes room), the role epoch; and the KV pool, made when the first role
 asks for it (``kv_pool``) and used by every role after it. ``run()``:
 
     start  role.start(shell) (its engine, on the shell's KV pool); the consumer groups
-           exist; the first heartbeat (retried while Redis is down); what an earlier
+           exist; the first heartbeat (retried while Redis is down; a stop meanwhile,
+           warm or cold, ends the worker: it holds nothing yet); what an earlier
            process under this worker id took and never acknowledged
            (Recovery.own_pending) -> role.accept(resumed=True); the keeper thread
            (Recovery.start_keeper) touches the entries in hand from here on, while the
@@ -20,8 +21,11 @@ asks for it (``kv_pool``) and used by every role after it. ``run()``:
            another worker took over (Recovery.keep) -> role.drop ->
            role.step() -> ``tick``: switch commands (every 100 ms) and the heartbeat's
            load, until step() says there is nothing left to do or a cold stop. A Redis
-           error: capped backoff with jitter and Recovery.on_redis_error(); any other
-           error is logged and counted, and twenty in a row end the worker
+           error: capped backoff with jitter and Recovery.on_redis_error(), until Redis has
+           been unreachable for ``--redis-gone-exit-s`` (default 300 s; 0: never): then
+           ``RedisGone`` ends the worker (exit status 75) through the teardown below, its
+           entries left pending in Redis; any other error is logged and counted, and
+           twenty in a row end the worker
     end    role.drain() (a prefill role serves its leases out); then, after a switch,
            the old role closes and the new one starts (back to ``start``); else, always:
            the publisher flushed and closed, role.close(), the KV pool freed (its segment
@@ -72,6 +76,20 @@ from workers.switching import CONTROL_EVERY_S, FIXED_ROLE, Switching, backlog_re
 log = logging.getLogger("pdqueue.worker")
 
 MAX_CONSECUTIVE_FAILURES = 20
+EXIT_REDIS_GONE = 75   # the exit status after --redis-gone-exit-s (EX_TEMPFAIL: a supervisor may start it again)
+PUBLISHER_FLUSH_S = 10.0       # what close() waits for unpublished answers
+PUBLISHER_FLUSH_GONE_S = 1.0   # ... when Redis is known to be gone
+
+
+class RedisGone(Exception):
+    """Redis stayed unreachable for ``--redis-gone-exit-s``: the worker stops (exit status
+    ``EXIT_REDIS_GONE``), freeing its KV pool; what it held stays pending in Redis, for
+    whichever worker serves that Redis next."""
+
+
+class StoppedWaiting(Exception):
+    """A stop (warm or cold) came while the worker waited for Redis before serving: it
+    holds nothing yet, so it just ends."""
 
 
 class WorkerShell:
@@ -87,6 +105,8 @@ class WorkerShell:
         self.stop = StopFlag()
         self.backoff = Backoff(jitter=True)  # jitter: workers cut off together come back spread out
         self.failed_units = 0                # units the publisher dropped (see _unit_failed)
+        self._outage: tuple[float, int] | None = None   # (monotonic start, heartbeats then) of a Redis outage
+        self.redis_gone = False              # RedisGone was raised: close() does not wait on Redis
         self.publisher = Publisher(lambda: connect(config.redis_url), name=f"pdq-publisher-{self.worker_id}",
                                    on_error=self._unit_failed)
         self.metrics = WorkerMetrics(config.engine.model)   # recorded always; served with a metrics_port
@@ -123,6 +143,8 @@ class WorkerShell:
 
     # ---- the process -------------------------------------------------------------------
     def run(self) -> None:
+        """Serve until stopped (see the module docstring). Raises ``RedisGone`` after
+        ``--redis-gone-exit-s`` of unreachable Redis, once everything is closed."""
         try:
             self._start_role(self.role)
             self._register()
@@ -138,6 +160,8 @@ class WorkerShell:
                 if self._next_role is None or self.stop.warm.is_set() or self.stop.cold.is_set():
                     return
                 self._switch()
+        except StoppedWaiting as exc:   # (a role starting: at start, or after a switch)
+            log.warning("%s worker %s: %s", self.role.name, self.worker_id, exc)
         finally:
             self.close()
 
@@ -160,6 +184,8 @@ class WorkerShell:
                 failures = 0
             except REDIS_DOWN as exc:
                 self._redis_down(exc)
+            except RedisGone:
+                raise
             except Exception:
                 failures += 1
                 log.exception("worker iteration failed (%d in a row)", failures)
@@ -181,7 +207,7 @@ class WorkerShell:
             self._switch_event("failed", self.switching, reason="the worker stopped before the switch completed")
             self.switching = None
         self.recovery.stop_keeper()
-        self.publisher.close(timeout=10)
+        self.publisher.close(timeout=PUBLISHER_FLUSH_GONE_S if self.redis_gone else PUBLISHER_FLUSH_S)
         if self._role_open:
             self.role.close()
         if self.segment is not None:
@@ -265,8 +291,7 @@ class WorkerShell:
                 self.ensure_groups()
                 break
             except REDIS_DOWN as exc:
-                if self.stop.cold.is_set():
-                    raise
+                self._stopped_waiting(exc)
                 self._redis_down(exc)
         if epoch is not None:
             self.role_epoch, self.role_since_ms = epoch, int(now_ms())
@@ -375,10 +400,8 @@ class WorkerShell:
                 self.heartbeat.start()
                 return
             except REDIS_DOWN as exc:
-                if self.stop.cold.is_set():
-                    raise
-                log.warning("redis unavailable at start (%s); retrying", exc)
-                self.backoff.sleep(self.stop.cold)
+                self._stopped_waiting(exc)
+                self._redis_down(exc, "redis unavailable at start (%s); retrying")
 
     # ---- what roles use ------------------------------------------------------------------
     @contextmanager
@@ -406,6 +429,7 @@ class WorkerShell:
             entries = streams.read_group(self.r, self.role.group, self.worker_id, self.role.read_streams(),
                                          count=limit, block_ms=block_ms or None)
             self.backoff.reset()
+            self._outage = None   # Redis answers
             return entries
         except REDIS_DOWN as exc:
             self._redis_down(exc)
@@ -449,10 +473,41 @@ class WorkerShell:
         for stream, group in groups:
             streams.ensure_group(self.r, stream, group)
 
-    def _redis_down(self, exc: BaseException) -> None:
-        log.warning("redis unavailable (%s); retrying", exc)
+    def _redis_down(self, exc: BaseException, message: str = "redis unavailable (%s); retrying") -> None:
+        """A Redis call failed for want of Redis: retry after the backoff, unless Redis has
+        now been unreachable for ``--redis-gone-exit-s`` (``RedisGone``)."""
+        if not self._check_outage(exc):   # (the first failure of an outage has its own line)
+            log.warning(message, exc)
         self.recovery.on_redis_error()
         self.backoff.sleep(self.stop.cold)
+
+    def _check_outage(self, exc: BaseException) -> bool:
+        """Time the outage ``exc`` belongs to. It began at the first failure since Redis last
+        answered: a read (``read``) or a heartbeat (its thread beats every TTL/3, and tries
+        again every <= 2 s while Redis is away, whatever the loop is doing). Past
+        ``redis_gone_exit_s`` (0: never) raise ``RedisGone``. True when this failure began
+        an outage (and said so)."""
+        limit = self.config.redis_gone_exit_s
+        now, beats = time.monotonic(), self.heartbeat.beats
+        if self._outage is None or self._outage[1] != beats:
+            self._outage = (now, beats)
+            log.warning("redis unavailable (%s); retrying%s", exc,
+                        f"; this worker stops if it stays unreachable for {limit:g} s (--redis-gone-exit-s)"
+                        if limit else "")
+            return True
+        down_s = now - self._outage[0]
+        if limit and down_s >= limit:
+            self.redis_gone = True
+            log.error("redis unreachable for %.0f s (%s), past --redis-gone-exit-s %g: stopping this worker and "
+                      "freeing its KV pool; what it held stays pending in Redis for the workers that serve it next",
+                      down_s, exc, limit)
+            raise RedisGone(f"redis unreachable for {down_s:.0f} s (--redis-gone-exit-s {limit:g}): {exc}")
+        return False
+
+    def _stopped_waiting(self, exc: BaseException) -> None:
+        """While waiting for Redis before serving: a stop ends the wait (nothing is in hand)."""
+        if self.stop.cold.is_set() or self.stop.warm.is_set():
+            raise StoppedWaiting(f"stopped while waiting for Redis ({exc}); nothing was in hand")
 
     def _unit_failed(self, exc: BaseException, ops: list) -> None:
         """Publisher thread: a unit was dropped or a command in it failed. Its entries may

@@ -15,7 +15,8 @@ ticket (or request) to the blocks in its own pool,
   time to open a connection, handshake included);
 - ``raw_socket``: ``sendall`` / ``recv_into`` of the bytes straight into the pool (the limit
   of the network paths);
-- ``nixl`` (where NIXL is installed: pdqueue[rdma]): ``KVReceiver.fetch`` forced to the nixl
+- ``nixl`` (where NIXL is installed: pdqueue[rdma]; elsewhere skipped, with one line saying
+  why and ``skipped`` in the JSON, as for grpc and redis_pickle): ``KVReceiver.fetch`` forced to the nixl
   path (an ``acquire`` over the authenticated ZeroMQ channel, one NIXL READ of the blocks
   straight into the pool, a release), against the authenticated sender, which also runs a
   NIXL agent; the UCX transports it used are read from UCX's own log (``UCX_LOG_LEVEL=info``
@@ -273,6 +274,8 @@ class DecodeSide:
                 self.memcpy_dst = torch.zeros(case.nbytes, dtype=torch.uint8)
             src, dst = self.memcpy_src[:case.nbytes], self.memcpy_dst[:case.nbytes]
             return lambda: _timed(lambda: dst.copy_(src))
+        if path == "nixl" and path not in self.receivers:
+            return None   # NIXL is not installed here (``run`` said so and put it in ``skipped``)
         if path in self.receivers:
             receiver, authed = self.receivers[path], not path.endswith("_noauth")
 
@@ -374,20 +377,28 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
     repeats = repeats or (3 if quick else 7)
     warmup = warmup or (1 if quick else 2)
     notes: list[str] = []
+    skipped: dict[str, str] = {}   # path -> why it was not run (the JSON's ``skipped``)
+
+    def skip(path: str, why: str) -> None:
+        skipped[path] = why
+        notes.append(f"the {path} path was skipped: {why}")
+        progress(f"skipping the {path} path: {why}")
+
     use_grpc = grpc_available()
     if not use_grpc:
-        notes.append("grpcio is not installed (pip install pdqueue[bench]): the grpc path was skipped")
+        skip("grpc", "grpcio is not installed; install it with `pip install 'pdqueue[bench]'`")
     server = None
     try:
         server = RedisServer(extra_args=("--proto-max-bulk-len", "1gb")).start()
     except (FileNotFoundError, RuntimeError) as exc:
-        notes.append(f"no Redis server ({exc}): the redis_pickle path was skipped")
+        skip("redis_pickle", f"no Redis server ({exc})")
     node = node_id()
     secret = generate_secret()
     results, connect = [], []
-    use_nixl = nixl_missing() is None
+    missing = nixl_missing()
+    use_nixl = missing is None
     if not use_nixl:
-        notes.append(f"the nixl path was skipped: {nixl_missing()}")
+        skip("nixl", missing)
     ucx_log = UcxLog() if use_nixl else None
     try:
         for layout_name, token_counts in cases_by_layout.items():
@@ -413,6 +424,7 @@ def run(quick: bool = False, repeats: int | None = None, warmup: int | None = No
             server.stop()
         transports = ucx_log.close() if ucx_log is not None else None
     result = _result(results, quick, repeats, warmup, notes, connect)
+    result["skipped"] = skipped
     result["nixl_transports"] = transports
     return result
 

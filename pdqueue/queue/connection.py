@@ -33,6 +33,11 @@ kind of client is known before any I/O (the async client and a worker's publishe
 theirs without a round trip), a URL says the same in every process and in ``ps``, and a
 plain URL of a cluster node is caught by ``check_mode`` (INFO) in the CLI's checks.
 
+``classify_error(exc)`` says what a Redis error means for the one who met it (``ErrorKind``:
+the server wants a password, refused the credentials, refused a command or key to this
+ACL user, could not be reached, or something else), so that messages say that and not
+"cannot reach" for a server that answered; ``error_text(exc)`` is the server's words.
+
 ``raise_dropped_cancellation()`` works around a redis.asyncio trait on Python 3.11: a
 task's cancellation can be dropped inside a command (see its docstring); loops that read
 until an answer ends call it after each read.
@@ -43,6 +48,7 @@ Imports redis only.
 from __future__ import annotations
 
 import asyncio
+import enum
 import re
 import threading
 from contextlib import contextmanager
@@ -89,6 +95,50 @@ def connect_async(url: str, *, purpose: str = "worker") -> redis.asyncio.Redis:
     """``connect`` for asyncio: a ``redis.asyncio.Redis`` (bytes replies), or an
     ``AsyncRedisCluster``."""
     return async_client_from_url(url, **_kwargs(url, purpose))
+
+
+# ---- what an error means -------------------------------------------------------------------
+
+class ErrorKind(enum.Enum):
+    NEEDS_PASSWORD = "needs_password"    # NOAUTH: the server wants credentials and none were sent
+    BAD_CREDENTIALS = "bad_credentials"  # WRONGPASS, a wrong password, or one for a server that has none
+    NO_PERMISSION = "no_permission"      # NOPERM: the ACL user may not run that command or touch that key
+    UNREACHABLE = "unreachable"          # no answer: refused, timed out, closed, no cluster node
+    OTHER = "other"                      # the server answered with another error
+
+
+def classify_error(exc: BaseException) -> ErrorKind:
+    """What ``exc`` (raised by redis-py, or an OSError) means. redis-py raises an
+    ``AuthenticationError``, a ``ConnectionError``, for NOAUTH, WRONGPASS and AUTH without a
+    server password alike: the reply's code (``status_code``, redis-py >= 5.1) or its text
+    tells them apart."""
+    code = getattr(exc, "status_code", None)
+    text = str(exc)
+    if isinstance(exc, redis.exceptions.NoPermissionError) or code == "NOPERM" or text.startswith("NOPERM"):
+        return ErrorKind.NO_PERMISSION
+    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)):
+        if code == "NOAUTH" or text.startswith(("Authentication required", "HELLO must be called", "NOAUTH")):
+            return ErrorKind.NEEDS_PASSWORD
+        return ErrorKind.BAD_CREDENTIALS
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, OSError)):
+        return ErrorKind.UNREACHABLE
+    if isinstance(exc, redis.ResponseError) and "no permissions" in text.lower():   # e.g. inside a script
+        return ErrorKind.NO_PERMISSION
+    return ErrorKind.OTHER
+
+
+def error_text(exc: BaseException) -> str:
+    """The error's own words on one line, without a final period."""
+    return " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
+
+
+def describe_error(exc: BaseException) -> str:
+    """``error_text``, led by what it means where the words alone mislead (a NOAUTH reply
+    reads "HELLO must be called ..." on Redis >= 7.2)."""
+    kind = classify_error(exc)
+    lead = {ErrorKind.NEEDS_PASSWORD: "the server wants a password", ErrorKind.BAD_CREDENTIALS:
+            "wrong credentials", ErrorKind.NO_PERMISSION: "no permission"}.get(kind)
+    return f"{lead} ({error_text(exc)})" if lead else error_text(exc)
 
 
 # ---- Redis Cluster ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ even if that process is killed without running its cleanup. It runs in its own s
 group, reaches only its owner: the owner decides when the server stops (``pdqueue up``
 stops its workers first, which still need the server to finish their work).
 
-Imports the standard library only.
+Imports the standard library only (and ``pdqueue.procs``, which does too).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
+
+from pdqueue.procs import die_with_parent
 
 
 def find_redis_server_binary() -> str:
@@ -96,13 +98,7 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+_pdeathsig = die_with_parent   # (the name tests/redis_cluster.py imports)
 
 
 @dataclass(frozen=True, slots=True)

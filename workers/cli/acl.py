@@ -19,6 +19,18 @@ Each user's commands are bound to key patterns with Redis 7 selectors (``(+set
 stream. The patterns come from ``pdqueue.keys.Keys``, so they follow the key layout.
 Passwords never appear: each user's is a file in ``--password-dir`` (made, 0600, with 32
 random bytes when absent) and the lines carry its SHA-256 (``#<hex>``). Needs Redis >= 7.0.
+
+``CLIENT SETINFO`` (Redis >= 7.2, every Valkey): redis-py (>= 5), and most other clients, send
+it on every connection; a user without it gets it refused, which the client ignores but the
+server records in ``ACL LOG`` (128 entries by default, so that noise pushes out the refusals
+that matter). So every role allows it, also for the users' own clients, which is why the
+roles allow it rather than pdqueue's clients not sending it. Redis 7.0 does not know it and
+refuses a rule that names it, so the rules are made for the server: ``--redis-url`` asks it
+(``COMMAND INFO client|setinfo``), ``--redis-version`` says which; without either they are
+for Redis >= 7.2 and Valkey (a note on stderr says so). A category (``+client -@admin
+-@dangerous``) would fit every version with one output, but it also grants whatever
+non-admin CLIENT subcommand a later server adds (Valkey 9 has CLIENT CAPA and IMPORT-SOURCE):
+the rules name each subcommand.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from pathlib import Path
 import click
 
 from pdqueue.keys import Keys
-from workers.cli.common import UserError
+from workers.cli.common import UserError, redis_security_options
 
 ROLES = ("producer", "gateway", "worker", "admin")
 
@@ -41,7 +53,13 @@ CONNECTION = ("+ping", "+hello", "+select", "+echo", "+client|setname", "+client
 """What every client may do to its own connection (redis-py's health checks PING), and
 what a Redis Cluster client reads before its first command (the slot map, the command
 table; ``redis+cluster://`` URLs). Apply the users on every node of a Redis Cluster: ACLs
-are per node."""
+are per node. Plus ``SETINFO`` where the server knows it."""
+
+SETINFO = "+client|setinfo"
+"""What clients send on connect (library name and version) on Redis >= 7.2 and Valkey; a rule
+naming it is an error on Redis 7.0 (see the module docstring)."""
+
+SETINFO_SINCE = (7, 2)   # the first Redis version with CLIENT SETINFO (Valkey forked from 7.2.4)
 
 WORKER_COMMANDS = (
     # streams and consumer groups: requests, handoffs, answers, done, dead, control, events
@@ -69,10 +87,17 @@ def _selector(*rules: str) -> str:
     return "(" + " ".join(rules) + ")"
 
 
-def role_rules(keys: Keys, role: str) -> list[str]:
-    """The ACL rules of ``role`` (after ``reset on #<hash>``), key patterns from ``keys``."""
+def connection_rules(setinfo: bool = True) -> tuple[str, ...]:
+    """``CONNECTION``, with ``SETINFO`` for a server that knows it."""
+    return (*CONNECTION, SETINFO) if setinfo else CONNECTION
+
+
+def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
+    """The ACL rules of ``role`` (after ``reset on #<hash>``), key patterns from ``keys``;
+    ``setinfo``: the server knows CLIENT SETINFO (Redis >= 7.2, Valkey)."""
+    connection = connection_rules(setinfo)
     requests = [f"~{keys.requests}", f"~{keys.requests_high}"]
-    producer = [*CONNECTION, "+xadd", *requests,
+    producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
                 _selector("+set", f"~{keys.cancel('*')}")]
     if role == "producer":
@@ -85,9 +110,9 @@ def role_rules(keys: Keys, role: str) -> list[str]:
                 _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}")]
     if role == "worker":
-        return [*CONNECTION, f"~{keys.prefix}*", *WORKER_COMMANDS]
+        return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]
     if role == "admin":
-        return [f"~{keys.prefix}*", *ADMIN_COMMANDS, *CONNECTION]
+        return [f"~{keys.prefix}*", *ADMIN_COMMANDS, *connection]
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
 
 
@@ -95,9 +120,66 @@ def password_hash(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
 
-def setuser_args(keys: Keys, role: str, password: str) -> list[str]:
+def setuser_args(keys: Keys, role: str, password: str, setinfo: bool = True) -> list[str]:
     """The arguments of ``ACL SETUSER`` for ``role`` (idempotent: ``reset`` first)."""
-    return [user_name(keys.cluster, role), "reset", "on", f"#{password_hash(password)}", *role_rules(keys, role)]
+    return [user_name(keys.cluster, role), "reset", "on", f"#{password_hash(password)}",
+            *role_rules(keys, role, setinfo)]
+
+
+def version_knows_setinfo(version: str) -> bool:
+    """Whether a server of this version (``7.0.15``, ``7.2``, ``8``; a Valkey reports 7.2.4 as
+    its ``redis_version``, and any Valkey version, 7.2 and up, is >= 7.2 too) knows CLIENT
+    SETINFO. ValueError for what is not a version."""
+    parts = version.strip().split(".")
+    try:
+        numbers = tuple(int(p) for p in parts[:2])
+    except ValueError:
+        raise ValueError(f"not a version: {version!r} (e.g. 7.0.15 or 8.2)") from None
+    if not numbers or any(n < 0 for n in numbers):
+        raise ValueError(f"not a version: {version!r} (e.g. 7.0.15 or 8.2)")
+    if numbers < (7, 0):
+        raise ValueError(f"Redis {version} has no ACL selectors: the roles need Redis >= 7.0")
+    return numbers >= SETINFO_SINCE
+
+
+def server_knows_setinfo(r) -> bool:
+    """Ask the server: ``COMMAND INFO client|setinfo`` is nil for a command it does not know.
+    Sent as ``"COMMAND INFO"`` (redis-py splits the name), so that the reply comes back raw:
+    redis-py's parser for ``COMMAND`` fails on the nil."""
+    reply = r.execute_command("COMMAND INFO", "client|setinfo")
+    return bool(reply) and reply[0] is not None
+
+
+def _setinfo_for(redis_url: str | None, redis_version: str | None) -> tuple[bool, str]:
+    """Whether the rules name CLIENT SETINFO, and the note that says for which server."""
+    if redis_url and redis_version:
+        raise UserError("give --redis-url (ask the server) or --redis-version, not both")
+    if redis_version:
+        try:
+            known = version_knows_setinfo(redis_version)
+        except ValueError as exc:
+            raise UserError(f"--redis-version: {exc}") from None
+        return known, f"rules for Redis {redis_version.strip()}"
+    if redis_url:
+        import redis
+
+        from pdqueue.config import redact_url
+        from pdqueue.queue.connection import connect, describe_error
+
+        try:
+            r = connect(redis_url, purpose="check")
+            try:
+                known = server_knows_setinfo(r)
+                version = r.info("server").get("redis_version", "?")
+            finally:
+                r.close()
+        except (redis.RedisError, ValueError, OSError) as exc:
+            raise UserError(f"--redis-url: cannot ask Redis at {redact_url(redis_url)}: "
+                            f"{describe_error(exc)}") from None
+        version = version.decode() if isinstance(version, bytes) else version
+        return known, f"rules for the server at {redact_url(redis_url)} (redis_version {version})"
+    return True, ("rules for Redis >= 7.2 and Valkey (they allow CLIENT SETINFO, which clients send on "
+                  "connect); for Redis 7.0 give --redis-version 7.0, or --redis-url to ask the server")
 
 
 def format_user(args: list[str], fmt: str) -> str:
@@ -133,13 +215,22 @@ def user_password(directory: Path, user: str) -> tuple[str, bool]:
                    "pdq-default-producer): read when present, else made with a random password (mode 0600).")
 @click.option("--format", "fmt", type=click.Choice(["setuser", "aclfile"]), default="setuser", show_default=True,
               help="setuser: ACL SETUSER commands (pipe into redis-cli); aclfile: lines for an ACL file (aclfile).")
-def acl(cluster, roles, password_dir, fmt):
+@click.option("--redis-url", default=None,
+              help="Ask this server which commands it knows (CLIENT SETINFO: Redis >= 7.2, Valkey) and make the "
+                   "rules for it; credentials as for other commands (--redis-password-file, PDQ_REDIS_PASSWORD).")
+@click.option("--redis-version", default=None,
+              help="Make the rules for this server version instead (e.g. 7.0.15; a Valkey: 7.2 or later) "
+                   "[default: Redis >= 7.2 and Valkey].")
+@redis_security_options
+def acl(cluster, roles, password_dir, fmt, redis_url, redis_version):
     """Print least-privilege Redis ACL users for a cluster's roles (producer, gateway,
-    worker, admin; see docs/security.md). Needs Redis >= 7.0.
+    worker, admin; see docs/security.md). Needs Redis >= 7.0; the rules allow CLIENT
+    SETINFO, which Redis 7.0 does not know: give --redis-url (or --redis-version).
 
     \b
     Example (apply as a user allowed to run ACL SETUSER):
-      pdqueue acl --cluster default --password-dir ~/.config/pdqueue/redis-users | redis-cli
+      pdqueue acl --cluster default --password-dir ~/.config/pdqueue/redis-users \\
+        --redis-url redis://127.0.0.1:6379/0 | redis-cli
       pdqueue submit --redis-url redis://pdq-default-producer@127.0.0.1:6379/0 \\
         --redis-password-file ~/.config/pdqueue/redis-users/pdq-default-producer "Hello"
     """
@@ -147,6 +238,7 @@ def acl(cluster, roles, password_dir, fmt):
         keys = Keys(cluster)
     except ValueError as exc:
         raise UserError(f"--cluster: {exc}") from None
+    setinfo, for_server = _setinfo_for(redis_url, redis_version)
     directory = Path(password_dir).expanduser()
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -156,9 +248,9 @@ def acl(cluster, roles, password_dir, fmt):
             password, new = user_password(directory, user)
             if new:
                 made.append(user)
-            click.echo(format_user(setuser_args(keys, role, password), fmt))
+            click.echo(format_user(setuser_args(keys, role, password, setinfo), fmt))
     except (OSError, ValueError) as exc:
         raise UserError(f"--password-dir {password_dir}: {getattr(exc, 'strerror', None) or exc}") from None
     note = f"new passwords: {', '.join(made)}; " if made else ""
     click.secho(f"{note}password files in {shlex.quote(str(directory))} (one per user; the lines carry only "
-                f"their SHA-256)", fg="cyan", err=True)
+                f"their SHA-256); {for_server}", fg="cyan", err=True)

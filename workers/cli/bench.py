@@ -56,35 +56,46 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
         num_prefill=roles.count("prefill"), num_decode=roles.count("decode"), model=model, cluster=cluster,
         redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir, worker_args=args.pop(),
         prefill_weights=weights["prefill"], decode_weights=weights["decode"]))
-    cluster_.start_server()
-    cluster_.start_workers()
-    for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
-        cluster_._spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
-    try:
+    stopper = _Stopper(cluster_)
+    try:   # from the first spawn on, whatever ends this (a failed worker, SIGTERM: SystemExit) stops them
+        cluster_.start_server()
+        cluster_.start_workers()
+        for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
+            cluster_._spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
         cluster_.wait_ready(timeout_s=600)
     except (WorkerFailed, TimeoutError) as exc:
-        cluster_.stop(grace_s=5, keep_logs=True)
+        stopper.stop(grace_s=5)
         tail = getattr(exc, "log_tail", "")
         raise BenchError(f"{exc}\n{tail}".strip()) from None
-    return _Stopper(cluster_)
+    except BaseException:
+        stopper.stop(grace_s=5)
+        raise
+    return stopper
 
 
 class _Stopper:
+    """Stops one mode's workers, in order: colocated ones, then LocalCluster.stop (prefill
+    warm, then decode, SIGKILL past the grace). A SIGTERM or SIGHUP to the bench meanwhile
+    makes it a cold stop (``_TERM.hurry``) instead of cutting it short."""
+
     def __init__(self, cluster):
         self.cluster = cluster
 
-    def stop(self) -> None:
-        """Warm stop: colocated workers first (LocalCluster.stop kills roles it does not know)."""
+    def stop(self, grace_s: float = 30) -> None:
         import signal
         import time
 
-        colocated = [w for w in self.cluster.workers if w.role == "colocated"]
-        for w in colocated:
-            w.signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while any(w.alive for w in colocated) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.cluster.stop(grace_s=30, keep_logs=True)
+        _TERM.stopping += 1
+        try:
+            colocated = [w for w in self.cluster.workers if w.role == "colocated" and w.alive]
+            for w in colocated:
+                w.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while any(w.alive for w in colocated) and time.monotonic() < deadline and not _TERM.hurry.is_set():
+                time.sleep(0.05)
+            self.cluster.stop(grace_s=grace_s, keep_logs=True, hurry=_TERM.hurry)
+        finally:
+            _TERM.stopping -= 1
 
 
 def _csv(text: str, cast, option: str) -> list:
@@ -236,13 +247,35 @@ def bench_transfer(as_json, quick, repeats, out, check):
         click.secho(f"targets not met: {', '.join(missed)}", fg="red", err=True)
         sys.exit(3)
 
+class _Term:
+    """What SIGTERM/SIGHUP did to the bench: ``hurry`` once a stop should go cold."""
+
+    def __init__(self):
+        import threading
+
+        self.hurry = threading.Event()
+        self.raised = False
+        self.stopping = 0   # _Stopper.stop calls in progress
+
+
+_TERM = _Term()
+
+
 def _end_on_term() -> None:
     """SIGTERM and SIGHUP end the bench as Ctrl-C does: its ``finally`` blocks stop the
-    workers and the Redis server it started (they run in their own sessions, so a plain
-    SIGTERM left them running)."""
+    workers (in order: ``_Stopper``) and the Redis server it started (they run in their own
+    sessions, so a plain SIGTERM does not reach them; they also get PDEATHSIG, should the
+    bench be killed outright). The first signal raises SystemExit, unless the workers are
+    being stopped already; a later one (or one during a stop) does not interrupt that stop,
+    it makes it cold."""
     import signal
 
     def on_signal(signum, _frame):
+        # (nothing printed here: a write to stderr that interrupts another one raises)
+        if _TERM.raised or _TERM.stopping:
+            _TERM.hurry.set()
+            return
+        _TERM.raised = True
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -263,7 +296,9 @@ def _write_partial(out: str, partial: dict) -> None:
               help="smollm2, tiny, or a path.")
 @click.option("--modes", default="disagg,colocated-prefill-first,colocated-chunked", show_default=True,
               help="Any of disagg, colocated-prefill-first, colocated-chunked, adaptive (1 prefill + 1 decode "
-                   "worker that a planner switches between roles as the load changes).")
+                   "worker that a planner switches between roles as the load changes), colocated-slo (chunked "
+                   "under the TBT budget of --slo-tbt-ms), disagg-int8, disagg-int4, colocated-chunked-int4, "
+                   "colocated-slo-int4, prefix-off, prefix-blind, prefix-aware.")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
               help="The adaptive mode's planner.")
 @click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")

@@ -19,7 +19,7 @@ import time
 
 import click
 
-from workers.cli.common import (UserError, connect, resolve_target, rich_console, summary,
+from workers.cli.common import (UserError, connect, redis_failure, resolve_target, rich_console, summary,
                                 target_options)
 
 
@@ -61,7 +61,7 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
 
     def lost(exc: Exception):
         out.end_line()
-        return UserError(f"lost the connection to Redis at {target.shown_url} ({str(exc).rstrip('.')})")
+        return redis_failure(exc, target, role="producer")
 
     try:
         try:
@@ -86,14 +86,10 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
     except RequestFailed as exc:
         out.end_line()
         raise UserError(f"request {handle.request_id} failed ({exc.code}): {exc.reason}") from None
-    except redis.exceptions.NoPermissionError as exc:
-        out.end_line()
-        raise UserError(f"Redis at {target.shown_url} refused: {exc} (the ACL user lacks a right; "
-                        f"docs/security.md)") from None
     except redis.RedisError as exc:  # client.RedisUnavailable too: Redis gone for longer than a restart
-        if handle is not None:
+        if handle is not None and not isinstance(exc, redis.exceptions.NoPermissionError):
             _cancel(client, handle.request_id)
-        raise lost(exc) from None
+        raise lost(exc) from None   # what the error means: refused to this ACL user, lost, ...
     except TimeoutError:
         out.end_line()
         try:
@@ -202,8 +198,8 @@ def status(redis_url, cluster, as_json, watch, interval, window):
     def snapshot() -> dict:
         try:
             snap = status_view.collect(r, keys, window_s=window)
-        except redis.RedisError as exc:
-            raise UserError(f"lost the connection to Redis at {target.shown_url} ({str(exc).rstrip('.')})") from None
+        except redis.RedisError as exc:   # lost, or a command the ACL user may not run (which it names)
+            raise redis_failure(exc, target) from None
         return {"redis_url": target.shown_url, "source": target.source, **snap}
 
     title = f"pdqueue cluster {target.cluster!r} at {target.shown_url}"

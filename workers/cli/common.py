@@ -184,7 +184,7 @@ def _source_of(param: str, option: str, envvar: str) -> str:
 
 
 def connect(target: Target):
-    """A redis-py client that answered PING; one clear error line otherwise."""
+    """A redis-py client that answered PING; one clear error line otherwise (``redis_failure``)."""
     import redis
 
     from pdqueue.queue.connection import check_mode
@@ -195,11 +195,58 @@ def connect(target: Target):
         r.ping()
         check_mode(r, target.url)   # a redis:// URL of a Redis Cluster node: say redis+cluster://
         return r
-    except (redis.RedisError, ValueError, OSError) as exc:
+    except ValueError as exc:   # settings that cannot be used (an unreadable password file, TLS files)
+        raise UserError(f"cannot reach Redis at {target.shown_url} ({target.source}): {str(exc).rstrip('.')}") \
+            from None
+    except (redis.RedisError, OSError) as exc:
+        raise redis_failure(exc, target, connected=False) from None
+
+
+PASSWORD_HELP = ("give it in the URL (--redis-url / PDQ_REDIS_URL redis://:PASSWORD@HOST:PORT/0, or "
+                 "redis://USER:PASSWORD@... for an ACL user), or keep it out of `ps` with --redis-password-file FILE "
+                 "/ PDQ_REDIS_PASSWORD_FILE or PDQ_REDIS_PASSWORD; for a `pdqueue up` started by another user or "
+                 "shell, `pdqueue up --print-url --show-password` there prints its URL with the password")
+
+
+def redis_failure(exc: BaseException, target: Target, connected: bool = True, role: str = "admin") -> UserError:
+    """One line for a Redis error met by a command on ``target``: what the server's answer
+    means (``pdqueue.queue.connection.classify_error``) and what to do. ``connected``: the
+    client had answered PING before (a connection error is then a lost connection);
+    ``role``: the `pdqueue acl` role that has what the command needs."""
+    from pdqueue.queue.connection import ErrorKind, classify_error, error_text
+
+    at = f"Redis at {target.shown_url} ({target.source})"
+    kind, text = classify_error(exc), error_text(exc)
+    if kind is ErrorKind.NEEDS_PASSWORD:
+        why = ("; no `pdqueue up` of this user is running here, whose state file would give it"
+               if target.source == SOURCE_DEFAULT else "")
+        return UserError(f"{at} wants a password and none was given (NOAUTH){why}: {PASSWORD_HELP}")
+    if kind is ErrorKind.BAD_CREDENTIALS:
+        return UserError(f"cannot reach {at}: wrong credentials ({text}); check the user and password "
+                         f"(URL, --redis-password-file, PDQ_REDIS_PASSWORD)")
+    if kind is ErrorKind.NO_PERMISSION:
+        return UserError(f"{at} refused ACL user {_acl_user(target.url)!r}: {text} (this command needs the "
+                         f"rights of `pdqueue acl`'s {role} role; docs/security.md)")
+    if kind is ErrorKind.UNREACHABLE:
+        if connected:
+            return UserError(f"lost the connection to Redis at {target.shown_url} ({text})")
         hint = ("; start a local cluster with `pdqueue up`, or pass --redis-url / set PDQ_REDIS_URL"
                 if target.source == SOURCE_DEFAULT else "")
-        reason = str(exc).rstrip(".")
-        raise UserError(f"cannot reach Redis at {target.shown_url} ({target.source}): {reason}{hint}") from None
+        return UserError(f"cannot reach Redis at {target.shown_url} ({target.source}): {text}{hint}")
+    return UserError(f"{at} answered with an error: {text}")
+
+
+def _acl_user(url: str) -> str:
+    """The ACL user a connection to ``url`` logs in as: the URL's, else PDQ_REDIS_USERNAME
+    (--redis-username), else Redis's ``default``."""
+    import os
+
+    from pdqueue.config import ENV_USERNAME, url_credentials
+
+    user, password = url_credentials(url)
+    if password is not None:   # a password in the URL brings its user (or none) with it
+        return user or "default"
+    return user or os.environ.get(ENV_USERNAME) or "default"
 
 
 def _to_environment(envvar: str, path: bool):

@@ -9,7 +9,8 @@ import time
 
 import click
 
-from workers.cli.common import connect, planner_config, planner_options, resolve_target, target_options
+from workers.cli.common import (connect, planner_config, planner_options, redis_failure, resolve_target,
+                                target_options)
 
 
 @click.command()
@@ -25,6 +26,8 @@ def plan(redis_url, cluster, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldo
     heartbeats, stream backlogs and recent completions). The desired counts also go to the
     `plan` hash in Redis for external actuators. With --apply, switch the roles of workers
     started with --switchable."""
+    import redis
+
     from pdqueue.adapter import Adapter
     from pdqueue.keys import Keys
 
@@ -42,6 +45,8 @@ def plan(redis_url, cluster, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldo
             stop.wait(interval)
     except KeyboardInterrupt:
         pass
+    except redis.RedisError as exc:   # lost, or a command the ACL user may not run (which it names)
+        raise redis_failure(exc, target) from None
 
 
 def _show(decision, as_json: bool, applied: bool) -> None:

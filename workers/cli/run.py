@@ -150,6 +150,10 @@ def limit_options(f):
               help="A worker loop iteration (an engine step) running longer than this is taken for stuck: its "
                    "work is then taken over --reclaim-idle-ms later. Shorter steps keep their work however long "
                    "they take.")
+@click.option("--redis-gone-exit-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Exit (status 75) once Redis has been unreachable this long, freeing the KV pool and its "
+                   "shared memory; what the worker held stays pending in Redis for the next worker. Outages shorter "
+                   "than this (a Redis restart, a failover) are ridden out. 0: retry for ever.")
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--switchable", is_flag=True,
@@ -176,8 +180,8 @@ def limit_options(f):
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
            max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, worker_id, burst, switchable, kv_auth,
-           kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, worker_id, burst,
+           switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import WorkerConfig, setup_logging
 
@@ -196,7 +200,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           data_port=None if data_port < 0 else data_port,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
-                          reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s, worker_id=worker_id, burst=burst,
+                          reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s,
+                          redis_gone_exit_s=redis_gone_exit_s, worker_id=worker_id, burst=burst,
                           switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
@@ -205,11 +210,14 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
         check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
     config = with_kv_auth(config, kv_auth, kv_secret_file)
     loaded = load(model, device, dtype, weights)
-    from workers.shell import make_worker
+    from workers.shell import EXIT_REDIS_GONE, RedisGone, make_worker
 
     w = make_worker(role, config, loaded)
     w.stop.install()
-    w.run()
+    try:
+        w.run()
+    except RedisGone:   # logged, everything closed: the status tells a supervisor why
+        sys.exit(EXIT_REDIS_GONE)
 
 
 def bind_host(bind: str) -> str:
