@@ -17,7 +17,7 @@ from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
 
-N, MAX_TOKENS = 8, 2500   # tiny decodes ~150 steps/s: long enough to be caught mid-way
+N, MAX_TOKENS = 8, 1500   # tiny decodes ~150 steps/s: long enough to be caught mid-way
 
 
 @pytest.fixture
@@ -27,14 +27,21 @@ def cluster(redis_url, tmp_path):
     c.stop_and_check(killed_ok=True)
 
 
-def submit(cluster, tiny, n=N, max_tokens=MAX_TOKENS):
-    prompts = mixed_prompts(n, seed=7)
-    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 40 + i, "ignore_eos": True}
-              for i in range(n)]
-    ids, expected, sampling = oracle(tiny, prompts, params)
+PROMPTS = mixed_prompts(N, seed=7)
+PARAMS = [{"max_tokens": MAX_TOKENS, "temperature": 0.0 if i % 2 else 0.9, "seed": 40 + i, "ignore_eos": True}
+          for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    """The colocated engine's answers to PROMPTS (the same load in every test)."""
+    return oracle(tiny, PROMPTS, PARAMS)
+
+
+def submit(cluster, runs):
     client = Client(cluster.redis_url)
-    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
-    return client, handles, (ids, expected, sampling)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(PROMPTS, PARAMS)])
+    return client, handles, runs
 
 
 def out_of(cluster, rid) -> list:
@@ -60,10 +67,10 @@ def check_answers(cluster, tiny, client, handles, oracle_runs):
     return results
 
 
-def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(cluster, tiny):
+def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(cluster, tiny, runs):
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
-    client, handles, runs = submit(cluster, tiny)
+    client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
     cluster.start("decode", *FAST, worker_id="d1")
     stopped = time.monotonic()
@@ -81,13 +88,13 @@ def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(c
     wait_pools_free(cluster)
 
 
-def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny):
+def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny, runs):
     """Two decode workers stopped at once (as `pdqueue up` stops them) must not hand their
     requests to each other: nobody would be left to take them."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
     cluster.start("decode", *FAST, worker_id="d1")
-    client, handles, runs = submit(cluster, tiny)
+    client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles), what="tokens flowing")
     cluster.signal("d0", signal.SIGTERM)
     cluster.signal("d1", signal.SIGTERM)
@@ -96,13 +103,13 @@ def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny
     assert all(res.transfer_path != "recompute" for res in results)
 
 
-def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny):
+def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
     """d0 moves its requests to d1, which is frozen and then killed before it serves them;
     a new decode worker takes them (fetching the KV while d0 still serves it, or
     recomputing): every request still gives the colocated engine's tokens, once."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
-    client, handles, runs = submit(cluster, tiny)
+    client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
     cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
     cluster.signal("d1", signal.SIGSTOP)
@@ -119,11 +126,11 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny):
     wait_pools_free(cluster)
 
 
-def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster, tiny):
+def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster, tiny, runs):
     """A colocated worker finishes its request entries with handoffs of its running
     requests (prompt, tokens so far, KV): a decode worker goes on with them."""
     cluster.start("colocated", *FAST, worker_id="c0")
-    client, handles, runs = submit(cluster, tiny)
+    client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
     cluster.start("decode", *FAST, worker_id="d0")
     stopped = time.monotonic()

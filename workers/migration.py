@@ -55,6 +55,7 @@ class Migrator:
         self.announced_at: float | None = None
         self.moved = 0
         self.started_at: float | None = None
+        self.last_export_at: float | None = None
         self._target: str | None = None
         self._target_at = 0.0
 
@@ -137,6 +138,7 @@ class Migrator:
             # Should we die now, the segment stays while the lease could be live.
             self.shell.segment.keep_until(time.time() + self.shell.config.lease_s)
         self.moved += 1
+        self.last_export_at = time.monotonic()
         return seq, ticket.to_dict()
 
     def resume(self, handoff: Handoff) -> Handoff | None:
@@ -168,8 +170,14 @@ class Migrator:
             time.sleep(0.01)
         self.free_released()
         if self.started_at is not None:
-            log.info("migration: %d running requests moved; their KV released %.0f ms after the first move",
-                     self.moved, (time.monotonic() - self.started_at) * 1000)
+            self.report = {"moved": self.moved, "settle_ms": (self.started_at - self.announced_at) * 1e3,
+                           "export_ms": (self.last_export_at - self.started_at) * 1e3,
+                           "fetched_ms": (time.monotonic() - self.last_export_at) * 1e3,
+                           "left_leased": len(self.sender.leases)}
+            log.info("migration: %(moved)d running requests moved: %(settle_ms).0f ms from the stop to the first "
+                     "move (announce, settle, peers), %(export_ms).0f ms detaching and exporting, then "
+                     "%(fetched_ms).0f ms until the peers had fetched their KV (%(left_leased)d leases left)",
+                     self.report)
 
     def close(self) -> None:
         if self.sender is None:
