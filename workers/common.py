@@ -41,6 +41,7 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 10.0   # a worker silent this long is dead: its entries are taken at once
     redis_gone_exit_s: float = 300.0  # Redis unreachable this long: the worker exits, freeing its memory (0: never)
     max_attempts: int = 3           # recompute attempts before a request is failed
+    migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
     switchable: bool = False        # takes role switches from control:<id> (pdqueue.control)

@@ -43,7 +43,8 @@ from pdqueue.bench.stats import gaps, meets_slo, summary
 from pdqueue.protocol import entry_id_ms
 
 MODES = ("disagg", "colocated-prefill-first", "colocated-chunked", "adaptive",
-         "prefix-off", "prefix-blind", "prefix-aware", "disagg-int8", "disagg-int4")
+         "prefix-off", "prefix-blind", "prefix-aware", "disagg-int8", "disagg-int4",
+         "colocated-chunked-int4", "colocated-slo", "colocated-slo-int4")
 DEFAULT_MODES = MODES[:3]
 # The prefix-caching comparison (``--workload prefix``): 2 prefill + 1 decode workers with
 # caching off, caching on with cache-blind routing, and caching with cache-aware routing.
@@ -162,8 +163,17 @@ def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ..
         return [("prefill", ()), ("decode", ())]
     if mode == "colocated-prefill-first":
         return [("colocated", ("--policy", "prefill_first"))] * 2
-    if mode == "colocated-chunked":
-        return [("colocated", ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens)))] * 2
+    if mode.startswith(("colocated-chunked", "colocated-slo")):
+        # -slo: the chunked policy under the TBT budget of the bench's own TBT SLO (scheduler.py);
+        # -int4: int4 weights (a colocated worker takes the decode side's --weights)
+        extra = ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens))
+        if mode.startswith("colocated-slo"):
+            extra += ("--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")
+        if mode.endswith("-int4"):
+            extra += ("--weights", "int4")
+        elif mode not in ("colocated-chunked", "colocated-slo"):
+            raise ValueError(f"unknown mode {mode!r}")
+        return [("colocated", extra)] * 2
     if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.adapter)
         return [("prefill", ("--switchable",)), ("decode", ("--switchable",))]
     if mode in ("disagg-int8", "disagg-int4"):

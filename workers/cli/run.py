@@ -119,6 +119,11 @@ def limit_options(f):
 @engine_options
 @click.option("--policy", type=click.Choice(["prefill_first", "chunked"]), default="prefill_first",
               show_default=True, help="Colocated scheduling policy.")
+@click.option("--tbt-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --policy chunked: the inter-token gap (p90 of each request's) to keep while prompts "
+                   "are prefilled beside running decodes; a step then takes only the prompt tokens that fit, "
+                   "except while every running request can still afford a slow gap (the engine's scheduler). "
+                   "Default: none (chunks fill --max-batched-tokens).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--transfer", type=click.Choice(["auto", "shm", "tcp", "zmq", "nixl"]), default="auto",
@@ -154,6 +159,10 @@ def limit_options(f):
               help="Exit (status 75) once Redis has been unreachable this long, freeing the KV pool and its "
                    "shared memory; what the worker held stays pending in Redis for the next worker. Outages shorter "
                    "than this (a Redis restart, a failover) are ridden out. 0: retry for ever.")
+@click.option("--migrate/--no-migrate", default=True, show_default=True,
+              help="Decode, colocated: on a warm stop or a role switch, hand the running requests to a decode worker "
+                   "with their KV and tokens so far (they go on token for token), instead of finishing them here. "
+                   "Only while such a worker takes work; otherwise they finish here.")
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--switchable", is_flag=True,
@@ -179,8 +188,8 @@ def limit_options(f):
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
-           max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, worker_id, burst,
+           tbt_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, worker_id, burst,
            switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import WorkerConfig, setup_logging
@@ -190,7 +199,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     engine = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
                                  kv_cache_mb=kv_cache_mb, policy=policy, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
-                                 weights=weights)
+                                 weights=weights, tbt_slo_ms=tbt_slo_ms)
     check_device(device)
     check_transfer(transfer)
     check_redis(redis_url)
@@ -201,7 +210,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
                           reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s,
-                          redis_gone_exit_s=redis_gone_exit_s, worker_id=worker_id, burst=burst,
+                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, worker_id=worker_id, burst=burst,
                           switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
