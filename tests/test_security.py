@@ -389,6 +389,17 @@ def test_the_gateway_user_serves_the_openai_api(acl_env):
         status, body = call("POST", "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4,
                                                         "temperature": 0})
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        # A resumable request (its record in gw:<id>), then fetched again by id.
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4,
+                                                                 "temperature": 0}),
+                     headers={"Content-Type": "application/json", "Idempotency-Key": "acl-resume-1"})
+        resp = conn.getresponse()
+        first = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 200, first
+        status, again = call("GET", "/v1/requests/acl-resume-1")
+        assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"], again
         assert call("GET", "/metrics")[0] == 200
         # What `pdqueue metrics-sd` reads (the streams' backlog, the workers' endpoints) is a gateway's too.
         from pdqueue.metrics import StreamCollector, sd_targets

@@ -7,7 +7,8 @@ Roles (docs/security.md has the table and why):
   ``cancel:*``; nothing else (no SCAN, no other key, not even read of the request streams).
 - ``gateway``: a producer, plus what ``pdqueue serve`` reads to route and report: the
   heartbeats (SCAN, HGETALL ``worker:*``) and the backlog (XINFO GROUPS, XLEN, XRANGE of the
-  request and handoff streams, XLEN of ``done``/``dead``).
+  request and handoff streams, XLEN of ``done``/``dead``), and GET/SET of ``gw:*`` (the
+  records of resumable requests: ``Idempotency-Key``, ``GET /v1/requests/{id}``).
 - ``worker``: the commands prefill, decode and colocated workers run (streams, consumer
   groups, heartbeats, idempotency and cancel keys, the Lua scripts, MULTI/EXEC), on the
   cluster's keys only.
@@ -108,7 +109,8 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                 _selector("+xinfo|groups", "+xlen", "+xrange", *requests, f"~{keys.handoff}",
                           f"~{keys.handoff_node('*')}", f"~{keys.requests_for('*')}"),
                 _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
-                _selector("+xlen", f"~{keys.done}", f"~{keys.dead}")]
+                _selector("+xlen", f"~{keys.done}", f"~{keys.dead}"),
+                _selector("+get", "+set", f"~{keys.gateway_record('*')}")]   # resumable requests' records
     if role == "worker":
         return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]
     if role == "admin":
