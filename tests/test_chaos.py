@@ -96,7 +96,12 @@ def test_chaos_kill_and_restart(redis_url, tmp_path):
         live = {w for w, p in c.procs.items() if p.poll() is None}
         wait_for(lambda: set(c.workers()) <= live, timeout=30, what="the killed workers' heartbeats to expire")
         c.start("prefill", *FAST, worker_id="prefill-final")
-        assert not c.dead_segments()
+        # Its sweeps (every min(TTL, lease) / 3) remove them, each once the last lease its
+        # owner exported could have ended (keep_until: --lease-s after the last export, and
+        # the chaos thread kills until the end): within 2x that.
+        lease_s, sweep_s = float(FAST[FAST.index("--lease-s") + 1]), 0.5
+        wait_for(lambda: not c.dead_segments(), timeout=2 * (lease_s + sweep_s),
+                 what="the dead workers' segments removed")
     finally:
         stop.set()
         codes = c.stop_all()
