@@ -58,6 +58,12 @@ with ``Retry-After``, open answers run to their end, then the process exits 0); 
 ends every open answer at once with an error (never a cut connection) and cancels its
 request. Unknown routes and methods are OpenAI errors (404, 405) like every other.
 
+What it runs on (``serve``'s ``loop`` and ``http``, ``pdqueue serve --loop/--http``; ``auto``
+by default): uvloop and httptools when installed (``pip install 'pdqueue[fast]'``, which
+scripts/setup does), else asyncio's own loop and h11; replies from Redis are parsed by
+hiredis when installed (``PDQ_REDIS_PARSER``, ``pdqueue.queue.connection``). ``runtime()``
+resolves ``auto`` and says which; ``serve`` logs it in one line at the start.
+
 The gateway holds no state of its own; any number can serve one cluster. Imports redis,
 starlette, prometheus_client and pdqueue's client, protocol, keys, planner_obs and
 registry (never torch). uvicorn is imported by ``serve`` only.
@@ -68,10 +74,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import signal
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -92,13 +101,13 @@ from pdqueue.keys import OUT_TTL_S, PREFILL_GROUP, SEEN_TTL_S, Keys
 from pdqueue.openai_compat import OpenAIError
 from pdqueue.planner_obs import group_backlog
 from pdqueue.protocol import Completion, FinishReason, RequestError, entry_request_id
-from pdqueue.queue.connection import connect
+from pdqueue.queue.connection import connect, redis_parser
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
 log = logging.getLogger("pdqueue.gateway")
 
-__all__ = ["ClusterView", "Gateway", "GatewayConfig", "build_app", "serve"]
+__all__ = ["ClusterView", "Gateway", "GatewayConfig", "Runtime", "build_app", "runtime", "serve"]
 
 FRESH_S = 0.05   # a view this old is good enough to answer 503/404 without polling again
 RETRY_AFTER_S = 5   # what a stopping gateway's 503 tells clients to wait (another gateway, or this one restarted)
@@ -627,7 +636,7 @@ class Gateway:
         parsed = oai.parse_chat(body) if kind == "chat" else oai.parse_completion(body)
         if parsed.ignored:
             self._log_ignored(parsed.ignored)
-        params = _params(kind, parsed)
+        params = _params(kind, parsed) if ident.resumable else ""   # only a record holds it
         answer = dict(endpoint=endpoint, arrived=arrived, headers=headers, after=ident.after,
                       cancels=not ident.resumable)
         record = await self._load_record(ident.request_id) if ident.resumable else None
@@ -998,7 +1007,63 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning") -> None:
+# ---- what the gateway runs on: the event loop, the HTTP parser, the RESP parser --------------
+
+LOOPS = ("auto", "asyncio", "uvloop")
+HTTP_PARSERS = ("auto", "h11", "httptools")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    loop: str          # "asyncio" or "uvloop" (uvicorn's names)
+    http: str          # "h11" or "httptools"
+    redis_parser: str  # "hiredis" or "python" (pdqueue.queue.connection.redis_parser)
+
+    @property
+    def name(self) -> str:
+        """E.g. "uvloop-httptools-hiredis" (``pdqueue bench gateway --variants``' names)."""
+        return f"{self.loop}-{self.http}-{self.redis_parser}"
+
+    def describe(self) -> str:
+        """One line: each choice with its package's version."""
+        loop = f"asyncio (Python {sys.version.split()[0]})" if self.loop == "asyncio" else _versioned(self.loop)
+        parser = "redis-py's Python parser" if self.redis_parser == "python" else _versioned("hiredis")
+        return f"event loop {loop}, HTTP parser {_versioned(self.http)}, Redis replies parsed by {parser}"
+
+
+def _versioned(package: str) -> str:
+    try:
+        return f"{package} {importlib.metadata.version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        return package
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def runtime(loop: str = "auto", http: str = "auto") -> Runtime:
+    """What ``serve(loop=, http=)`` runs on: ``auto`` is uvloop (not on Windows) and
+    httptools when installed, else asyncio and h11. ValueError for an unknown name or one
+    asked for by name that is not installed (or, from ``PDQ_REDIS_PARSER``, hiredis)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop {loop!r}: expected one of {', '.join(LOOPS)}")
+    if http not in HTTP_PARSERS:
+        raise ValueError(f"http {http!r}: expected one of {', '.join(HTTP_PARSERS)}")
+    has_uvloop = sys.platform != "win32" and _installed("uvloop")
+    if loop == "uvloop" and not has_uvloop:
+        raise ValueError("loop uvloop: uvloop is not installed (pip install 'pdqueue[fast]'), or use auto/asyncio")
+    if http == "httptools" and not _installed("httptools"):
+        raise ValueError("http httptools: httptools is not installed (pip install 'pdqueue[fast]'), or use auto/h11")
+    if loop == "auto":
+        loop = "uvloop" if has_uvloop else "asyncio"
+    if http == "auto":
+        http = "httptools" if _installed("httptools") else "h11"
+    return Runtime(loop, http, redis_parser())
+
+
+def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning", *, loop: str = "auto",
+          http: str = "auto") -> None:
     """Serve on ``sock`` until stopped. The stop, which a supervisor (``pdqueue up``) relies on:
 
     - The first SIGTERM or SIGINT *drains*: the listener stays open; every new completion,
@@ -1012,14 +1077,23 @@ def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning"
 
     So a supervisor sends SIGTERM to the gateway first and waits for it to exit before it
     stops what the open answers read (the workers, the Redis server), and sends a second
-    SIGTERM when its own user insists (a second Ctrl-C)."""
+    SIGTERM when its own user insists (a second Ctrl-C).
+
+    ``loop`` (auto, asyncio, uvloop) and ``http`` (auto, h11, httptools): see ``runtime``
+    (ValueError for one that is not installed); the choice is logged (info) at the start
+    (``pdqueue serve`` prints the same line on stderr)."""
     import uvicorn
 
+    rt = runtime(loop, http)
+    log.info("gateway runtime: %s", rt.describe())
     app = build_app(config)
     # timeout_graceful_shutdown bounds only what is left once drained: idle keep-alive
     # connections and requests still being received (no answer of ours is open then).
-    server = _server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
-                                    timeout_graceful_shutdown=5, lifespan="on"), app.state.gateway)
+    # proxy_headers off: nothing here reads the client's address or scheme (uvicorn would
+    # scan every request's headers for X-Forwarded-* from 127.0.0.1).
+    server = _server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, loop=rt.loop,
+                                    http=rt.http, proxy_headers=False, timeout_graceful_shutdown=5,
+                                    lifespan="on"), app.state.gateway)
     # A signal after the server has stopped (a supervisor insisting) must not turn exit 0
     # into death by signal: uvicorn puts back the handlers it found, so these no-ops.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -589,11 +589,32 @@ def test_a_first_sigterm_drains_open_answers_run_to_their_end(cluster, shared_re
                  what="the decode worker's heartbeat back")
 
 
-def test_a_second_sigterm_ends_open_answers_with_an_error_and_cancels_them(cluster, shared_redis_url, logs):
+# What a gateway runs on (pdqueue serve --loop/--http/--redis-parser): "auto" is uvloop,
+# httptools and hiredis where scripts/setup installed pdqueue[fast], the other the fallback.
+RUNTIMES = {"auto": (), "asyncio-h11-python": ("--loop", "asyncio", "--http", "h11", "--redis-parser", "python")}
+
+
+def runtime_line(name: str) -> str:
+    """The line `pdqueue serve` writes on stderr for RUNTIMES[name]."""
+    from pdqueue.gateway import runtime
+
+    if name == "auto":
+        return f"pdqueue serve: {runtime().describe()}"
+    os.environ["PDQ_REDIS_PARSER"] = "python"
+    try:
+        return f"pdqueue serve: {runtime('asyncio', 'h11').describe()}"
+    finally:
+        del os.environ["PDQ_REDIS_PARSER"]
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
+def test_a_second_sigterm_ends_open_answers_with_an_error_and_cancels_them(cluster, shared_redis_url, logs, runtime):
     """A second SIGTERM during the drain: the open stream ends with an error event and
     [DONE] (the body is ended, not cut), the open non-streaming request gets a JSON 503,
-    both requests are cancelled, and the gateway exits 0."""
-    gw = Gateway(shared_redis_url, CLUSTER, logs, name="gateway-forced")
+    both requests are cancelled, and the gateway exits 0; on uvloop + httptools (auto, where
+    installed) as on asyncio + h11 (signals reach uvicorn's handle_exit, acted on in on_tick)."""
+    gw = Gateway(shared_redis_url, CLUSTER, logs, *RUNTIMES[runtime], name=f"gateway-forced-{runtime}")
+    assert runtime_line(runtime) in gw.log(), gw.log()
     sid, wid = (f"{what}-{uuid.uuid4().hex[:8]}" for what in ("forced-stream", "forced-whole"))
     long = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     whole: dict = {}

@@ -38,6 +38,16 @@ the server wants a password, refused the credentials, refused a command or key t
 ACL user, could not be reached, or something else), so that messages say that and not
 "cannot reach" for a server that answered; ``error_text(exc)`` is the server's words.
 
+The RESP parser: redis-py parses replies with hiredis (C) when ``hiredis`` >= 3.2 is
+importable (``redis.utils.HIREDIS_AVAILABLE``), sync and asyncio clients alike, else with its
+pure-Python RESP parser. ``PDQ_REDIS_PARSER=python`` makes every plain client this process
+makes from then on use the Python parser all the same (``parser_class``: how ``pdqueue bench
+gateway --variants`` compares the two in one run); ``hiredis`` requires it (ValueError
+without it); ``auto`` (the default) leaves redis-py's choice. ``redis_parser()`` says which
+is in force. Cluster clients keep redis-py's choice (RedisCluster takes no
+``parser_class``). Only replies: a sync client with hiredis installed packs commands
+with it either way; the asyncio client packs them in Python either way.
+
 ``raise_dropped_cancellation()`` works around a redis.asyncio trait on Python 3.11: a
 task's cancellation can be dropped inside a command (see its docstring); loops that read
 until an answer ends call it after each read.
@@ -49,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import re
 import threading
 from contextlib import contextmanager
@@ -58,6 +69,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
+import redis.utils
 from redis.commands.helpers import list_or_args
 
 from pdqueue.config import redact_url, redis_security
@@ -400,12 +412,42 @@ class AsyncRedisCluster(redis.asyncio.cluster.RedisCluster):
         return AsyncClusterPipeline(self, transaction)
 
 
+# ---- the RESP parser ----------------------------------------------------------------------
+
+REDIS_PARSERS = ("auto", "hiredis", "python")
+PARSER_ENV = "PDQ_REDIS_PARSER"
+
+
+def redis_parser() -> str:
+    """The parser of the clients made now: "hiredis" or "python" (``PDQ_REDIS_PARSER``,
+    else redis-py's own choice). ValueError for an unknown name, or "hiredis" without it."""
+    wanted = (os.environ.get(PARSER_ENV) or "auto").strip().lower()
+    if wanted not in REDIS_PARSERS:
+        raise ValueError(f"{PARSER_ENV}={wanted!r}: expected one of {', '.join(REDIS_PARSERS)}")
+    available = bool(getattr(redis.utils, "HIREDIS_AVAILABLE", False))
+    if wanted == "hiredis" and not available:
+        raise ValueError(f"{PARSER_ENV}=hiredis, but hiredis (>= 3.2) is not installed: "
+                         "pip install 'pdqueue[fast]', or use auto")
+    return "python" if wanted == "python" or not available else "hiredis"
+
+
+def _parser_kwargs(asynchronous: bool) -> dict:
+    """``parser_class`` for a plain client when the Python parser is asked for while hiredis
+    is installed (else nothing: redis-py's default is the one wanted). The RESP2 classes:
+    redis-py moves them to RESP3 when the connection speaks protocol 3."""
+    if redis_parser() != "python" or not getattr(redis.utils, "HIREDIS_AVAILABLE", False):
+        return {}
+    from redis._parsers import _AsyncRESP2Parser, _RESP2Parser
+
+    return {"parser_class": _AsyncRESP2Parser if asynchronous else _RESP2Parser}
+
+
 def client_from_url(url: str, **kwargs):
     """A client for ``url`` with redis-py keyword arguments ``kwargs``: ``redis.Redis``, or
     for ``redis+cluster://`` a cluster client (``LazyRedisCluster``; the per-node pool
     size ``max_connections`` and the timeouts apply to each node)."""
     if not is_cluster_url(url):
-        return redis.Redis.from_url(url, **kwargs)
+        return redis.Redis.from_url(url, **{**_parser_kwargs(False), **kwargs})
     first, nodes = cluster_nodes(url)
     kwargs.pop("db", None)
     return LazyRedisCluster(first, nodes, kwargs)
@@ -414,7 +456,7 @@ def client_from_url(url: str, **kwargs):
 def async_client_from_url(url: str, **kwargs):
     """``client_from_url`` for asyncio: ``redis.asyncio.Redis`` or ``AsyncRedisCluster``."""
     if not is_cluster_url(url):
-        return redis.asyncio.Redis.from_url(url, **kwargs)
+        return redis.asyncio.Redis.from_url(url, **{**_parser_kwargs(True), **kwargs})
     first, nodes = cluster_nodes(url)
     kwargs.pop("db", None)
     others = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in nodes[1:]]

@@ -384,37 +384,140 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
               help="Throughput: closed-loop clients.")
 @click.option("--duration", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
               help="Throughput: seconds per path.")
+@click.option("--variants", default=None,
+              help="Compare gateway configurations in one run: comma-separated LOOP-HTTP[-REDISPARSER] (loop auto, "
+                   "asyncio, uvloop; HTTP parser auto, h11, httptools; Redis parser auto, hiredis, python), e.g. "
+                   "asyncio-h11-python,uvloop-httptools-hiredis. One gateway each on the same workers, measured in "
+                   "--rounds alternating rounds [default: one gateway, as `pdqueue serve` would run].")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --variants: rounds (each reported, then the median and spread).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_gateway(model, pairs, max_tokens, concurrency, duration, as_json):
+def bench_gateway(model, pairs, max_tokens, concurrency, duration, variants, rounds, as_json):
     """The OpenAI gateway against pdqueue.Client on the same 1 prefill + 1 decode workers:
-    added TTFT and ITL (the same requests, alternating) and the requests/s one gateway serves."""
+    added TTFT and ITL (the same requests, alternating) and the requests/s one gateway serves.
+
+    \b
+    --variants: one gateway per configuration, all against the client in the same rounds."""
     import dataclasses
 
     from pdqueue.bench import gateway_bench
     from pdqueue.bench.stats import round_floats
     from pdqueue.client import Client
+    from pdqueue.gateway import runtime
     from pdqueue.queue.redis_server import free_port
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
     check_model(model)
+    try:
+        chosen = gateway_bench.parse_variants(variants) if variants is not None else None
+        runtimes = {v.name: _variant_runtime(v) for v in chosen or ()}
+        default_runtime = runtime().describe()
+    except ValueError as exc:
+        raise UserError(f"--variants: {exc}" if variants is not None else str(exc)) from None
     settings = gateway_bench.Settings(pairs=pairs, max_tokens=max_tokens, concurrency=concurrency,
                                       duration_s=duration)
     lc = LocalCluster(LocalClusterConfig(model=model, cluster="bench-gateway", redis_port=free_port(), threads=1,
                                          kv_cache_mb=64, gateway_port=0))
+    gateways: dict = {}
     try:
         lc.start_server()
         lc.start_workers()
-        lc.start_gateway()
-        _progress(f"loading {model} in 1 prefill + 1 decode worker; gateway {lc.gateway_url}")
+        if chosen is None:
+            lc.start_gateway()
+            _progress(f"loading {model} in 1 prefill + 1 decode worker; gateway {lc.gateway_url}")
+        else:
+            for v in chosen:
+                gateways[v.name] = _start_variant_gateway(lc, v)
+            _progress(f"loading {model} in 1 prefill + 1 decode worker; gateways "
+                      + ", ".join(f"{name} {url}" for name, (_, url) in gateways.items()))
         lc.wait_ready(600)
         with Client(lc.url, lc.config.cluster) as client:
-            lat = gateway_bench.latency(client, lc.gateway_url, settings, _progress)
-        thr = gateway_bench.throughput(lc.url, lc.config.cluster, lc.gateway_url, lc.gateway.proc.pid, settings,
-                                       _progress)
+            if chosen is None:
+                lat = gateway_bench.latency(client, lc.gateway_url, settings, _progress)
+            else:
+                cmp = gateway_bench.compare(client, lc.url, lc.config.cluster,
+                                            {name: (url, proc.pid) for name, (proc, url) in gateways.items()},
+                                            settings, rounds, _progress)
+        if chosen is None:
+            thr = gateway_bench.throughput(lc.url, lc.config.cluster, lc.gateway_url, lc.gateway.proc.pid, settings,
+                                           _progress)
     except (WorkerFailed, TimeoutError, RuntimeError) as exc:
         raise UserError(str(exc)) from None
     finally:
+        for proc, _ in gateways.values():
+            _stop_process(proc)
         lc.stop(grace_s=30)
-    result = round_floats({"model": model, "settings": dataclasses.asdict(settings), "latency": lat,
-                           "throughput": thr})
-    click.echo(json.dumps(result, indent=2) if as_json else gateway_bench.format_table(result))
+    if chosen is None:
+        result = round_floats({"model": model, "settings": dataclasses.asdict(settings), "runtime": default_runtime,
+                               "latency": lat, "throughput": thr})
+        click.echo(json.dumps(result, indent=2) if as_json else gateway_bench.format_table(result))
+        return
+    result = round_floats({"model": model, "settings": dataclasses.asdict(settings), "variants": list(runtimes),
+                           "runtimes": runtimes, "compare": cmp})
+    click.echo(json.dumps(result, indent=2) if as_json else gateway_bench.format_compare(result))
+
+
+def _variant_runtime(variant) -> str:
+    """What a gateway of ``variant`` runs on (ValueError if something it names is not installed)."""
+    import os
+
+    from pdqueue.gateway import runtime
+    from pdqueue.queue.connection import PARSER_ENV
+
+    before = os.environ.get(PARSER_ENV)
+    os.environ[PARSER_ENV] = variant.redis_parser
+    try:
+        return runtime(variant.loop, variant.http).describe()
+    finally:
+        if before is None:
+            os.environ.pop(PARSER_ENV, None)
+        else:
+            os.environ[PARSER_ENV] = before
+
+
+def _start_variant_gateway(lc, variant, timeout_s: float = 30.0):
+    """`pdqueue serve` with ``variant``'s options on a free port for ``lc``'s cluster:
+    (process, URL) once it printed its URL (RuntimeError if it exits or prints none)."""
+    import re
+    import subprocess
+    import time
+
+    from workers.cli.local_cluster import _child_setup
+
+    out_path, log_path = lc.log_dir / f"gateway-{variant.name}.out", lc.log_dir / f"gateway-{variant.name}.log"
+    cmd = [sys.executable, "-m", "workers", "serve", "--cluster", lc.config.cluster, "--port", "0",
+           "--log-level", "WARNING", *variant.serve_args()]
+    with open(out_path, "wb") as out, open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=lc.child_env(),
+                                start_new_session=True, preexec_fn=_child_setup)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        match = re.search(r"(http://\S+)/v1", out_path.read_text(errors="replace"))
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_process(proc)
+            why = (f"exited with status {proc.returncode}" if proc.returncode is not None and proc.returncode != -9
+                   else f"printed no URL within {timeout_s:g} s")
+            tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+            raise RuntimeError(f"the {variant.name} gateway (pdqueue serve {' '.join(variant.serve_args())}) {why}: "
+                               f"{tail}")
+        time.sleep(0.05)
+
+
+def _stop_process(proc, grace_s: float = 20.0) -> None:
+    """SIGTERM (a gateway drains: nothing is open by now), SIGKILL after ``grace_s``."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

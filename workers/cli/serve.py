@@ -2,8 +2,10 @@
 cluster. Finds the cluster as `submit` does (``--redis-url``/``--cluster``, the running
 `up`, the default), binds the port (0: a free one), prints the URL on its first line, then
 serves until SIGINT/SIGTERM: the first drains (open answers run to their end, new requests
-get 503), a second ends the open answers with an error (``pdqueue.gateway.serve``). Never
-imports torch.
+get 503), a second ends the open answers with an error (``pdqueue.gateway.serve``). Its
+second line (stderr) says what it runs on: ``--loop``/``--http``/``--redis-parser``, each
+``auto`` by default (uvloop, httptools and hiredis when installed: ``pdqueue[fast]``).
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ DEFAULT_PORT = 8000
               help="Write an SSE comment (': keep-alive') after this many seconds without a token [default: never; "
                    "some benchmark clients drop every event after a comment, and a client that leaves is seen "
                    "without one].")
+@click.option("--loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
+              help="The event loop (auto: uvloop when installed, else asyncio's).")
+@click.option("--http", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
+              help="The HTTP parser (auto: httptools when installed, else h11).")
+@click.option("--redis-parser", envvar="PDQ_REDIS_PARSER", show_envvar=True,
+              type=click.Choice(["auto", "hiredis", "python"]), default="auto", show_default=True,
+              help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepalive_s, log_level):
+def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepalive_s, loop, http, redis_parser,
+          log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
     \b
@@ -46,8 +56,16 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepa
     SIGTERM or Ctrl-C: open answers run to their end, new requests get 503; a second one
     ends the open answers now (an error event, then [DONE]).
     """
-    from pdqueue.gateway import GatewayConfig, bind, serve as run
+    import os
 
+    from pdqueue.gateway import GatewayConfig, bind, runtime, serve as run
+    from pdqueue.queue.connection import PARSER_ENV
+
+    os.environ[PARSER_ENV] = redis_parser   # every client this process makes (the gateway's)
+    try:
+        rt = runtime(loop, http)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     target = resolve_target(redis_url, cluster)
     connect(target).close()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,6 +78,7 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepa
     click.echo(f"pdqueue serve: http://{shown}:{bound}/v1 (cluster {target.cluster!r}, {target.shown_url}, "
                f"{target.source}){'; API key required' if api_key else ''}", nl=True)
     click.get_text_stream("stdout").flush()
+    click.echo(f"pdqueue serve: {rt.describe()}", err=True)
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
                       max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s), sock,
-        log_level=log_level)
+        log_level=log_level, loop=rt.loop, http=rt.http)
