@@ -15,7 +15,8 @@ slow: with n gaps, ``n - 1 - ceil(p (n - 1) / 100)`` of them (``slow_gaps_allowe
 at p90, none of 8). While every decode in the step can still afford one slow gap, prompt
 chunks take the whole token budget (TTFT first); otherwise they take only what fits beside
 the decodes within the target, as predicted by ``StepCostModel`` from this engine's own
-steps (at least ``MIN_CHUNK`` tokens, so prompts always progress). A request's allowance is
+steps (at least ``MIN_CHUNK`` tokens, so prompts always progress; exactly that while the
+model has not learned the cost of a prompt token). A request's allowance is
 counted on the gaps it will have: ``max_tokens - 1`` with ``ignore_eos``, else the gaps it
 already has (it may stop at any token). A step that runs past the target counts one slow gap
 for each of its decodes.
@@ -116,10 +117,12 @@ class Scheduler:
         if all(slow_gaps_left(seq, self.tbt_percentile) > 0 for seq, _ in decodes):
             return full
         fit = self.cost.prefill_tokens_within(self.tbt_step_s, len(decodes))
-        if fit is None or fit >= full:   # not learned yet, or the whole budget fits
+        if fit is not None and fit >= full:   # the whole budget fits
             return full
+        # Not learned yet (or no positive per-token cost seen): the smallest chunk, whose
+        # step teaches the model what a prompt token costs here.
         self.num_budgeted_steps += 1
-        return max(MIN_CHUNK, fit)
+        return MIN_CHUNK if fit is None else max(MIN_CHUNK, fit)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """After a step ran: its cost feeds the model; past the target, its decodes each
