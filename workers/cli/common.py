@@ -205,7 +205,8 @@ def connect(target: Target):
 PASSWORD_HELP = ("give it in the URL (--redis-url / PDQ_REDIS_URL redis://:PASSWORD@HOST:PORT/0, or "
                  "redis://USER:PASSWORD@... for an ACL user), or keep it out of `ps` with --redis-password-file FILE "
                  "/ PDQ_REDIS_PASSWORD_FILE or PDQ_REDIS_PASSWORD; for a `pdqueue up` started by another user or "
-                 "shell, `pdqueue up --print-url --show-password` there prints its URL with the password")
+                 "shell, `pdqueue up --print-url --show-password` there prints its URL with the password "
+                 "(`eval \"$(pdqueue up --print-env)\"` sets REDISCLI_AUTH for redis-cli)")
 
 
 def redis_failure(exc: BaseException, target: Target, connected: bool = True, role: str = "admin") -> UserError:

@@ -67,6 +67,7 @@ from pdqueue.config import SECURITY_ENV, redact_url, url_credentials
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.procs import die_with_parent
 from pdqueue.protocol import ErrorCode, entry_request_id, error_entry
 from pdqueue.queue.connection import connect
 from pdqueue.queue.redis_server import RedisServer, port_is_free
@@ -207,15 +208,6 @@ class WorkerProcess:
         return f"exited ({code})"
 
 
-def _child_setup() -> None:  # between fork and exec: die with the supervisor
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 class LocalCluster:
     """Owns the server (if embedded), the worker processes, their logs and the state file."""
 
@@ -335,7 +327,7 @@ class LocalCluster:
             cmd += ["--threads", str(c.threads)]
         with open(log_path, "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=self.child_env(), start_new_session=True, preexec_fn=_child_setup)
+                                    env=self.child_env(), start_new_session=True, preexec_fn=die_with_parent)
 
     def weights_of(self, role: str) -> str:
         """The --weights of a worker started in ``role`` (a switch keeps them)."""
@@ -372,7 +364,7 @@ class LocalCluster:
                self.config.cluster, "--port", str(port), "--log-level", self.config.log_level]
         with open(self.log_dir / "gateway.out", "wb") as out, open(self.log_dir / "gateway.log", "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
-                                    env=self.child_env(), start_new_session=True, preexec_fn=_child_setup)
+                                    env=self.child_env(), start_new_session=True, preexec_fn=die_with_parent)
 
     def _gateway_printed_url(self) -> str | None:
         try:
