@@ -14,9 +14,9 @@ Clients (``CLIENTS``; versions pinned in ``scripts/bench-clients``):
   network read before splitting events, so an SSE comment (``: keep-alive``) glues itself
   to what follows: the stream's events are lost until one read happens to hold two of
   them, and a request that gets none fails ("Never received a valid chunk").
-- ``sglang``: ``python -m sglang.bench_serving`` 0.5.9, the last release whose bench runs
-  without sglang's GPU runtime; it ``json.loads`` every non-empty line, a comment too, and
-  fails the request.
+- ``sglang``: ``python -m sglang.bench_serving`` 0.5.9, the last release whose bench imports
+  nothing of sglang's server (``sglang.srt``); it ``json.loads`` every non-empty line, a
+  comment too, and fails the request.
 - ``aiperf`` 0.13.0 (NVIDIA), ``guidellm`` 0.8.1 (vLLM project), ``inference-perf`` 0.7.0
   (Kubernetes SIG; Python >= 3.12): they skip comments.
 
@@ -474,11 +474,11 @@ class Stack:
     """What ``main`` benches against when no ``--url`` is given, all on this machine: a
     Redis server, one prefill and one decode worker (``python -m workers worker``, one
     torch thread each; the prefill worker's heartbeat lives long enough for a
-    ``PrefillStall``) and one gateway (``python -m workers serve`` on a free port, with
-    ``gateway_args``). Logs in ``log_dir``; ``stop`` ends them in that order's reverse."""
+    ``PrefillStall``; both with ``worker_args``) and one gateway (``python -m workers serve``
+    on a free port, with ``gateway_args``). Logs in ``log_dir``; ``stop`` ends them in that order's reverse."""
 
-    def __init__(self, model: str, log_dir: Path, gateway_args: list[str], kv_cache_mb: int = 512,
-                 cluster: str = "bench-clients"):
+    def __init__(self, model: str, log_dir: Path, gateway_args: list[str], worker_args: list[str] = (),
+                 kv_cache_mb: int = 512, cluster: str = "bench-clients"):
         from pdqueue.queue.redis_server import RedisServer
 
         self.log_dir, self.cluster, self.procs = log_dir, cluster, {}
@@ -490,7 +490,8 @@ class Stack:
         try:
             for role, extra in (("prefill", ["--heartbeat-ttl-s", "600"]), ("decode", [])):
                 self._spawn(role, ["worker", role, "--model", model, "--redis-url", self.redis_url, "--cluster",
-                                   cluster, "--threads", "1", "--kv-cache-mb", str(kv_cache_mb), *extra])
+                                   cluster, "--threads", "1", "--kv-cache-mb", str(kv_cache_mb), *worker_args,
+                                   *extra])
             self._wait(self._registered, 600, "the workers to register")
             self._spawn("gateway", ["serve", "--redis-url", self.redis_url, "--cluster", cluster, "--port", "0",
                                     *gateway_args])
@@ -586,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-arg", action="append", default=[],
                     help="An extra `pdqueue serve` argument (repeatable; e.g. --gateway-arg=--sse-keepalive-s "
                          "--gateway-arg=1: an SSE comment after each second without a token, as before issue 23).")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="Keep the workers' prefix caching on. Off by default here: each client makes prompts of its "
+                         "own, and some repeat text across requests, so cache hits would make TTFT differ by dataset.")
     ap.add_argument("--stall-prefill", type=float, default=None, metavar="S",
                     help="Hold the prefill worker (SIGSTOP) until the load is queued, then S s more: a TTFT of at "
                          "least S s whatever the model (the tests' load). Needs --concurrency = --requests.")
@@ -609,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"starting Redis, 1 prefill + 1 decode worker ({args.model}) and a gateway (logs in {out / 'cluster'})",
               file=sys.stderr, flush=True)
-        stack = Stack(args.model, out / "cluster", args.gateway_arg)
+        stack = Stack(args.model, out / "cluster", args.gateway_arg,
+                      [] if args.prefix_caching else ["--no-prefix-caching"])
         url = stack.url
     results = []
     try:
@@ -635,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     (out / "results.json").write_text(json.dumps(
         {"load": asdict(load), "url": url, "model": args.model, "gateway_args": args.gateway_arg,
+         "prefix_caching": bool(args.prefix_caching or args.url),
          "stall_prefill_s": args.stall_prefill,
          "results": [{k: v for k, v in asdict(r).items() if k != "log"} for r in results]}, indent=2))
     if args.json:
