@@ -22,15 +22,16 @@ Clients (``CLIENTS``; versions pinned in ``scripts/bench-clients``):
 
 No model hub is reachable here, so each client gets a local Hugging Face tokenizer
 directory (``write_tokenizer``: the tiny model's byte-level one, or SmolLM2's rebuilt from
-its GGUF) and runs with ``HF_HUB_OFFLINE=1``.
+its GGUF) and runs with ``HF_HUB_OFFLINE=1`` (aiperf excepted: ``client_env`` says why).
 
 ``PrefillStall`` holds the prefill worker (SIGSTOP) until the load is queued and a while
 longer: a TTFT over a second whatever the model and machine (the tests' deterministic
 load). ``main`` (``scripts/bench-clients run``) starts Redis, the workers and a gateway
 (``Stack``; or drives ``--url``) and prints the table.
 
-Imports the standard library, pdqueue.bench and (for SmolLM2's tokenizer) pdqueue.models;
-never workers.
+Imports the standard library at the top; in the functions that need them, tokenizers and
+pdqueue.models (the tokenizers), redis and pdqueue.keys/queue (the stall, the stack),
+pdqueue.bench.serve_bench; never torch for ``tiny``, never workers (they are subprocesses).
 """
 
 from __future__ import annotations
