@@ -5,6 +5,7 @@ is lost or answered twice when the receiver dies mid-move or when no peer takes 
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import time
 
@@ -67,24 +68,32 @@ def check_answers(cluster, tiny, client, handles, oracle_runs):
     return results
 
 
+def moved_by(cluster, worker: str) -> int:
+    """How many running requests ``worker`` moved (its drain's log line), 0 if none."""
+    m = re.search(r"migration: (\d+) running requests moved", cluster.log(worker) or "")
+    return int(m.group(1)) if m else 0
+
+
 def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(cluster, tiny, runs):
+    """Both decode workers run before the load (a worker started later could arrive after
+    the requests ended, on a loaded machine); d0 stops while it decodes some of them."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
-    client, handles, runs = submit(cluster, runs)
-    wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
     cluster.start("decode", *FAST, worker_id="d1")
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
+             and cluster.workers()["d0"]["load"].get("running", 0) > 0, what="tokens flowing, some on d0")
     stopped = time.monotonic()
     cluster.signal("d0", signal.SIGTERM)
     assert cluster.procs["d0"].wait(timeout=30) == 0
     took = time.monotonic() - stopped
-    unfinished = [h for h in handles if not any(f[b"type"] == b"done" for _, f in out_of(cluster, h.request_id))]
-    assert unfinished, "every request ended before d0 did: nothing was moved"
     results = check_answers(cluster, tiny, client, handles, runs)
-    moved = [res for h, res in zip(handles, results) if h in unfinished]
-    # They went on on d1 with the KV d0 had (copied, not recomputed).
-    assert {res.decode_worker for res in moved} == {cluster.id("d1")}
-    assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}, {res.transfer_path for res in moved}
-    print(f"d0 stopped in {took:.2f} s, {len(moved)} requests moved")
+    moved = moved_by(cluster, "d0")
+    assert moved > 0, cluster.log("d0")
+    # Every request ended on d1, those d0 had with the KV it had (copied, not recomputed).
+    assert {res.decode_worker for res in results} == {cluster.id("d1")}
+    assert {res.transfer_path for res in results} <= {"shm", "tcp", "zmq"}, {res.transfer_path for res in results}
+    print(f"d0 stopped in {took:.2f} s, {moved} requests moved")
     wait_pools_free(cluster)
 
 
@@ -109,20 +118,18 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
     recomputing): every request still gives the colocated engine's tokens, once."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
-    client, handles, runs = submit(cluster, runs)
-    wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
     cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
-    cluster.signal("d1", signal.SIGSTOP)
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
+             and cluster.workers()["d0"]["load"].get("running", 0) > 0, what="tokens flowing, some on d0")
+    cluster.signal("d1", signal.SIGSTOP)   # alive to d0 (its heartbeat lives 20 s), serving nothing
     cluster.signal("d0", signal.SIGTERM)
-    handoffs = Keys().handoff_streams(cluster.workers()["d0"]["node"])
-    wait_for(lambda: "d0" not in cluster.workers() or cluster.workers()["d0"]["load"].get("migrated_out", 0) > 0,
-             what="d0 moving its requests")
+    assert cluster.procs["d0"].wait(timeout=60) == 0
+    assert moved_by(cluster, "d0") > 0, cluster.log("d0")
     cluster.signal("d1", signal.SIGKILL)
     cluster.start("decode", *FAST, worker_id="d2")
     results = check_answers(cluster, tiny, client, handles, runs)
-    assert cluster.id("d2") in {res.decode_worker for res in results}
-    assert cluster.procs["d0"].wait(timeout=30) == 0
-    del handoffs
+    assert {res.decode_worker for res in results} == {cluster.id("d2")}
     wait_pools_free(cluster)
 
 
@@ -130,9 +137,9 @@ def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster
     """A colocated worker finishes its request entries with handoffs of its running
     requests (prompt, tokens so far, KV): a decode worker goes on with them."""
     cluster.start("colocated", *FAST, worker_id="c0")
+    cluster.start("decode", *FAST, worker_id="d0")   # (reads handoffs only: c0 takes every request)
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
-    cluster.start("decode", *FAST, worker_id="d0")
     stopped = time.monotonic()
     cluster.signal("c0", signal.SIGTERM)
     assert cluster.procs["c0"].wait(timeout=30) == 0

@@ -482,7 +482,7 @@ def _start_variant_gateway(lc, variant, timeout_s: float = 30.0):
     import subprocess
     import time
 
-    from workers.cli.local_cluster import _child_setup
+    from pdqueue.procs import die_with_parent as _child_setup
 
     out_path, log_path = lc.log_dir / f"gateway-{variant.name}.out", lc.log_dir / f"gateway-{variant.name}.log"
     cmd = [sys.executable, "-m", "workers", "serve", "--cluster", lc.config.cluster, "--port", "0",

@@ -388,13 +388,17 @@ class LocalCluster:
 
         After a first worker exits, the others get up to ``failure_grace_s`` to register or
         exit too (a bad model fails them all, a little apart), so that ``WorkerFailed``
-        names every worker that failed, not only the quickest."""
+        names every worker that failed, not only the quickest. A worker that exits after it
+        registered did start: it is not a start failure but a crash, which ``supervise``
+        restarts once it runs."""
         deadline = time.monotonic() + timeout_s
         total = len(self.workers)
+        ever: set[str] = set()   # registered at some point
         while True:
-            if self.exited():
+            ever |= self.registered()
+            if any(w.worker_id not in ever for w in self.exited()):
                 self._raise_failed(failure_grace_s, cancel)
-            done = len(self.registered())
+            done = len(ever)
             if progress:
                 progress(done, total)
             if done == total:
