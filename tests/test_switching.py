@@ -369,7 +369,9 @@ def test_last_worker_of_a_role_refuses_to_leave_a_backlog(cluster, tiny):
     while requests are queued. Everything is then served."""
     start_all(cluster, ("p", "prefill", FAST), ("d", "decode", (*SWITCHABLE, "--max-num-seqs", "1")))
     load = Load(cluster, tiny)
-    load.submit(6, 300, seed=2)
+    # 1000 tokens each (~6 s for tiny): d, one at a time, still has handoffs queued after p's
+    # heartbeat has expired below (with 300, a fast machine had served all but one by then)
+    load.submit(6, 1000, seed=2)
     refused(cluster, send(cluster, "d", "colocated"), f"last decode worker, prefill worker(s) {cluster.id('p')}")
     queued = handoff_streams(cluster)
     # d runs one at a time, so at least 4 of the 6 handoffs wait unread for a while
