@@ -38,7 +38,7 @@ from dataclasses import replace
 from pdqueue.protocol import Handoff
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.sender import KVSender
-from workers.common import kv_auth_for
+from workers.kv_export import close_sender, make_sender, serve_leases
 
 log = logging.getLogger("pdqueue.migration")
 
@@ -100,23 +100,14 @@ class Migrator:
     # ---- how -------------------------------------------------------------------------------
     def _sender(self) -> KVSender:
         if self.sender is None:
-            shell, config = self.shell, self.shell.config
-            auth = kv_auth_for(config, shell.r, shell.keys)
-            pool = shell.segment
-            if pool is not None:
+            shell = self.shell
+            if shell.segment is not None:
                 # From now on, a block this engine hands out for new content gets a new epoch
                 # first, so a late shm copy of an exported block cannot validate.
-                self.engine.block_manager.on_rewrite = pool.bump_epochs
-                self.sender = KVSender.for_shared_pool(pool, shell.node, endpoint=config.bind,
-                                                       advertise=config.advertise, lease_s=config.lease_s,
-                                                       data_port=config.data_port, auth=auth, shared_blocks=True)
-            else:
-                self.sender = KVSender(self.engine.kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
-                                       shell.node, endpoint=config.bind, advertise=config.advertise,
-                                       lease_s=config.lease_s, data_port=config.data_port, auth=auth,
-                                       shared_blocks=True)
+                self.engine.block_manager.on_rewrite = shell.segment.bump_epochs
+            self.sender = make_sender(shell, self.engine.kv_cache, self.engine.layout)
             log.info("migration: KV served at %s, data %s, segment %s", self.sender.endpoint,
-                     self.sender.data_endpoint or "-", pool.name if pool else None)
+                     self.sender.data_endpoint or "-", shell.segment.name if shell.segment else None)
         return self.sender
 
     def export(self, request_id: str):
@@ -160,15 +151,7 @@ class Migrator:
         """Serve the exported KV until every lease is released or expired."""
         if self.sender is None:
             return
-        deadline = time.monotonic() + self.shell.config.lease_s + 1
-        while len(self.sender.leases) and time.monotonic() < deadline and not self.shell.stop.cold.is_set():
-            self.free_released()
-            try:
-                self.shell.tick()
-            except Exception:
-                pass   # the leases are served all the same
-            time.sleep(0.01)
-        self.free_released()
+        serve_leases(self.shell, self.sender, self.free_released)
         if self.started_at is not None:
             self.report = {"moved": self.moved, "settle_ms": (self.started_at - self.announced_at) * 1e3,
                            "export_ms": (self.last_export_at - self.started_at) * 1e3,
@@ -182,7 +165,4 @@ class Migrator:
     def close(self) -> None:
         if self.sender is None:
             return
-        self.sender.close()
-        deadline = time.monotonic() + 2.0   # a TCP send may still read the pool (see PrefillRole.close)
-        while self.sender.leases.holding() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        close_sender(self.sender)

@@ -36,9 +36,8 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, encode_handoff
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.leases import LeaseState
-from pdqueue.transfer.sender import KVSender
-from workers.common import Every, kv_auth_for, now_ms
-from workers.recovery import REDIS_DOWN
+from workers.common import Every, now_ms
+from workers.kv_export import close_sender, make_sender, serve_leases
 from workers.role import RequestRole
 
 log = logging.getLogger("pdqueue.prefill")
@@ -60,19 +59,7 @@ class PrefillRole(RequestRole):
         # bumped only when the engine rewrites it (on_rewrite), and leases may share blocks.
         self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True,
                                 on_rewrite=self.pool.bump_epochs if self.pool is not None else None)
-        auth = kv_auth_for(config, shell.r, shell.keys)   # signs tickets; peers must prove the secret
-        if self.pool is not None:
-            self.sender = KVSender.for_shared_pool(self.pool, shell.node, endpoint=config.bind,
-                                                   advertise=config.advertise, lease_s=config.lease_s,
-                                                   data_port=config.data_port, auth=auth, shared_blocks=True,
-                                                   nixl=config.transfer == "nixl")
-        else:
-            # An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ,
-            # or with --transfer nixl straight out of device memory (registered as VRAM).
-            self.sender = KVSender(kv_cache, self.engine.layout, shell.worker_id, shell.incarnation,
-                                   shell.node, endpoint=config.bind, advertise=config.advertise,
-                                   lease_s=config.lease_s, auth=auth, shared_blocks=True,
-                                   nixl=config.transfer == "nixl")
+        self.sender = make_sender(shell, kv_cache, self.engine.layout, nixl=config.transfer == "nixl")
         self._decode_nodes: set[str] = set()
         self._decode_nodes_every = Every(DECODE_NODES_EVERY_S)
         log.info("prefill: node %s, kv %s, data %s, segment %s", shell.node, self.sender.endpoint,
@@ -146,21 +133,7 @@ class PrefillRole(RequestRole):
         """Warm stop or switch: keep serving exported KV until every lease is released or
         expired (switch commands are still answered meanwhile: ``shell.tick``)."""
         super().drain()
-        deadline = time.monotonic() + self.shell.config.lease_s + 1
-        while len(self.sender.leases) and time.monotonic() < deadline and not self.shell.stop.cold.is_set():
-            self.free_released()
-            try:
-                self.shell.tick()
-            except REDIS_DOWN:
-                pass   # the leases are served all the same
-            time.sleep(0.02)
-        self.free_released()
+        serve_leases(self.shell, self.sender, self.free_released)
 
     def close(self) -> None:
-        self.sender.close()
-        # A TCP send may still read blocks of the pool, which outlives this role: it ends
-        # at once (the data server's connections are shut), and the next role may write
-        # the pool only after it has (the shell also bumps every block's epoch then).
-        deadline = time.monotonic() + 2.0
-        while self.sender.leases.holding() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        close_sender(self.sender)
