@@ -141,7 +141,7 @@ class Keys:
         return f"{self.prefix}cancel:{request_id}"
 
     def gateway_record(self, request_id: str) -> str:
-        """What a gateway needs to resume a resumable request's answer (pdqueue.gateway)."""
+        """What a gateway needs to resume a resumable request's answer (pdqueue.frontends.gateway)."""
         return f"{self.prefix}gw:{request_id}"
 
     def seen(self, request_id: str) -> str:
@@ -150,7 +150,7 @@ class Keys:
         same request id is a duplicate and is not run."""
         return f"{self.prefix}seen:{request_id}"
 
-    # -- control: role switching and the planner (pdqueue/control.py) ----------------------
+    # -- control: role switching and the planner (pdqueue/control/commands.py) ----------------------
     def control(self, worker_id: str) -> str:
         """Commands to one worker (``switch``); it reads and deletes them."""
         return f"{self.prefix}control:{worker_id}"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import redis
 
-from pdqueue import openai_compat
-from pdqueue.batch import custom_id_hash, output_line, request_id
+from pdqueue.frontends import openai_compat
+from pdqueue.frontends.batch import custom_id_hash, output_line, request_id
 from pdqueue.client import Client
 from pdqueue.keys import Keys
 from pdqueue.protocol import parse_result
@@ -174,13 +174,20 @@ def test_interrupted_batch_resumes_and_answers_every_line_once(cluster, redis_ur
         return sum(r.xlen(key) for key in r.scan_iter(match=f"{KEYS.prefix}*", _type="stream")
                    if key.decode().startswith((KEYS.requests, KEYS.handoff)))
 
-    # Four answers, and more requests still in Redis: the first four often finish together, and
-    # an interrupt before the batch sends the next ones would leave nothing to re-attach.
-    wait_for(lambda: proc.poll() is not None or (
-        sum(1 for o in read_output(out) if (o["response"] or {}).get("status_code") == 200) >= 4
-        and queued_in_redis() > 0), timeout=180, what="four answers and more requests in Redis")
-    assert proc.poll() is None, (tmp_path / "batch.err").read_text()
-    err = interrupt(proc, tmp_path)
+    # Four answers, then the decode worker paused (SIGSTOP) so that what the batch has sent
+    # stays in Redis across the interrupt: on a fast machine the tiny model answered the
+    # whole window between a check and the SIGINT, leaving nothing to re-attach.
+    wait_for(lambda: proc.poll() is not None or
+             sum(1 for o in read_output(out) if (o["response"] or {}).get("status_code") == 200) >= 4,
+             timeout=180, what="four answers")
+    cluster.signal("decode-1", signal.SIGSTOP)
+    try:
+        wait_for(lambda: proc.poll() is not None or queued_in_redis() > 0, timeout=60,
+                 what="requests waiting in Redis behind the paused decode worker")
+        assert proc.poll() is None, (tmp_path / "batch.err").read_text()
+        err = interrupt(proc, tmp_path)
+    finally:
+        cluster.signal("decode-1", signal.SIGCONT)
     m = re.search(r"interrupted: (\d+) requests left running in Redis; resume with: (pdqueue batch .*)$", err.strip())
     assert m, err
     left = int(m.group(1))
@@ -441,7 +448,7 @@ def test_output_cut_refused_locked_and_progress_only_on_a_terminal(redis_url, tm
 
 
 def test_the_batch_command_imports_no_torch():
-    code = ("import sys; from workers.cli import cli; import pdqueue.batch, workers.cli.batch; "
+    code = ("import sys; from workers.cli import cli; import pdqueue.frontends.batch, workers.cli.batch; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr

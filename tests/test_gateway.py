@@ -596,7 +596,7 @@ RUNTIMES = {"auto": (), "asyncio-h11-python": ("--loop", "asyncio", "--http", "h
 
 def runtime_line(name: str) -> str:
     """The line `pdqueue serve` writes on stderr for RUNTIMES[name]."""
-    from pdqueue.gateway import runtime
+    from pdqueue.frontends.gateway import runtime
 
     if name == "auto":
         return f"pdqueue serve: {runtime().describe()}"
@@ -840,7 +840,7 @@ def test_no_workers_503_then_backlog_429(shared_redis_url, logs):
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
 ])
 def test_parse_refuses_what_it_cannot_honour(parse, body, param):
-    from pdqueue.openai_compat import OpenAIError, parse_chat, parse_completion
+    from pdqueue.frontends.openai_compat import OpenAIError, parse_chat, parse_completion
 
     with pytest.raises(OpenAIError) as info:
         (parse_chat if parse == "chat" else parse_completion)(body)
@@ -848,7 +848,7 @@ def test_parse_refuses_what_it_cannot_honour(parse, body, param):
 
 
 def test_parse_maps_fields_to_submit_arguments():
-    from pdqueue.openai_compat import parse_chat, parse_completion
+    from pdqueue.frontends.openai_compat import parse_chat, parse_completion
 
     p = parse_chat({"model": "tiny", "max_completion_tokens": 7, "top_k": -1, "seed": 3, "stop": "\n",
                     "stream": True, "stream_options": {"include_usage": True}, "user": "u", "foo": 1,

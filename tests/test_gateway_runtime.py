@@ -1,4 +1,4 @@
-"""What the gateway runs on (issue 23): `pdqueue.gateway.runtime` (the event loop and HTTP
+"""What the gateway runs on (issue 23): `pdqueue.frontends.gateway.runtime` (the event loop and HTTP
 parser `pdqueue serve --loop/--http` choose), `PDQ_REDIS_PARSER` (redis-py's reply parser,
 per process), and `pdqueue bench gateway --variants` (their names, the rounds and their
 summary), without starting a process: the gateway's own runs on each are in
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import redis
 
-import pdqueue.gateway as gateway
+import pdqueue.frontends.gateway as gateway
 from pdqueue.bench import gateway_bench as gb
 from pdqueue.queue import connection
 from pdqueue.queue.connection import PARSER_ENV, async_client_from_url, client_from_url, redis_parser

@@ -1,4 +1,4 @@
-"""Prometheus metrics (pdqueue/metrics.py) on real parts: a real Redis, real worker processes
+"""Prometheus metrics (pdqueue/telemetry/metrics.py) on real parts: a real Redis, real worker processes
 whose /metrics is fetched over HTTP and parsed with prometheus_client's parser, and a real
 Prometheus server (Debian's `prometheus` package) scraping a running worker.
 
@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.metrics import StreamCollector, cluster_app, serve_metrics, stop_metrics
+from pdqueue.telemetry.metrics import StreamCollector, cluster_app, serve_metrics, stop_metrics
 from pdqueue.queue.registry import Heartbeat
 from pdqueue.queue.streams import ensure_group, read_group
 from tests.cluster import ROOT, Cluster
@@ -122,7 +122,7 @@ def test_stream_collector_reports_backlog_lag_and_pending_per_group(r):
 @pytest.mark.processes
 def test_the_metrics_module_imports_no_torch():
     """The gateway and `pdqueue metrics-sd` import it: no torch, no model code."""
-    code = "import sys, pdqueue.metrics, workers.cli.metrics; print(sorted({'torch', 'pdqueue.models'} & set(sys.modules)))"
+    code = "import sys, pdqueue.telemetry.metrics, workers.cli.metrics; print(sorted({'torch', 'pdqueue.models'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

@@ -1,5 +1,5 @@
-"""The planner (pdqueue/planner.py) on recorded observations, and its Redis reader
-(pdqueue/planner_obs.py) against a real server.
+"""The planner (pdqueue/control/planner.py) on recorded observations, and its Redis reader
+(pdqueue/control/observe.py) against a real server.
 
 The recorded phases are literal data shaped after the serve bench on 2 cores with SmolLM2
 (docs/performance.md): chat-heavy (healthy), document-heavy (the single prefill worker
@@ -19,10 +19,10 @@ import sys
 import pytest
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.planner import (COLOCATED, DECODE, PREFILL, Capacity, CompletionObs, Decision,
+from pdqueue.control.planner import (COLOCATED, DECODE, PREFILL, Capacity, CompletionObs, Decision,
                              Move, Observation, Planner, PlannerConfig, WorkerObs, percentile,
                              violations)
-from pdqueue.planner_obs import observe
+from pdqueue.control.observe import observe
 from pdqueue.protocol import Completion, FinishReason, done_entry
 from pdqueue.queue.registry import Heartbeat
 
@@ -139,7 +139,7 @@ def test_recorded_phases_have_the_intended_percentiles():
 
 @pytest.mark.processes
 def test_planner_imports_only_the_standard_library():
-    code = ("import sys, pdqueue.planner; bad = [m for m in ('redis', 'torch', 'numpy', 'msgpack') "
+    code = ("import sys, pdqueue.control.planner; bad = [m for m in ('redis', 'torch', 'numpy', 'msgpack') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

@@ -402,7 +402,7 @@ def test_the_gateway_user_serves_the_openai_api(acl_env):
         assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"], again
         assert call("GET", "/metrics")[0] == 200
         # What `pdqueue metrics-sd` reads (the streams' backlog, the workers' endpoints) is a gateway's too.
-        from pdqueue.metrics import StreamCollector, sd_targets
+        from pdqueue.telemetry.metrics import StreamCollector, sd_targets
 
         with redis.Redis.from_url(acl_env["url"]("gateway"),
                                   password=Path(acl_env["pw_file"]("gateway")).read_text().strip()) as r:

@@ -1,4 +1,4 @@
-"""Role switching in place (pdqueue/control.py, workers/switching.py), with real worker
+"""Role switching in place (pdqueue/control/commands.py, workers/switching.py), with real worker
 processes started ``--switchable`` on a real Redis: switches each way with requests in
 flight, roles flipping under load, a worker killed mid-switch, and the commands a worker
 must refuse. Every request is answered exactly once (on ``done`` and on ``out:<id>``), with
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pdqueue import control
+from pdqueue.control import commands
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from tests.cluster import Cluster
@@ -51,17 +51,17 @@ def beat(cluster, name: str) -> dict:
 def send(cluster, name: str, role: str, epoch: int | None = None) -> str:
     """A switch command for ``name`` with the epoch its heartbeat shows (or ``epoch``)."""
     epoch = beat(cluster, name)["role_epoch"] if epoch is None else epoch
-    return control.send_switch(cluster.r, cluster.keys, cluster.id(name), role, epoch, by="test")
+    return commands.send_switch(cluster.r, cluster.keys, cluster.id(name), role, epoch, by="test")
 
 
 def final(cluster, command_id: str, timeout: float = 60) -> dict:
-    event = control.wait_switch(cluster.r, cluster.keys, command_id, timeout_s=timeout)
+    event = commands.wait_switch(cluster.r, cluster.keys, command_id, timeout_s=timeout)
     assert event is not None, f"no final event for switch command {command_id}"
     return event
 
 
 def events_of(cluster, command_id: str) -> list[dict]:
-    return control.switch_events(cluster.r, cluster.keys, command_id)
+    return commands.switch_events(cluster.r, cluster.keys, command_id)
 
 
 def switch(cluster, name: str, role: str) -> dict:
@@ -211,8 +211,8 @@ def test_switch_each_way_with_requests_in_flight(cluster, tiny):
         if i == 0:   # two commands at once: the second finds the first in progress
             epoch = beat(cluster, name)["role_epoch"]
             with cluster.r.pipeline(transaction=True) as pipe:
-                first = control.send_switch(pipe, cluster.keys, cluster.id(name), role, epoch)
-                second = control.send_switch(pipe, cluster.keys, cluster.id(name), "colocated", epoch)
+                first = commands.send_switch(pipe, cluster.keys, cluster.id(name), role, epoch)
+                second = commands.send_switch(pipe, cluster.keys, cluster.id(name), "colocated", epoch)
             assert final(cluster, first)["status"] == "done"
             refused(cluster, second, f"a switch to {role} is in progress")
             done = [e for e in events_of(cluster, first) if e["status"] == "done"][0]
@@ -338,9 +338,9 @@ def test_stale_and_malformed_commands_are_refused(cluster, tiny):
     before = beat(cluster, "c")
     epoch, stream = before["role_epoch"], cluster.keys.control(cluster.id("c"))
     sent = {
-        "stale": (control.switch_fields("decode", epoch - 1), f"stale epoch: expected {epoch - 1}, worker is at {epoch}"),
-        "older": (control.switch_fields("decode", 1700000000000), "stale epoch"),
-        "same": (control.switch_fields("colocated", epoch), "already colocated"),
+        "stale": (commands.switch_fields("decode", epoch - 1), f"stale epoch: expected {epoch - 1}, worker is at {epoch}"),
+        "older": (commands.switch_fields("decode", 1700000000000), "stale epoch"),
+        "same": (commands.switch_fields("colocated", epoch), "already colocated"),
         "op": ({"op": "flip", "id": "m-op", "role": "decode", "epoch": str(epoch)}, "op must be"),
         "role": ({"op": "switch", "id": "m-role", "role": "gpu", "epoch": str(epoch)}, "role must be one of"),
         "epoch": ({"op": "switch", "id": "m-epoch", "role": "decode", "epoch": "soon"}, "epoch must be an integer"),

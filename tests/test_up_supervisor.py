@@ -364,7 +364,7 @@ def test_print_env_and_print_url_give_redis_cli_the_running_ups_password(tmp_pat
 def test_under_adapt_a_restarted_worker_comes_back_in_the_role_it_was_switched_to(tmp_path, env):
     """`--adapt` moves workers between roles; one that dies comes back in the role it ran
     (its heartbeat's), where the entries it held are, not in the role it started in."""
-    from pdqueue import control
+    from pdqueue.control import commands
 
     up = Up(tmp_path, env, "--redis-port", str(free_port()), "--no-gateway", "--decode", "2", "--adapt",
             "--dwell-s", "600", *TINY)
@@ -373,8 +373,8 @@ def test_under_adapt_a_restarted_worker_comes_back_in_the_role_it_was_switched_t
         keys, d1 = Keys(state["cluster"]), worker_of(state, "decode", 1)
         with redis.Redis.from_url(state_url(state), decode_responses=True) as r:
             epoch = int(r.hget(keys.worker(d1["worker_id"]), "role_epoch"))
-            command = control.send_switch(r, keys, d1["worker_id"], "colocated", epoch, by="test")
-            assert control.wait_switch(r, keys, command, timeout_s=60)["status"] == "done"
+            command = commands.send_switch(r, keys, d1["worker_id"], "colocated", epoch, by="test")
+            assert commands.wait_switch(r, keys, command, timeout_s=60)["status"] == "done"
             # The supervisor has seen the new role (it reads the heartbeats every second) once
             # the state file lists it.
             wait_for(lambda: listed_role(up, d1["worker_id"]) == "colocated", 30, "the new role in the state file", up)

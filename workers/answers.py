@@ -52,7 +52,7 @@ class Finish:
 
 @dataclass(slots=True)
 class Tally:
-    """What a unit answers, for the metrics (pdqueue/metrics.py ``WorkerMetrics.answered``):
+    """What a unit answers, for the metrics (pdqueue/telemetry/metrics.py ``WorkerMetrics.answered``):
     tokens published, done entries as (finish reason, e2e ms), dead-letter and error codes."""
 
     tokens: int = 0

@@ -44,7 +44,7 @@ class WorkerConfig:
     migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
-    switchable: bool = False        # takes role switches from control:<id> (pdqueue.control)
+    switchable: bool = False        # takes role switches from control:<id> (pdqueue.control.commands)
     kv_auth: bool = True            # authenticate the KV channels, sign tickets (docs/security.md)
     kv_secret_file: str | None = None   # the cluster's KV secret(s), hex; else PDQ_KV_SECRET, else Redis
     kv_secret: str | None = field(default=None, repr=False)   # the secret(s) once resolved (hex, comma-separated)

@@ -43,7 +43,7 @@ _RELEASE = object()   # the key of a release in the thread's queue
 class Fetcher:
     def __init__(self, receiver: KVReceiver, metrics=None):
         self.receiver = receiver
-        self.metrics = metrics        # pdqueue.metrics.WorkerMetrics: bytes and seconds by path, failures
+        self.metrics = metrics        # pdqueue.telemetry.metrics.WorkerMetrics: bytes and seconds by path, failures
         self.in_flight = 0            # submitted, not yet collected (loop thread only)
         self._todo: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()

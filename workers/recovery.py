@@ -74,7 +74,7 @@ class Recovery:
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, reclaim_idle_ms: int, publisher: Publisher,
                  metrics=None, max_step_s: float = MAX_STEP_S):
         self.r, self.keys, self.worker_id = r, keys, worker_id
-        self.metrics = metrics        # pdqueue.metrics.WorkerMetrics: entries reclaimed, by cause
+        self.metrics = metrics        # pdqueue.telemetry.metrics.WorkerMetrics: entries reclaimed, by cause
         self.reclaim_idle_ms = reclaim_idle_ms
         self.max_step_s = max_step_s
         self.publisher = publisher

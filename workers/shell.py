@@ -4,7 +4,7 @@ The shell is what lives as long as the process, all made in ``__init__`` before 
 runs: the configuration and the loaded model, the worker id and incarnation, the Redis
 client (``pdqueue.queue.connection.connect``), the stop flag (a first SIGTERM/SIGINT asks
 for a warm stop, a second for a cold one), the publisher (its thread runs from here on),
-the heartbeat, the metrics (``pdqueue.metrics.WorkerMetrics``; served over HTTP when
+the heartbeat, the metrics (``pdqueue.telemetry.metrics.WorkerMetrics``; served over HTTP when
 ``config.metrics_port`` is set, and advertised as ``metrics`` in the heartbeat),
 ``Recovery``, the sweep of dead owners' KV segments (a first one here, before the KV pool
 takes room), the role epoch; and the KV pool, made when the first role
@@ -39,7 +39,7 @@ Roles answer through ``shell.unit()`` (workers/answers.py), take input through
 current role stops accepting and finishes what it holds (as on a warm stop), drains and
 closes; then ``role`` starts as above (start, groups, registration, its group's pending
 entries). A worker started with ``--switchable`` does this on a switch command
-(pdqueue/control.py): ``control`` reads ``control:<id>``, refuses or accepts each command
+(pdqueue/control/commands.py): ``control`` reads ``control:<id>``, refuses or accepts each command
 (the rules: workers/switching.py) and answers with events (``accepted``, then ``done`` or
 ``failed``; or ``refused``). The heartbeat carries ``role_epoch`` (the process start time
 in ms, +1 per switch), ``switchable``, ``role_since_ms`` and ``switching_to`` (empty unless
@@ -55,10 +55,10 @@ from contextlib import contextmanager
 
 import redis
 
-from pdqueue import control
+from pdqueue.control import commands
 from pdqueue.engine.llm_engine import kv_layout_for
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.metrics import WorkerMetrics, advertised, serve_metrics, stop_metrics
+from pdqueue.telemetry.metrics import WorkerMetrics, advertised, serve_metrics, stop_metrics
 from pdqueue.protocol import FinishReason, Request
 from pdqueue.queue import streams
 from pdqueue.queue.connection import connect
@@ -318,12 +318,12 @@ class WorkerShell:
             except REDIS_DOWN as exc:
                 log.warning("heartbeat: redis unavailable (%s)", exc)
 
-    # ---- switch commands (pdqueue.control; the rules: workers/switching.py) --------------
+    # ---- switch commands (pdqueue.control.commands; the rules: workers/switching.py) --------------
     def control(self) -> None:
         """Every ``CONTROL_EVERY_S``: answer the commands waiting on ``control:<id>``."""
         if not self._control.due():
             return
-        for entry_id, fields in control.take_commands(self.r, self.keys, self.worker_id):
+        for entry_id, fields in commands.take_commands(self.r, self.keys, self.worker_id):
             try:
                 self._command(entry_id, fields)
             except REDIS_DOWN as exc:   # read and deleted, but not answered: the sender times out
@@ -334,8 +334,8 @@ class WorkerShell:
         raw_id = fields.get(b"id", fields.get("id", b""))
         command_id = (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)) or entry_id
         try:
-            cmd = control.parse_command(fields)
-        except control.CommandError as exc:
+            cmd = commands.parse_command(fields)
+        except commands.CommandError as exc:
             self._refuse(command_id, "", str(exc))
             return
         command_id = cmd.id or command_id
@@ -354,7 +354,7 @@ class WorkerShell:
                  role.name, cmd.role, command_id, cmd.by or "?", sw.held, sw.leases)
         self.switch_role(role_for(cmd.role))
 
-    def _refusal(self, cmd: control.SwitchCommand) -> str | None:
+    def _refusal(self, cmd: commands.SwitchCommand) -> str | None:
         """Why this worker will not carry ``cmd`` out, or None (workers/switching.py)."""
         if not self.config.switchable:
             return FIXED_ROLE
@@ -371,13 +371,13 @@ class WorkerShell:
 
     def _refuse(self, command_id: str, to: str, reason: str) -> None:
         log.warning("worker %s: switch command %s refused: %s", self.worker_id, command_id, reason)
-        control.event(self.r, self.keys, control.SWITCH, command=command_id, worker=self.worker_id,
+        commands.event(self.r, self.keys, commands.SWITCH, command=command_id, worker=self.worker_id,
                       status="refused", reason=reason, **{"from": self.role.name, "to": to}, epoch=self.role_epoch)
 
     def _switch_event(self, status: str, sw: Switching, **fields) -> None:
         fields.setdefault("epoch", sw.epoch)
         try:
-            control.event(self.r, self.keys, control.SWITCH, command=sw.command, worker=self.worker_id,
+            commands.event(self.r, self.keys, commands.SWITCH, command=sw.command, worker=self.worker_id,
                           status=status, **{"from": sw.from_role, "to": sw.to_role}, held=sw.held,
                           leases=sw.leases, **fields)
         except REDIS_DOWN as exc:

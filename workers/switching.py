@@ -1,4 +1,4 @@
-"""The worker side of role switching (the protocol is ``pdqueue/control.py``): the record of
+"""The worker side of role switching (the protocol is ``pdqueue/control/commands.py``): the record of
 a switch in progress, and the rule that a switch must not leave a backlog with nobody to
 serve it.
 

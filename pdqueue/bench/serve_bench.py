@@ -174,7 +174,7 @@ def mode_workers(mode: str, settings: Settings) -> list[tuple[str, tuple[str, ..
         elif mode not in ("colocated-chunked", "colocated-slo"):
             raise ValueError(f"unknown mode {mode!r}")
         return [("colocated", extra)] * 2
-    if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.adapter)
+    if mode == "adaptive":  # starts as 1 + 1; the planner moves them (pdqueue.control.adapter)
         return [("prefill", ("--switchable",)), ("decode", ("--switchable",))]
     if mode in ("disagg-int8", "disagg-int4"):
         return [("prefill", ()), ("decode", ("--weights", mode.rpartition("-")[2]))]
@@ -615,9 +615,9 @@ def _start_adapting(settings: Settings, url: str, cluster: str):
     event is set."""
     import threading
 
-    from pdqueue.adapter import Adapter
+    from pdqueue.control.adapter import Adapter
     from pdqueue.keys import Keys
-    from pdqueue.planner import PlannerConfig
+    from pdqueue.control.planner import PlannerConfig
     from pdqueue.queue.connection import connect
 
     config = PlannerConfig(ttft_slo_ms=settings.slo_ttft_ms, tbt_slo_ms=settings.slo_tbt_ms, mode=settings.plan_mode,

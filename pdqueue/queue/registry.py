@@ -4,7 +4,7 @@ Each worker keeps a hash ``worker:<id>`` with a TTL (``Heartbeat``): fields ``ro
 ``node``, ``incarnation``, ``endpoints`` (JSON), ``load`` (JSON), ``model``, ``pid``,
 ``host``, ``started_ms``, ``beat_ms``, ``max_model_len`` (the context, in tokens),
 ``weights`` (``fp32``, ``int8`` or ``int4``: how its linear layers are held), and
-what role switching needs (``pdqueue.control``): ``role_epoch``, ``switchable`` (0/1),
+what role switching needs (``pdqueue.control.commands``): ``role_epoch``, ``switchable`` (0/1),
 ``role_since_ms`` and ``switching_to`` (the role an accepted switch goes to; empty
 otherwise). The whole hash is rewritten and its TTL renewed every ``ttl_s / 3`` seconds,
 so a worker that dies (or loses Redis for longer than the TTL) simply disappears, and one
@@ -36,7 +36,7 @@ from pdqueue.retry import backoff_delay
 log = logging.getLogger(__name__)
 
 _TOP_LEVEL = ("role", "node", "endpoints", "model", "role_epoch", "switchable", "role_since_ms", "switching_to",
-              "max_model_len", "metrics",   # metrics: host:port of its Prometheus endpoint (pdqueue.metrics)
+              "max_model_len", "metrics",   # metrics: host:port of its Prometheus endpoint (pdqueue.telemetry.metrics)
               "weights")    # weights: fp32, int8 or int4 (pdqueue.models.quant)
 _JSON_FIELDS = ("endpoints", "load")
 _INT_FIELDS = ("pid", "started_ms", "beat_ms", "role_epoch", "switchable", "role_since_ms", "max_model_len")

@@ -12,7 +12,7 @@ drives); none imports this module or another command module.
 - ``up``: `up` (``local_cluster`` is the supervisor behind it)
 - ``bench``: `bench engine|transfer|serve`
 - ``server``: `redis-server`
-- ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.gateway``)
+- ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.frontends.gateway``)
 - ``metrics``: `metrics-sd` (Prometheus service discovery of the workers, stream backlog)
 - ``acl``: `acl` (least-privilege Redis ACL users for a cluster's roles)
 """

@@ -1,6 +1,6 @@
 """`pdqueue batch INPUT -o OUTPUT`: an OpenAI Batch file answered through the queue.
 
-The logic (ids, resume, the in-flight window, the output lines) is ``pdqueue.batch``; this
+The logic (ids, resume, the in-flight window, the output lines) is ``pdqueue.frontends.batch``; this
 module parses the options, draws the progress bar (on a terminal only), turns Ctrl-C into
 a clean stop and prints the summary. It imports no torch.
 """
@@ -34,7 +34,7 @@ def batch(input_path, output_path, redis_url, cluster, batch_id, concurrency):
     line (url /v1/chat/completions or /v1/completions); OUTPUT gets one {"id", "custom_id",
     "response", "error"} per line. Run the same command again after a crash or Ctrl-C: lines
     already in OUTPUT are skipped, requests still in Redis are re-attached to, not sent again."""
-    from pdqueue.batch import BatchError, BatchRun
+    from pdqueue.frontends.batch import BatchError, BatchRun
     from pdqueue.keys import Keys
     from pdqueue.queue.registry import list_workers
 

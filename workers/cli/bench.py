@@ -403,7 +403,7 @@ def bench_gateway(model, pairs, max_tokens, concurrency, duration, variants, rou
     from pdqueue.bench import gateway_bench
     from pdqueue.bench.stats import round_floats
     from pdqueue.client import Client
-    from pdqueue.gateway import runtime
+    from pdqueue.frontends.gateway import runtime
     from pdqueue.queue.redis_server import free_port
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
@@ -461,7 +461,7 @@ def _variant_runtime(variant) -> str:
     """What a gateway of ``variant`` runs on (ValueError if something it names is not installed)."""
     import os
 
-    from pdqueue.gateway import runtime
+    from pdqueue.frontends.gateway import runtime
     from pdqueue.queue.connection import PARSER_ENV
 
     before = os.environ.get(PARSER_ENV)

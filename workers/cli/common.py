@@ -340,7 +340,7 @@ def planner_options(f):
 
 
 def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
-    from pdqueue.planner import PlannerConfig
+    from pdqueue.control.planner import PlannerConfig
 
     try:
         return PlannerConfig(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, mode=plan_mode, min_dwell_s=dwell_s,

@@ -4,9 +4,9 @@ Workers serve their metrics on ports they pick (``--metrics-port 0``) and advert
 ``host:port`` as ``metrics`` in their heartbeats. This command serves, on one fixed port:
 
 - ``/targets``: Prometheus HTTP service discovery (``http_sd_configs``), one target per live
-  worker (``pdqueue.metrics.sd_targets``), read from the heartbeats at each request;
+  worker (``pdqueue.telemetry.metrics.sd_targets``), read from the heartbeats at each request;
 - ``/metrics``: the request and handoff streams' backlog, lag and pending per consumer
-  group, stream lengths and live workers by role (``pdqueue.metrics.StreamCollector``),
+  group, stream lengths and live workers by role (``pdqueue.telemetry.metrics.StreamCollector``),
   read when scraped.
 
 Imports redis and prometheus_client (never torch).
@@ -32,7 +32,7 @@ def metrics_sd(redis_url, cluster, host, port):
     """Serve Prometheus service discovery of the workers (/targets) and the stream backlog
     (/metrics) of one cluster, until Ctrl-C or SIGTERM."""
     from pdqueue.keys import Keys
-    from pdqueue.metrics import cluster_app, serve_metrics, stop_metrics
+    from pdqueue.telemetry.metrics import cluster_app, serve_metrics, stop_metrics
 
     target = resolve_target(redis_url, cluster)
     r = connect(target)

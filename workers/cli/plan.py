@@ -28,7 +28,7 @@ def plan(redis_url, cluster, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldo
     started with --switchable."""
     import redis
 
-    from pdqueue.adapter import Adapter
+    from pdqueue.control.adapter import Adapter
     from pdqueue.keys import Keys
 
     target = resolve_target(redis_url, cluster)

@@ -166,7 +166,7 @@ def limit_options(f):
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--switchable", is_flag=True,
-              help="Take role switches (pdqueue.control, e.g. from a planner): ROLE is the first role; the "
+              help="Take role switches (pdqueue.control.commands, e.g. from a planner): ROLE is the first role; the "
                    "worker changes role in place, the model staying loaded. Without it, switch commands are "
                    "refused.")
 @click.option("--kv-auth", type=click.Choice(["on", "off"]), envvar="PDQ_KV_AUTH", show_envvar=True, default="on",

@@ -1,8 +1,8 @@
-"""`pdqueue serve`: the OpenAI-compatible HTTP gateway (``pdqueue.gateway``) in front of a
+"""`pdqueue serve`: the OpenAI-compatible HTTP gateway (``pdqueue.frontends.gateway``) in front of a
 cluster. Finds the cluster as `submit` does (``--redis-url``/``--cluster``, the running
 `up`, the default), binds the port (0: a free one), prints the URL on its first line, then
 serves until SIGINT/SIGTERM: the first drains (open answers run to their end, new requests
-get 503), a second ends the open answers with an error (``pdqueue.gateway.serve``). Its
+get 503), a second ends the open answers with an error (``pdqueue.frontends.gateway.serve``). Its
 second line (stderr) says what it runs on: ``--loop``/``--http``/``--redis-parser``, each
 ``auto`` by default (uvloop, httptools and hiredis when installed: ``pdqueue[fast]``).
 Never imports torch.
@@ -58,7 +58,7 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepa
     """
     import os
 
-    from pdqueue.gateway import GatewayConfig, bind, runtime, serve as run
+    from pdqueue.frontends.gateway import GatewayConfig, bind, runtime, serve as run
     from pdqueue.queue.connection import PARSER_ENV
 
     os.environ[PARSER_ENV] = redis_parser   # every client this process makes (the gateway's)

@@ -11,7 +11,7 @@ A snapshot is a plain JSON-able dict:
   delivered) and the idle time of the oldest pending entry; ``done`` and ``dead`` lengths;
 - ``recent``: completions on the ``done`` stream within the last ``window_s`` seconds:
   count, tokens, tokens/s, and TTFT, TBT (per-request medians) and end-to-end percentiles;
-- ``plan``: the planner's last published plan (``pdqueue.control.read_plan``: desired
+- ``plan``: the planner's last published plan (``pdqueue.control.commands.read_plan``: desired
   counts per role and the reason), or None; ``switches``: the last few switch events.
 
 Reads only; imports redis, rich (for ``render``) and pdqueue.keys/queue.registry.
@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from pdqueue import control
+from pdqueue.control import commands
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
@@ -146,7 +146,7 @@ def collect(r: redis.Redis, keys: Keys, window_s: float = 60.0) -> dict:
     streams = {n[len(keys.prefix):]: _stream_info(r, keys, n) for n in names}
     return {"cluster": keys.cluster, "time_ms": now_ms, "workers": workers, "streams": streams,
             "done_length": int(r.xlen(keys.done)), "dead_length": int(r.xlen(keys.dead)),
-            "recent": _recent(r, keys, now_ms, window_s), "plan": control.read_plan(r, keys),
+            "recent": _recent(r, keys, now_ms, window_s), "plan": commands.read_plan(r, keys),
             "switches": _switches(r, keys)}
 
 
@@ -155,7 +155,7 @@ def _switches(r: redis.Redis, keys: Keys, count: int = 3) -> list[dict]:
     out = []
     for _eid, fields in r.xrevrange(keys.events, count=50):
         f = {_s(k): _s(v) for k, v in fields.items()}
-        if f.get("type") == control.SWITCH and f.get("status") in ("done", "refused", "failed"):
+        if f.get("type") == commands.SWITCH and f.get("status") in ("done", "refused", "failed"):
             out.append(f)
             if len(out) == count:
                 break
@@ -249,7 +249,7 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None,
     tail = []
     plan = snapshot.get("plan")
     if plan:
-        counts = ", ".join(f"{plan[role]} {role}" for role in control.ROLES if plan.get(role))
+        counts = ", ".join(f"{plan[role]} {role}" for role in commands.ROLES if plan.get(role))
         tail += [Text(""), Text.assemble(("plan: ", "bold"), f"{counts or 'no workers'} ({plan.get('action', '')}, "
                                          f"{plan.get('mode', '')})  ", (plan.get("reason", ""), "dim"))]
     for sw in snapshot.get("switches") or []:

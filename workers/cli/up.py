@@ -296,7 +296,7 @@ def _load_times(lc, quantizing: dict[str, str]) -> str:
 def _start_adapting(lc, plan_config, out) -> threading.Event:
     """The planner against our own workers, in a thread, until the returned event is set
     (before the stop, so nothing is switched while the workers drain)."""
-    from pdqueue.adapter import Adapter
+    from pdqueue.control.adapter import Adapter
     from pdqueue.queue.connection import connect as redis_connect
 
     adapter = Adapter(redis_connect(lc.url, purpose="supervisor"), lc.keys, plan_config, name="pdqueue-up")

@@ -2,7 +2,7 @@
 into pdqueue submit arguments, build response bodies and stream chunks, and the error
 shape. No I/O, no clock of its own (``created`` is passed in or read once per call).
 
-Used by the HTTP gateway (``pdqueue serve``, ``pdqueue/gateway.py``) and by ``pdqueue
+Used by the HTTP gateway (``pdqueue serve``, ``pdqueue/frontends/gateway.py``) and by ``pdqueue
 batch``. The rules follow vLLM's OpenAI server, so clients see the answers they know:
 
 - Fields this server does not know are ignored; ``Parsed.ignored`` names them (vLLM logs

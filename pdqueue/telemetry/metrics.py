@@ -63,11 +63,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.planner_obs import group_backlog
+from pdqueue.control.observe import group_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
-log = logging.getLogger("pdqueue.metrics")
+log = logging.getLogger("pdqueue.telemetry.metrics")
 
 LABELS = ("model_name", "role")
 ROLES = ("prefill", "decode", "colocated")

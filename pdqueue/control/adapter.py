@@ -1,7 +1,7 @@
 """Actuation: a ``Planner`` run against a live cluster. Each ``tick`` observes the cluster
 through Redis (``planner_obs.observe``), asks the planner, publishes the plan (the
 ``plan`` hash and, when it changes, a ``type=plan`` event) and sends the moves as switch
-commands (``pdqueue.control``). A move the worker refuses is reported back to the planner
+commands (``pdqueue.control.commands``). A move the worker refuses is reported back to the planner
 (``move_refused``) so it is not waited for.
 
 Used by ``pdqueue up --adapt`` (a thread of the supervisor), ``pdqueue plan --apply`` and
@@ -16,10 +16,10 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from pdqueue import control
+from pdqueue.control import commands
 from pdqueue.keys import Keys
-from pdqueue.planner import Decision, Move, Planner, PlannerConfig
-from pdqueue.planner_obs import observe
+from pdqueue.control.planner import Decision, Move, Planner, PlannerConfig
+from pdqueue.control.observe import observe
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,16 @@ class Adapter:
         obs = observe(self.r, self.keys, window_s=self.planner.config.window_s)
         decision = self.planner.decide(obs)
         self.state.decision = decision
-        control.write_plan(self.r, self.keys, decision.counts, decision.reason,
+        commands.write_plan(self.r, self.keys, decision.counts, decision.reason,
                            mode=self.planner.config.mode, action=decision.action)
         if decision.reason != self._last_reason or decision.moves:
             self._last_reason = decision.reason
-            control.event(self.r, self.keys, "plan", action=decision.action, reason=decision.reason,
+            commands.event(self.r, self.keys, "plan", action=decision.action, reason=decision.reason,
                           counts=",".join(f"{k}={v}" for k, v in sorted(decision.counts.items())),
                           moves="; ".join(str(m) for m in decision.moves), by=self.name)
         if not self.dry_run:
             for move in decision.moves:
-                cid = control.send_switch(self.r, self.keys, move.worker_id, move.to_role, move.expected_epoch,
+                cid = commands.send_switch(self.r, self.keys, move.worker_id, move.to_role, move.expected_epoch,
                                           by=self.name)
                 log.info("planner: %s (%s)", move, decision.reason)
                 self.state.sent.append(Sent(move, cid))
@@ -78,7 +78,7 @@ class Adapter:
         for sent in self.state.sent:
             if sent.status in ("done", "refused", "failed"):
                 continue
-            events = control.switch_events(self.r, self.keys, sent.command_id)
+            events = commands.switch_events(self.r, self.keys, sent.command_id)
             if not events:
                 continue
             last = events[-1]

@@ -5,7 +5,7 @@ INPUT has one ``{"custom_id", "method": "POST", "url", "body"}`` object per line
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`` per
 input line, in the order answers complete (as OpenAI's output files: match on
 ``custom_id``). The body becomes a pdqueue request and the answer a response body through
-``pdqueue.openai_compat``, the functions the HTTP gateway uses, so both answer alike.
+``pdqueue.frontends.openai_compat``, the functions the HTTP gateway uses, so both answer alike.
 
 What goes where in OUTPUT (OpenAI's split):
 
@@ -65,7 +65,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdqueue import openai_compat
+from pdqueue.frontends import openai_compat
 from pdqueue.client import build_request
 from pdqueue.keys import SEEN_TTL_S, Keys
 from pdqueue.protocol import (Completion, FinishReason, Priority, ProtocolError, Request, RequestError,

@@ -6,7 +6,7 @@ Endpoints:
   ``data: {...}`` then ``data: [DONE]``) and not. A request is one ``AsyncClient.submit``
   (one XADD) and its answer is read from ``out:<id>``; nothing else touches Redis per
   request (a resumable one: also its record, below). The body is parsed by
-  ``pdqueue.openai_compat``.
+  ``pdqueue.frontends.openai_compat``.
 - ``GET /v1/models``: the models the live workers serve (their heartbeats' ``model`` and
   ``max_model_len``), ``owned_by: "pdqueue"``.
 - ``GET /health``: 200 with an empty body while workers of each needed role live (prefill
@@ -19,7 +19,7 @@ Endpoints:
 
 What the gateway knows about the cluster (live workers, their models, the request
 backlog) comes from a background poll every ``poll_s`` (heartbeats, and XINFO GROUPS lag +
-pending of the request streams, as ``pdqueue.planner_obs`` reads them), so the answers 503
+pending of the request streams, as ``pdqueue.control.observe`` reads them), so the answers 503
 (no worker), 404 (unknown model) and 429 (backlog over ``max_backlog``; requests sent since
 the last poll count too) cost no round trip. 401: ``api_key`` is set and the request's
 ``Authorization: Bearer`` differs (``/health`` and ``/metrics`` are open). 504: no answer
@@ -95,17 +95,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pdqueue import openai_compat as oai
+from pdqueue.frontends import openai_compat as oai
 from pdqueue.client import AsyncClient, RequestFailed
 from pdqueue.keys import OUT_TTL_S, PREFILL_GROUP, SEEN_TTL_S, Keys
-from pdqueue.openai_compat import OpenAIError
-from pdqueue.planner_obs import group_backlog
+from pdqueue.frontends.openai_compat import OpenAIError
+from pdqueue.control.observe import group_backlog
 from pdqueue.protocol import Completion, FinishReason, RequestError, entry_request_id
 from pdqueue.queue.connection import connect, redis_parser
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
-log = logging.getLogger("pdqueue.gateway")
+log = logging.getLogger("pdqueue.frontends.gateway")
 
 __all__ = ["ClusterView", "Gateway", "GatewayConfig", "Runtime", "build_app", "runtime", "serve"]
 

@@ -1,7 +1,7 @@
 """The planner: how many workers of each role a cluster of switchable workers should run,
 so that the prefill:decode split follows the load. Observations in, decisions and their
 reasons out; no I/O, no clock (time comes from the observation), standard library only.
-``pdqueue.planner_obs.observe`` builds an ``Observation`` from Redis; whoever acts on a
+``pdqueue.control.observe.observe`` builds an ``Observation`` from Redis; whoever acts on a
 ``Decision`` (the actuator) is someone else.
 
 Roles (``ROLES``): ``prefill`` (reads the request streams, hands off), ``decode`` (reads

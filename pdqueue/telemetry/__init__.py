@@ -1,0 +1,1 @@
+"""Prometheus metrics of workers, streams and the gateway."""
