@@ -35,9 +35,9 @@ def _write_out(out: str | None, name: str, result: dict, plot) -> None:
 
 
 def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cache_mb: int, log_dir: Path):
-    """serve_bench's Launcher: the processes of one mode under a LocalCluster (one torch
+    """serve_modes' Launcher: the processes of one mode under a LocalCluster (one torch
     thread each), returned once all have registered."""
-    from pdqueue.bench.serve_bench import BenchError
+    from pdqueue.bench.serve_modes import BenchError
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
     weights = {"prefill": "fp32", "decode": "fp32"}   # --weights may differ by role (LocalCluster's own option)
@@ -344,20 +344,23 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
     with --openai-url, the same load against any OpenAI-compatible server."""
     from pdqueue.bench import plots, serve_bench
+    from pdqueue.bench.serve_load import Settings, parse_phases
+    from pdqueue.bench.serve_modes import MODES, PREFIX_MODES, BenchError
+    from pdqueue.bench.serve_report import format_table
     from pdqueue.bench.stats import round_floats
 
     _end_on_term()
     if workload == "prefix" and click.get_current_context().get_parameter_source("modes").name == "DEFAULT":
-        modes = ",".join(serve_bench.PREFIX_MODES)
+        modes = ",".join(PREFIX_MODES)
     mode_list = _csv(modes, str, "--modes")
-    unknown = [m for m in mode_list if m not in serve_bench.MODES]
+    unknown = [m for m in mode_list if m not in MODES]
     if unknown:
-        raise UserError(f"unknown mode(s) {unknown}; expected some of {list(serve_bench.MODES)}")
+        raise UserError(f"unknown mode(s) {unknown}; expected some of {list(MODES)}")
     try:
-        phase_list = serve_bench.parse_phases(phases, phase_s) if phases else ()
+        phase_list = parse_phases(phases, phase_s) if phases else ()
     except ValueError as exc:
         raise UserError(f"--phases: {exc}") from None
-    settings = serve_bench.Settings.for_model(
+    settings = Settings.for_model(
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
@@ -367,11 +370,11 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         result = serve_bench.run(settings, launch_workers, progress=_progress,
                                  log_dir=Path(out) / "logs" if out else None,
                                  on_mode=(lambda partial: _write_partial(out, partial)) if out else None)
-    except serve_bench.BenchError as exc:
+    except BenchError as exc:
         raise UserError(str(exc)) from None
     result = round_floats(result)
     _write_out(out, "serve", result, plots.plot_serve)
-    click.echo(json.dumps(result, indent=2) if as_json else serve_bench.format_table(result))
+    click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
 
 
 @bench.command("gateway")

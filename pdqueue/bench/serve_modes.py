@@ -1,0 +1,116 @@
+"""`pdqueue bench serve`'s modes: the worker processes each mode starts (role and extra
+``pdqueue worker`` options), and what runs beside the load (the adaptive mode's planner).
+
+Adding a mode is one entry in ``MODES``: a ``Mode`` whose ``workers`` lists the processes
+and, where the mode needs it, a ``beside`` that starts a loop in this process for the length
+of the mode's measurement and returns the function that stops it. The workers are started
+through a ``Launcher`` the CLI provides (so that pdqueue never imports workers), each with
+one torch thread. Imports the standard library; the planner only when the adaptive mode runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from pdqueue.bench.serve_load import Settings
+
+Workers = list[tuple[str, tuple[str, ...]]]   # (role, extra worker options) of each process
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run (no Redis server, a worker did not start, no OpenAI server)."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    workers: Callable[["Settings"], Workers]
+    # Started once the workers are up, with (settings, redis_url, cluster); returns its stop.
+    beside: Callable[["Settings", str, str], Callable[[], None]] | None = None
+
+
+def _fixed(*workers: tuple[str, tuple[str, ...]]) -> Callable[["Settings"], Workers]:
+    return lambda _settings: list(workers)
+
+
+def _colocated_chunked(*, slo: bool = False, weights: str | None = None) -> Callable[["Settings"], Workers]:
+    """2 colocated workers, decodes first and prompt chunks of at most ``chunk_tokens`` per
+    step; ``slo``: under the TBT budget of the bench's own TBT SLO (scheduler.py); ``weights``:
+    quantized weights (a colocated worker takes the decode side's ``--weights``)."""
+    def workers(settings: "Settings") -> Workers:
+        extra = ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens))
+        if slo:
+            extra += ("--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")
+        if weights:
+            extra += ("--weights", weights)
+        return [("colocated", extra)] * 2
+    return workers
+
+
+def _prefix(*extra: str) -> Callable[["Settings"], Workers]:
+    """2 prefill + 1 decode workers (decode workers take --routing and ignore it)."""
+    return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
+
+
+def _start_planner(settings: Settings, url: str, cluster: str) -> Callable[[], None]:
+    """The adaptive mode's planner, in a thread of this process, until the returned function
+    is called."""
+    import threading
+
+    from pdqueue.control.adapter import Adapter
+    from pdqueue.keys import Keys
+    from pdqueue.control.planner import PlannerConfig
+    from pdqueue.queue.connection import connect
+
+    config = PlannerConfig(ttft_slo_ms=settings.slo_ttft_ms, tbt_slo_ms=settings.slo_tbt_ms, mode=settings.plan_mode,
+                           min_dwell_s=settings.plan_dwell_s, cooldown_s=settings.plan_cooldown_s,
+                           window_s=settings.plan_window_s, move_timeout_s=60.0)
+    adapter = Adapter(connect(url, purpose="supervisor"), Keys(cluster), config, name="bench-serve")
+    done = threading.Event()
+    threading.Thread(target=adapter.run, args=(done, 1.0), name="pdq-planner", daemon=True).start()
+    return done.set
+
+
+MODES: dict[str, Mode] = {
+    "disagg": Mode(_fixed(("prefill", ()), ("decode", ()))),
+    "colocated-prefill-first": Mode(_fixed(*[("colocated", ("--policy", "prefill_first"))] * 2)),
+    "colocated-chunked": Mode(_colocated_chunked()),
+    # Starts as 1 + 1; the planner moves them (pdqueue.control.adapter).
+    "adaptive": Mode(_fixed(("prefill", ("--switchable",)), ("decode", ("--switchable",))), beside=_start_planner),
+    # The prefix-caching comparison (``--workload prefix``): caching off, caching on with
+    # cache-blind routing, and caching with cache-aware routing.
+    "prefix-off": Mode(_prefix("--no-prefix-caching")),
+    "prefix-blind": Mode(_prefix("--routing", "off")),
+    "prefix-aware": Mode(_prefix("--routing", "cache")),
+    # Precision per role (issue 17): 1 prefill worker in float32 + 1 decode worker with
+    # quantized weights, against ``disagg`` (both float32).
+    "disagg-int8": Mode(_fixed(("prefill", ()), ("decode", ("--weights", "int8")))),
+    "disagg-int4": Mode(_fixed(("prefill", ()), ("decode", ("--weights", "int4")))),
+    "colocated-chunked-int4": Mode(_colocated_chunked(weights="int4")),
+    "colocated-slo": Mode(_colocated_chunked(slo=True)),
+    "colocated-slo-int4": Mode(_colocated_chunked(slo=True, weights="int4")),
+}
+DEFAULT_MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
+PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")
+
+
+def mode_workers(mode: str, settings: "Settings") -> Workers:
+    """(role, extra worker options) of each process of ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    return MODES[mode].workers(settings)
+
+
+class Running(Protocol):
+    def stop(self) -> None: ...
+
+
+class Launcher(Protocol):
+    def __call__(self, workers: Workers, *, model: str, redis_url: str, cluster: str,
+                 kv_cache_mb: int, log_dir: Path) -> Running:
+        """Start the worker processes (one torch thread each) and return once all have
+        registered; raise ``BenchError`` if one fails."""
+

@@ -1,0 +1,211 @@
+"""`pdqueue bench serve`'s figures and report: per mode and rate (``metrics``), per phase,
+pooled over the rates; the claims checked against them (TBT p99/p50, the prefix-caching
+targets, the adaptive mode's goodput) and the printed table. Pure functions of the records."""
+
+from __future__ import annotations
+
+import math
+
+from pdqueue.bench.serve_client import Record
+from pdqueue.bench.serve_load import (ASSISTANT_LEN, CONVERSATIONS, MAX_TURNS, SYSTEM_LEN, SYSTEM_PROMPTS,
+                                      USER_LEN, Settings)
+from pdqueue.bench.serve_modes import PREFIX_MODES
+from pdqueue.bench.stats import gaps, meets_slo, summary
+
+
+def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dict, dict]:
+    """(figures of one mode at one rate, raw values for the plots)."""
+    ok = [r for r in records if r.finished is not None and r.token_times]
+    ttft = [(r.token_times[0] - r.submitted) * 1e3 for r in ok]
+    per_request_gaps = [[g * 1e3 for g in gaps(r.token_times)] for r in ok]
+    tbt = [g for request in per_request_gaps for g in request]
+    tbt_server = [g for r in ok for g in gaps(r.token_entry_ms)]
+    met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
+    span = (max(r.finished for r in ok) - min(r.submitted for r in records)) if ok else math.inf
+    prefill_ms = [r.completion.prefill_ms for r in ok]   # NaN from an OpenAI server: left out below
+    second = [r for r in ok if len(r.token_times) > 1]
+    gap01 = [(r.token_times[1] - r.token_times[0]) * 1e3 for r in second]
+    steady = [g for r in second for g in gaps(r.token_times[1:])]
+    figures = {
+        "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "ttft_ms": summary(ttft), "tbt_ms": summary(tbt), "tbt_server_ms": summary(tbt_server),
+        "e2e_ms": summary((r.finished - r.submitted) * 1e3 for r in ok),
+        "gap01_ms": summary(gap01), "ttst_ms": summary((r.token_times[1] - r.submitted) * 1e3 for r in second),
+        "tbt_after_first_ms": summary(g * 1e3 for g in steady),
+        "ttft_long_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "long"),
+        "ttft_short_ms": summary(t for t, r in zip(ttft, ok) if r.planned.kind == "short"),
+        "throughput_tok_s": sum(len(r.token_times) for r in ok) / span,
+        "slo_attainment": met / len(records) if records else 0.0,
+        "goodput_rps": rate * met / len(records) if records else 0.0,
+        "queue_overhead_ms": summary(t - p for t, p in zip(ttft, prefill_ms) if not math.isnan(p)),
+        "queue_ms": summary(r.completion.queue_ms for r in ok if not math.isnan(r.completion.queue_ms)),
+        "prefill_ms": summary(p for p in prefill_ms if not math.isnan(p)),
+        "transfer_ms": summary(r.completion.transfer_ms for r in ok if r.completion.transfer_path not in ("", "local")),
+    }
+    prompt_tokens = sum(len(r.planned.prompt_ids) for r in ok)
+    cached = sum(getattr(r.completion, "cached_tokens", 0) or 0 for r in ok)
+    reused = sum(getattr(r.completion, "kv_reused_tokens", 0) or 0 for r in ok)
+    figures["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0      # prefill side
+    figures["decode_kv_reuse_rate"] = reused / prompt_tokens if prompt_tokens else 0.0      # KV not fetched
+    figures["tbt_p99_over_p50"] = figures["tbt_ms"]["p99"] / figures["tbt_ms"]["p50"] if tbt else None
+    return figures, {"ttft_ms": ttft, "tbt_ms": tbt}
+
+
+
+def phase_metrics(records: list[Record], settings: Settings) -> dict:
+    """Figures per phase (goodput at the phase's rate) and over the whole run (requests that
+    met both SLOs per second of arrivals)."""
+    out = {"by_phase": []}
+    for index, ph in enumerate(settings.phases):
+        figures, _ = metrics([r for r in records if r.planned.phase == index], ph.rate, settings)
+        out["by_phase"].append({"name": ph.name, "long_fraction": ph.long_fraction, "rate": ph.rate,
+                                "duration_s": ph.duration_s, **figures})
+    total_s = sum(ph.duration_s for ph in settings.phases)
+    overall, _ = metrics(records, len(records) / total_s if total_s else 0.0, settings)
+    out["overall"] = overall
+    return out
+
+
+
+def rate_key(rate: float) -> str:
+    return f"{rate:g}"
+
+
+
+def pool_rates(by_rate: dict, raw: dict, settings: Settings) -> dict:
+    """Mode-level figures pool the requests of every rate; ``by_rate`` keeps each rate. A
+    phased run's figures are its overall ones, with ``by_phase``."""
+    idle = by_rate.pop("idle_overhead_ms")
+    if "phases" in by_rate:
+        phases = by_rate.pop("phases")
+        phases.pop("records")
+        return {**phases["overall"], "by_phase": phases["by_phase"], "idle_overhead_ms": idle, "by_rate": {}}
+    records = [r for figures in by_rate.values() for r in figures.pop("records")]
+    mean_rate = sum(settings.rates) / len(settings.rates)
+    pooled, _ = metrics(records, mean_rate, settings)
+    pooled["goodput_rps"] = sum(f["goodput_rps"] for f in by_rate.values()) / len(by_rate)
+    pooled["idle_overhead_ms"] = idle
+    pooled["by_rate"] = by_rate
+    return pooled
+
+
+def claim(result: dict) -> dict:
+    """The seeds' claim, per rate: disaggregation keeps p99 TBT near its p50 while colocated
+    p99 TBT grows with the prefills in its batches. "holds": disagg's p99/p50 is below 2 and
+    below every colocated mode's; "partly": below every colocated mode's but not below 2."""
+    out = {}
+    for rate in map(rate_key, result["rates"]):
+        ratios = {m: result["modes"][m]["by_rate"][rate]["tbt_p99_over_p50"] for m in result["modes"]}
+        entry = {f"{m}_tbt_p99_over_p50": v for m, v in ratios.items()}
+        d = ratios.get("disagg")
+        others = [v for m, v in ratios.items() if m != "disagg" and v is not None]
+        if d is not None and others:
+            entry["verdict"] = ("holds" if d < 2.0 else "partly") if all(d < v for v in others) else "does not hold"
+        entry.update(prefix_claim(result, rate))
+        out[rate] = entry
+    return out
+
+
+def prefix_claim(result: dict, rate: str) -> dict:
+    """Issue 15's targets where the prefix modes ran: caching alone (cache-blind) at least 2x
+    lower TTFT p50 than caching off; cache-aware routing at least 1.5x lower than cache-blind."""
+    modes = result["modes"]
+    p50 = {m: modes[m]["by_rate"][rate]["ttft_ms"]["p50"] for m in PREFIX_MODES if m in modes}
+    out = {f"{m}_hit_rate": modes[m]["by_rate"][rate]["prefix_cache_hit_rate"] for m in p50}
+    if p50.get("prefix-off") and p50.get("prefix-blind"):
+        out["caching_ttft_p50_speedup"] = p50["prefix-off"] / p50["prefix-blind"]
+        out["caching_target_2x"] = out["caching_ttft_p50_speedup"] >= 2.0
+    if p50.get("prefix-blind") and p50.get("prefix-aware"):
+        out["routing_ttft_p50_speedup"] = p50["prefix-blind"] / p50["prefix-aware"]
+        out["routing_target_1_5x"] = out["routing_ttft_p50_speedup"] >= 1.5
+    return out
+
+
+def workload_dict(settings: Settings) -> dict:
+    w = settings.workload
+    return {"short_prompt": w.short_prompt, "short_output": w.short_output, "long_prompt": w.long_prompt,
+            "long_output": w.long_output, "long_fraction": w.long_fraction, "seed": settings.seed,
+            "requests_per_rate": {rate_key(r): settings.requests_at(r) for r in settings.rates},
+            "warmup": settings.warmup, "chunk_tokens": settings.chunk_tokens, "threads_per_worker": 1,
+            "sampling": "greedy, ignore_eos", "kind": settings.workload_kind,
+            **({"system_prompts": SYSTEM_PROMPTS, "system_len": SYSTEM_LEN, "conversations": CONVERSATIONS,
+                "user_len": USER_LEN, "assistant_len": ASSISTANT_LEN, "max_turns": MAX_TURNS}
+               if settings.workload_kind == "prefix" else {})}
+
+
+def phase_claim(result: dict) -> dict:
+    """The adaptive mode's targets (where it ran): in every phase at least 0.9x the best
+    fixed mode's goodput for that phase, and over the whole run at least 1.2x the best
+    single fixed mode's."""
+    modes = result["modes"]
+    if "adaptive" not in modes or len(modes) < 2:
+        return {}
+    fixed = {m: f for m, f in modes.items() if m != "adaptive"}
+    out = {"by_phase": []}
+    for index, ph in enumerate(result["phases"]):
+        best_mode = max(fixed, key=lambda m: fixed[m]["by_phase"][index]["goodput_rps"])
+        best = fixed[best_mode]["by_phase"][index]["goodput_rps"]
+        got = modes["adaptive"]["by_phase"][index]["goodput_rps"]
+        out["by_phase"].append({"phase": ph["name"], "best_fixed": best_mode, "best_fixed_goodput": best,
+                                "adaptive_goodput": got, "ratio": got / best if best else None,
+                                "met": got >= 0.9 * best})
+    best_mode = max(fixed, key=lambda m: fixed[m]["goodput_rps"])
+    best, got = fixed[best_mode]["goodput_rps"], modes["adaptive"]["goodput_rps"]
+    out["overall"] = {"best_fixed": best_mode, "best_fixed_goodput": best, "adaptive_goodput": got,
+                      "ratio": got / best if best else None, "met": got >= 1.2 * best}
+    return out
+
+
+def format_phase_table(result: dict) -> str:
+    slo = result["slo"]
+    lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
+             f"phases " + ", ".join(f"{p['name']} ({p['long_fraction']:.0%} documents, {p['rate']:g} req/s, "
+                                      f"{p['duration_s']:g} s)" for p in result["phases"]),
+             f"{'mode':<25}{'phase':>8}{'done':>8}  {'TTFT p50/p99 ms':>16}  {'tok0->1 p50/p99':>16}"
+             f"  {'TBT p50/p99 ms':>15}{'goodput':>9}{'attain':>8}"]
+    for mode, pooled in result["modes"].items():
+        for f in pooled["by_phase"] + [dict(pooled, name="all")]:
+            t, g, b = f["ttft_ms"], f["gap01_ms"], f["tbt_ms"]
+            lines.append(f"{mode:<25}{f['name']:>8}{f['completed']:>4}/{f['requests']:<3}  "
+                         f"{t['p50']:>7.0f} {t['p99']:>7.0f}  {g['p50']:>7.0f} {g['p99']:>7.0f}  "
+                         f"{b['p50']:>6.0f} {b['p99']:>7.0f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}")
+    c = result.get("claim") or {}
+    for entry in c.get("by_phase", []):
+        lines.append(f"adaptive in {entry['phase']}: {entry['adaptive_goodput']:.2f} req/s against the best fixed "
+                     f"({entry['best_fixed']}) {entry['best_fixed_goodput']:.2f}: "
+                     f"{(entry['ratio'] or 0):.2f}x (target >= 0.9x: {'met' if entry['met'] else 'NOT met'})")
+    if "overall" in c:
+        o = c["overall"]
+        lines.append(f"adaptive overall: {o['adaptive_goodput']:.2f} req/s against the best fixed ({o['best_fixed']}) "
+                     f"{o['best_fixed_goodput']:.2f}: {(o['ratio'] or 0):.2f}x (target >= 1.2x: "
+                     f"{'met' if o['met'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def format_table(result: dict) -> str:
+    if result.get("phases"):
+        return format_phase_table(result)
+    slo = result["slo"]
+    lines = [f"model {result['model']}; SLO: TTFT <= {slo['ttft_ms']:g} ms, p90 TBT <= {slo['tbt_ms']:g} ms; "
+             f"workload {result['workload']}",
+             f"{'mode':<25}{'rate':>6}{'done':>6}  {'TTFT p50/p90/p99 ms':>24}  {'TBT p50/p90/p99 ms':>22}"
+             f"{'tok/s':>8}{'goodput':>9}{'attain':>8}  {'queue ovh p50/p99':>18}  {'tok0->1 p50/p99':>16}"
+             f"  {'TTST p50/p99':>14}"]
+    for mode, pooled in result["modes"].items():
+        for rate, f in pooled["by_rate"].items():
+            t, b, q, g, s2 = f["ttft_ms"], f["tbt_ms"], f["queue_overhead_ms"], f["gap01_ms"], f["ttst_ms"]
+            lines.append(f"{mode:<25}{rate:>6}{f['completed']:>3}/{f['requests']:<2}  "
+                         f"{t['p50']:>7.0f} {t['p90']:>7.0f} {t['p99']:>7.0f}  "
+                         f"{b['p50']:>6.0f} {b['p90']:>6.0f} {b['p99']:>7.0f}"
+                         f"{f['throughput_tok_s']:>8.1f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}  "
+                         f"{q['p50']:>8.1f} {q['p99']:>8.1f}  {g['p50']:>7.0f} {g['p99']:>7.0f}"
+                         f"  {s2['p50']:>6.0f} {s2['p99']:>6.0f}")
+    for rate, entry in result["claim"].items():
+        ratios = ", ".join(f"{k.removesuffix('_tbt_p99_over_p50')} {v:.1f}x" for k, v in entry.items()
+                           if k != "verdict" and v is not None)
+        lines.append(f"claim at {rate} req/s (TBT p99/p50: {ratios}): {entry.get('verdict', 'n/a')}")
+    idle = {m: p["idle_overhead_ms"] for m, p in result["modes"].items()}
+    lines.append("queue overhead with idle workers (client TTFT - prefill_ms), p50/p99 ms: "
+                 + ", ".join(f"{m} {v['p50']:.1f}/{v['p99']:.1f}" for m, v in idle.items()))
+    return "\n".join(lines)
