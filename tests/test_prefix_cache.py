@@ -693,7 +693,8 @@ def test_cached_tokens_in_the_done_entry_and_old_entries_parse():
 
 
 def test_prefix_caching_is_on_by_default_and_an_option():
-    from workers.cli.run import generate, worker
+    from workers.cli.generate import generate
+    from workers.cli.worker import worker
 
     assert EngineConfig().prefix_caching is True
     for command in (generate, worker):

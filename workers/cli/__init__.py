@@ -6,12 +6,14 @@ Imports point one way: this module assembles the group from the command modules;
 command module imports ``workers.cli.common`` (and the supervisor or status view it
 drives); none imports this module or another command module.
 
-- ``run``: `generate`, `worker ROLE`
-- ``cluster``: `submit`, `status` (``status_view`` collects and draws the snapshot)
+- ``generate``: `generate` (the engine in this process, the reference)
+- ``worker``: `worker ROLE`
+- ``submit``: `submit`
+- ``status``: `status` (``status_view`` collects and draws the snapshot)
 - ``plan``: `plan` (the planner's recommendation; ``--apply`` switches roles)
 - ``up``: `up` (``local_cluster`` is the supervisor behind it)
 - ``bench``: `bench engine|transfer|serve`
-- ``server``: `redis-server`
+- ``redis_server``: `redis-server`
 - ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.frontends.gateway``)
 - ``metrics``: `metrics-sd` (Prometheus service discovery of the workers, stream backlog)
 - ``acl``: `acl` (least-privilege Redis ACL users for a cluster's roles)
@@ -26,14 +28,16 @@ import click
 from workers.cli.acl import acl
 from workers.cli.batch import batch
 from workers.cli.bench import bench
-from workers.cli.cluster import status, submit
 from workers.cli.common import Group
+from workers.cli.generate import generate
 from workers.cli.metrics import metrics_sd
 from workers.cli.plan import plan
-from workers.cli.run import generate, worker
+from workers.cli.redis_server import redis_server
 from workers.cli.serve import serve
-from workers.cli.server import redis_server
+from workers.cli.status import status
+from workers.cli.submit import submit
 from workers.cli.up import up
+from workers.cli.worker import worker
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,73 +1,16 @@
-"""`pdqueue generate` (the colocated engine in this process, without Redis: the reference)
-and `pdqueue worker ROLE` (one worker process): options parsed and checked before torch is
-imported, config built, the engine or the worker run.
+"""`pdqueue worker ROLE`: one worker process. Options parsed and checked before torch is
+imported (the model, the device, the KV pool, Redis, the metrics port, the KV secret), the
+``WorkerConfig`` built, the model loaded and the worker run.
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
-import time
 
 import click
 
-from pdqueue.protocol import MAX_SEED
-from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check_engine_config, check_kv_pool,
+from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
                                 check_model, engine_options, load, model_option, redis_security_options)
-
-
-@click.command()
-@click.argument("prompt")
-@model_option
-@click.option("--max-tokens", type=click.IntRange(min=1), default=REQUEST_DEFAULTS["max_tokens"], show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=REQUEST_DEFAULTS["temperature"],
-              show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=REQUEST_DEFAULTS["top_p"],
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=REQUEST_DEFAULTS["top_k"], show_default=True,
-              help="0 is off.")
-@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None,
-              help="Sampling seed [default: random; the seed used is printed on stderr].")
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
-@engine_options
-def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, chat, device, dtype,
-             threads, kv_cache_mb, prefix_caching, weights):
-    """Generate in this process with the colocated engine, streaming tokens (the reference)."""
-    check_model(model)
-    config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
-                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, weights=weights)
-    check_device(device)
-    check_kv_pool(model, config)
-    if seed is None:
-        seed = secrets.randbits(63)  # as a prefill worker picks one for a request without a seed
-    from pdqueue.engine.llm_engine import LLMEngine
-    from pdqueue.engine.sampling import SamplingParams
-
-    loaded = load(model, device, dtype, weights)
-    engine = LLMEngine(loaded, config)
-    tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tok.encode(text)
-    reason = engine.check_prompt(len(prompt_ids))
-    if reason:
-        raise UserError(reason)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop=tuple(stop))
-    started = time.perf_counter()
-    outputs = []
-
-    def show(out):
-        outputs.append(out)
-        click.echo(out.text, nl=False)
-        sys.stdout.flush()
-
-    engine.generate([prompt_ids], params, on_output=show)
-    click.echo()
-    elapsed = time.perf_counter() - started
-    reason = outputs[-1].finish_reason if outputs else "?"
-    click.secho(f"[{len(outputs)} tokens in {elapsed:.2f}s, {len(outputs) / elapsed:.1f} tok/s, "
-                f"finish: {reason}, seed {seed}]", fg="cyan", err=True)
 
 
 ROLES = ("prefill", "decode", "colocated")

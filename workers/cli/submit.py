@@ -1,8 +1,7 @@
-"""`pdqueue submit` and `pdqueue status`, the everyday commands (finding the cluster,
-connecting and printing are in ``workers.cli.common``, shared with `up`).
+"""`pdqueue submit`: one request, its answer streamed as it arrives (finding the cluster,
+connecting and printing are in ``workers.cli.common``, shared with `status` and `up`).
 
-Commands parse options, build config and call into ``pdqueue.Client`` or
-``workers.cli.status_view`` (the snapshot). Where the cluster is: ``pdqueue.discovery.resolve``.
+Where the cluster is: ``pdqueue.discovery.resolve``.
 The URL: ``--redis-url``/``PDQ_REDIS_URL``, else the state file of the running ``pdqueue
 up`` of the cluster, else redis://127.0.0.1:6379/0. The cluster: ``--cluster``/``PDQ_CLUSTER``,
 else the local cluster's (several up: ``default``, else an error listing them), else
@@ -15,15 +14,11 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 
 import click
 
-from workers.cli.common import (UserError, connect, redis_failure, resolve_target, rich_console, summary,
-                                target_options)
+from workers.cli.common import UserError, connect, redis_failure, resolve_target, summary, target_options
 
-
-# ---- submit ------------------------------------------------------------------------------
 
 @click.command()
 @click.argument("prompt")
@@ -172,59 +167,3 @@ def completion_dict(c) -> dict:
     d["finish_reason"] = getattr(c.finish_reason, "value", c.finish_reason)
     d["num_tokens"] = c.num_tokens
     return d
-
-
-# ---- status ------------------------------------------------------------------------------
-
-@click.command()
-@target_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (with --watch: one per line).")
-@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
-              help="Seconds between refreshes with --watch.")
-@click.option("--window", type=click.FloatRange(min=1), default=60.0, show_default=True,
-              help="Seconds of completions (the done stream) behind the throughput and latency numbers.")
-def status(redis_url, cluster, as_json, watch, interval, window):
-    """Workers, queues (lengths, pending, lag) and recent throughput and latency."""
-    import redis
-
-    from pdqueue.keys import Keys
-    from workers.cli import status_view
-
-    target = resolve_target(redis_url, cluster)
-    r = connect(target)
-    keys = Keys(target.cluster)
-
-    def snapshot() -> dict:
-        try:
-            snap = status_view.collect(r, keys, window_s=window)
-        except redis.RedisError as exc:   # lost, or a command the ACL user may not run (which it names)
-            raise redis_failure(exc, target) from None
-        return {"redis_url": target.shown_url, "source": target.source, **snap}
-
-    title = f"pdqueue cluster {target.cluster!r} at {target.shown_url}"
-    if not watch:
-        snap = snapshot()
-        if as_json:
-            click.echo(json.dumps(snap, indent=2))
-        else:
-            rich_console().print(status_view.render(snap, title))
-        return
-    try:
-        if as_json or not sys.stdout.isatty():
-            while True:
-                snap = snapshot()
-                if as_json:
-                    click.echo(json.dumps(snap))
-                else:
-                    rich_console().print(status_view.render(snap, title))
-                sys.stdout.flush()
-                time.sleep(interval)
-        from rich.live import Live
-
-        with Live(status_view.render(snapshot(), title), console=rich_console(), auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
-                live.update(status_view.render(snapshot(), title), refresh=True)
-    except KeyboardInterrupt:
-        pass
