@@ -1,4 +1,4 @@
-"""What the gateway runs on (issue 23): `pdqueue.frontends.gateway.runtime` (the event loop and HTTP
+"""What the gateway runs on (issue 23): `pdqueue.frontends.runtime.runtime` (the event loop and HTTP
 parser `pdqueue serve --loop/--http` choose), `PDQ_REDIS_PARSER` (redis-py's reply parser,
 per process), and `pdqueue bench gateway --variants` (their names, the rounds and their
 summary), without starting a process: the gateway's own runs on each are in
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import redis
 
-import pdqueue.frontends.gateway as gateway
+import pdqueue.frontends.runtime as gateway_runtime
 from pdqueue.bench import gateway_bench as gb
 from pdqueue.queue import connection
 from pdqueue.queue.connection import PARSER_ENV, async_client_from_url, client_from_url, redis_parser
@@ -22,33 +22,33 @@ HIREDIS = bool(redis.utils.HIREDIS_AVAILABLE)
 # ---- the event loop and the HTTP parser --------------------------------------------------------
 
 def test_auto_is_uvloop_and_httptools_when_installed_else_asyncio_and_h11(monkeypatch):
-    monkeypatch.setattr(gateway, "_installed", lambda module: True)
-    monkeypatch.setattr(gateway.sys, "platform", "linux")
-    rt = gateway.runtime()
+    monkeypatch.setattr(gateway_runtime, "_installed", lambda module: True)
+    monkeypatch.setattr(gateway_runtime.sys, "platform", "linux")
+    rt = gateway_runtime.runtime()
     assert (rt.loop, rt.http) == ("uvloop", "httptools")
-    monkeypatch.setattr(gateway, "_installed", lambda module: False)
-    rt = gateway.runtime()
+    monkeypatch.setattr(gateway_runtime, "_installed", lambda module: False)
+    rt = gateway_runtime.runtime()
     assert (rt.loop, rt.http) == ("asyncio", "h11")
     assert rt.describe().startswith("event loop asyncio (Python ") and "HTTP parser h11" in rt.describe()
 
 
 def test_a_loop_or_parser_named_but_not_installed_is_an_error(monkeypatch):
-    monkeypatch.setattr(gateway, "_installed", lambda module: module not in ("uvloop", "httptools"))
+    monkeypatch.setattr(gateway_runtime, "_installed", lambda module: module not in ("uvloop", "httptools"))
     with pytest.raises(ValueError, match=r"uvloop is not installed \(pip install 'pdqueue\[fast\]'\)"):
-        gateway.runtime("uvloop")
+        gateway_runtime.runtime("uvloop")
     with pytest.raises(ValueError, match="httptools is not installed"):
-        gateway.runtime("auto", "httptools")
-    assert gateway.runtime("asyncio", "h11").name.startswith("asyncio-h11-")
+        gateway_runtime.runtime("auto", "httptools")
+    assert gateway_runtime.runtime("asyncio", "h11").name.startswith("asyncio-h11-")
     with pytest.raises(ValueError, match="expected one of auto, asyncio, uvloop"):
-        gateway.runtime("trio")
+        gateway_runtime.runtime("trio")
     with pytest.raises(ValueError, match="expected one of auto, h11, httptools"):
-        gateway.runtime("auto", "h2")
+        gateway_runtime.runtime("auto", "h2")
 
 
 def test_uvloop_is_never_auto_on_windows(monkeypatch):
-    monkeypatch.setattr(gateway, "_installed", lambda module: True)
-    monkeypatch.setattr(gateway.sys, "platform", "win32")
-    assert gateway.runtime().loop == "asyncio"
+    monkeypatch.setattr(gateway_runtime, "_installed", lambda module: True)
+    monkeypatch.setattr(gateway_runtime.sys, "platform", "win32")
+    assert gateway_runtime.runtime().loop == "asyncio"
 
 
 # ---- the Redis reply parser ----------------------------------------------------------------------
