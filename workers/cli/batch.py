@@ -34,7 +34,7 @@ def batch(input_path, output_path, redis_url, cluster, batch_id, concurrency):
     line (url /v1/chat/completions or /v1/completions); OUTPUT gets one {"id", "custom_id",
     "response", "error"} per line. Run the same command again after a crash or Ctrl-C: lines
     already in OUTPUT are skipped, requests still in Redis are re-attached to, not sent again."""
-    from pdqueue.frontends.batch import BatchError, BatchRun
+    from pdqueue.frontends.batch import BatchError, file_run
     from pdqueue.keys import Keys
     from pdqueue.queue.registry import list_workers
 
@@ -45,7 +45,7 @@ def batch(input_path, output_path, redis_url, cluster, batch_id, concurrency):
     stop = threading.Event()
     progress = _Progress(err)
     try:
-        run = BatchRun(r, keys, input_path, output_path, batch_id=batch_id, concurrency=concurrency, stop=stop,
+        run = file_run(r, keys, input_path, output_path, batch_id=batch_id, concurrency=concurrency, stop=stop,
                        on_progress=progress.update)
         counts = run.prepare()
     except BatchError as exc:
