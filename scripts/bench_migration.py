@@ -55,7 +55,7 @@ def one_stop(model: str, n: int, max_tokens: int, migrate: bool, log_dir: Path) 
             if time.monotonic() > deadline:
                 raise TimeoutError("the requests did not all start decoding")
             time.sleep(0.05)
-        d1 = lc._spawn("decode", f"decode-late-{lc.run_id}")
+        d1 = lc.spawn("decode", f"decode-late-{lc.run_id}")
         while d1.worker_id not in lc.registered():
             time.sleep(0.05)
         stopped = time.monotonic()

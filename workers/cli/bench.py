@@ -61,7 +61,7 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
         cluster_.start_server()
         cluster_.start_workers()
         for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
-            cluster_._spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
+            cluster_.spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
         cluster_.wait_ready(timeout_s=600)
     except (WorkerFailed, TimeoutError) as exc:
         stopper.stop(grace_s=5)
@@ -485,14 +485,14 @@ def _start_variant_gateway(lc, variant, timeout_s: float = 30.0):
     import subprocess
     import time
 
-    from pdqueue.procs import die_with_parent as _child_setup
+    from pdqueue.procs import die_with_parent
 
     out_path, log_path = lc.log_dir / f"gateway-{variant.name}.out", lc.log_dir / f"gateway-{variant.name}.log"
     cmd = [sys.executable, "-m", "workers", "serve", "--cluster", lc.config.cluster, "--port", "0",
            "--log-level", "WARNING", *variant.serve_args()]
     with open(out_path, "wb") as out, open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=lc.child_env(),
-                                start_new_session=True, preexec_fn=_child_setup)
+                                start_new_session=True, preexec_fn=die_with_parent)
     deadline = time.monotonic() + timeout_s
     while True:
         match = re.search(r"(http://\S+)/v1", out_path.read_text(errors="replace"))

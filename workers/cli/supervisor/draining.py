@@ -1,0 +1,197 @@
+"""What the embedded server still holds when `up` stops (its queue dies with it): the
+backlog of this cluster's streams, ``drain`` (the workers answer it first), ``fail_unanswered``
+(an ``error`` entry, code ``unavailable``, for each request left, so no client waits on a
+server that is gone) and ``still_running`` (who is left and what each holds). An answered
+entry is deleted (acknowledged and XDELed), so what a stream holds is what is still to be
+answered. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import redis
+
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
+from pdqueue.protocol import ErrorCode, entry_request_id, error_entry
+from pdqueue.queue.registry import list_workers
+from pdqueue.queue.streams import request_streams_of
+from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
+
+if TYPE_CHECKING:
+    from workers.cli.local_cluster import LocalCluster
+
+# The workers first answer what the server holds, until nothing is left or nothing
+# progressed for DRAIN_STALL_S; what is left then gets an error entry
+# (ErrorCode.UNAVAILABLE) that its client reads within UNANSWERED_READ_S, before the server goes.
+DRAIN_STALL_S = 30.0
+UNANSWERED_READ_S = 1.0
+UNANSWERED_TTL_MS = 60_000
+STOP_REPORT_INTERVAL_S = 2.0
+
+
+class WorkLeft:
+    """The requests and handoffs left in one ``LocalCluster``'s streams."""
+
+    def __init__(self, cluster: "LocalCluster"):
+        self.cluster = cluster
+
+    # -- what the embedded server holds when `up` stops ------------------------------------
+    def _work_streams(self) -> list[tuple[str, str]]:
+        """(stream, group) of every stream holding requests or handoffs of this cluster. An
+        answered entry is deleted (acknowledged and XDELed), so what a stream holds is what is
+        still to be answered: waiting to be read, or in a worker's hands."""
+        streams = [(s, PREFILL_GROUP) for s in request_streams_of(self.cluster.redis, self.cluster.keys)]
+        handoffs = {k.decode() if isinstance(k, bytes) else k
+                    for k in self.cluster.redis.scan_iter(match=self.cluster.keys.handoff_node("*"), count=200)}
+        return streams + [(s, DECODE_GROUP) for s in sorted({self.cluster.keys.handoff, *handoffs})]
+
+    def backlog(self) -> tuple[int, int]:
+        """(requests waiting to be read, requests in a worker's hands) in this cluster's
+        streams; a request counts once where it is (its prompt, then its handoff)."""
+        by_group = self.backlog_by_group()
+        return sum(w for w, _ in by_group.values()), sum(h for _, h in by_group.values())
+
+    def backlog_by_group(self) -> dict[str, tuple[int, int]]:
+        """``backlog`` per consumer group: ``prefill`` (the request streams) and ``decode``
+        (the handoff streams)."""
+        streams = self._work_streams()
+        with self.cluster.redis.pipeline(transaction=False) as pipe:
+            for stream, group in streams:
+                pipe.xlen(stream)
+                pipe.xpending(stream, group)
+            replies = pipe.execute(raise_on_error=False)
+        out = {PREFILL_GROUP: (0, 0), DECODE_GROUP: (0, 0)}
+        for (_, group), length, pending in zip(streams, replies[::2], replies[1::2]):
+            length = length if isinstance(length, int) else 0
+            in_hand = int(pending.get("pending") or 0) if isinstance(pending, dict) else 0
+            waiting, held = out[group]
+            out[group] = (waiting + max(0, length - in_hand), held + in_hand)
+        return out
+
+    def _nobody_for(self, by_group: dict[str, tuple[int, int]]) -> str | None:
+        """Work left in a group that no running worker reads (its workers died): e.g. ``2
+        requests for a decode worker, and none is running``; None if every group with work
+        has a reader."""
+        roles = self.cluster.current_roles()
+        running = {roles.get(w.worker_id, w.role) for w in self.cluster.workers if w.alive}
+        readers = {PREFILL_GROUP: ("prefill", "colocated"), DECODE_GROUP: ("decode",)}
+        for group, (waiting, held) in by_group.items():
+            if waiting + held and not running & set(readers[group]):
+                return (f"{count_of(waiting + held, 'request', 'requests')} for a {group} worker, "
+                        f"and none is running")
+        return None
+
+    def drain(self, hurry: threading.Event, say: Progress, waiting: Progress | None = None,
+              stall_s: float = DRAIN_STALL_S) -> bool:
+        """Let the workers answer everything the embedded server holds before they are
+        stopped: the queue dies with the server. Ends when nothing is left (True), on
+        ``hurry`` (a second Ctrl-C), when no running worker reads what is left (its role's
+        workers died: a dead worker does not hold the stop up), or after ``stall_s``
+        without progress (neither the backlog nor any worker's KV use changed: a worker
+        stuck)."""
+        try:
+            queued, held = self.backlog()
+        except redis.RedisError:
+            return False
+        if not queued + held:
+            return True
+        say(f"answering what is left first: {queued} queued, {held} in hand (Ctrl-C again: stop now, "
+            f"what is not answered then gets an error)")
+        last, since = None, time.monotonic()
+        next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+        while not hurry.is_set():
+            if not any(w.alive for w in self.cluster.workers):
+                say("no worker is running: the rest cannot be answered")
+                return False
+            try:
+                by_group = self.backlog_by_group()
+                queued = sum(w for w, _ in by_group.values())
+                held = sum(h for _, h in by_group.values())
+                progress = (queued, held, self._work_signature())
+                nobody = self._nobody_for(by_group)
+            except redis.RedisError:
+                return False
+            left = queued + held
+            if not left:
+                say("everything queued was answered")
+                return True
+            if nobody:
+                say(f"{nobody}: stopping with {left} left")
+                return False
+            if progress != last:
+                last, since = progress, time.monotonic()
+            elif time.monotonic() - since > stall_s:
+                say(f"no progress for {stall_s:g} s: stopping with {left} left")
+                return False
+            if waiting is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+                waiting(f"answering what is left: {queued} queued, {held} in hand (Ctrl-C again: stop now)")
+            hurry.wait(0.2)
+        return False
+
+    def _work_signature(self) -> tuple:
+        """What changes while the workers make progress on long requests that do not finish
+        yet: each one's free KV blocks (a decode sequence takes a block every 16 tokens) and
+        running count, from the heartbeats."""
+        return tuple(sorted((w.get("worker_id", ""), (w.get("load") or {}).get("kv_free"),
+                             (w.get("load") or {}).get("running")) for w in list_workers(self.cluster.redis, self.cluster.keys)))
+
+    def fail_unanswered(self, reason: str = "the local cluster (pdqueue up) stopped before answering") -> int:
+        """Once the workers are gone, before the embedded server is: an ``error`` entry on
+        ``out:<id>`` of every request still in the streams, so that its client learns at
+        once (``RequestFailed``, code ``unavailable``) instead of losing its Redis. Returns
+        how many."""
+        try:
+            ids: set[str] = set()
+            for stream, _ in self._work_streams():
+                for entry_id, fields in self.cluster.redis.xrange(stream):
+                    rid = entry_request_id(entry_id, fields)
+                    if rid:
+                        ids.add(rid)
+            with self.cluster.redis.pipeline(transaction=False) as pipe:
+                for rid in sorted(ids):
+                    pipe.xadd(self.cluster.keys.out(rid), error_entry(reason, ErrorCode.UNAVAILABLE))
+                    pipe.pexpire(self.cluster.keys.out(rid), UNANSWERED_TTL_MS)
+                pipe.execute()
+        except redis.RedisError:
+            return 0
+        return len(ids)
+
+    def still_running(self, group: list[WorkerProcess] | None = None) -> str:
+        """``decode-0-ab12 (3 requests in hand), prefill-0-ab12 (1 KV lease)``: the workers
+        of ``group`` (default: all alive) and what they hold: the entries each has taken and
+        not yet acknowledged (XPENDING: exact, now) and its KV leases (from its last
+        heartbeat, up to a third of the heartbeat TTL old). Without Redis: the ids."""
+        group = [w for w in self.cluster.workers if w.alive] if group is None else group
+        try:
+            registered = {w["worker_id"]: w for w in list_workers(self.cluster.redis, self.cluster.keys)}
+            in_hand = self._pending_by_consumer()
+        except (redis.RedisError, AssertionError):
+            registered, in_hand = {}, {}
+        parts = []
+        for w in group:
+            leases = (registered.get(w.worker_id, {}).get("load") or {}).get("leases")
+            held = [count_of(in_hand.get(w.worker_id, 0), "request in hand", "requests in hand"),
+                    count_of(leases if isinstance(leases, int) else 0, "KV lease", "KV leases")]
+            held = [h for h in held if h]
+            parts.append(w.worker_id + (f" ({', '.join(held)})" if held else ""))
+        return ", ".join(parts)
+
+    def _pending_by_consumer(self) -> dict[str, int]:
+        """Entries taken and not yet acknowledged, by consumer (worker id), in the request
+        streams (prefill group) and the handoff streams (decode group)."""
+        with self.cluster.redis.pipeline(transaction=False) as pipe:
+            for stream, group in self._work_streams():
+                pipe.xpending(stream, group)
+            replies = pipe.execute(raise_on_error=False)
+        counts: dict[str, int] = {}
+        for reply in replies:
+            if isinstance(reply, dict):  # else: no such stream or group yet
+                for consumer in reply.get("consumers") or []:
+                    name = consumer["name"]
+                    name = name.decode() if isinstance(name, bytes) else name
+                    counts[name] = counts.get(name, 0) + int(consumer["pending"])
+        return counts
