@@ -110,7 +110,8 @@ class Reply:
     ``cancels``: a hang-up cancels the request (plain requests; not resumable ones or reads)."""
 
     def __init__(self, gw: Gateway, handle, spec: Spec, *, endpoint: str, arrived: float, headers: dict,
-                 after: int | None = None, ids: bool = False, attached: bool = False, cancels: bool = True):
+                 after: int | None = None, ids: bool = False, attached: bool = False, cancels: bool = True,
+                 tenant=None):
         self.gw, self.handle, self.spec = gw, handle, spec
         self.endpoint, self.arrived, self.headers = endpoint, arrived, headers
         self.after = -2 if after is None else after   # -2: nothing yet (the chat role chunk is item -1)
@@ -119,6 +120,9 @@ class Reply:
         self.ended = False      # counted
         self.started = False    # the response's first message was sent
         self.complete = False   # and its last
+        self.tenant = tenant    # tenants.TenantState: its open count and tokens (None: not counted)
+        if tenant is not None:
+            tenant.started()
         gw.open.add(self)
         gw.metrics.in_flight.labels("gateway").inc()
 
@@ -178,9 +182,13 @@ class Reply:
         m = self.gw.metrics
         m.in_flight.labels("gateway").dec()
         m.requests.labels("gateway", self.endpoint, str(status)).inc()
-        if completion is not None and not self.attached:
+        counted = completion is not None and not self.attached
+        if counted:
             m.e2e.labels("gateway", self.spec.model).observe(time.perf_counter() - self.arrived)
             m.finished(self.spec.model, completion)
+        if self.tenant is not None:
+            self.tenant.finished(status, completion.num_prompt_tokens if counted else 0,
+                                 len(completion.token_ids) if counted else 0)
 
     @property
     def response_id(self) -> str:

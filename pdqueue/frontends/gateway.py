@@ -26,7 +26,6 @@ torch; uvicorn only in ``serve``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -52,6 +51,7 @@ from pdqueue.frontends.cluster_view import ClusterView
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.runtime import Runtime, bind, runtime
+from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, class_fields, load_tenants
 from pdqueue.keys import Keys
 from pdqueue.protocol import RequestError
 
@@ -71,6 +71,7 @@ class GatewayConfig:
     timeout_s: float | None = 600.0   # None: wait for ever
     poll_s: float = 0.25              # how often the cluster view is refreshed
     keepalive_s: float | None = None  # an SSE comment after this long without a token; None: never
+    tenants: tuple[Tenant, ...] = ()  # API keys -> tenants (tenants.py); none: api_key is tenant "default"
 
 
 
@@ -80,6 +81,7 @@ class Gateway:
         self.keys = Keys(config.cluster)
         self.view = ClusterView(config.redis_url, self.keys, config.poll_s)
         self.metrics = GatewayMetrics()
+        self.tenants = Tenants(list(config.tenants) or load_tenants(None, config.api_key), self.metrics)
         self.client: AsyncClient | None = None
         self._poller: asyncio.Task | None = None
         self._ignored_logged: set[tuple[str, ...]] = set()
@@ -122,35 +124,36 @@ class Gateway:
         return self.draining and not self.open and self._busy == 0
 
     # ---- checks (no I/O) ----------------------------------------------------------------
-    def _authorized(self, request: Request) -> bool:
-        key = self.config.api_key
-        if not key:
-            return True
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    def _tenant(self, request: Request) -> TenantState:
+        """The tenant of the request's API key; OpenAIError 401 for none."""
+        tenant = self.tenants.identify(request.headers.get("authorization", ""))
+        if tenant is None:
+            raise self._unauthorized()
+        request.state.tenant = tenant
+        return tenant
 
     def _unauthorized(self) -> OpenAIError:
         return OpenAIError(401, "Incorrect API key provided (send it as 'Authorization: Bearer KEY').",
                            "invalid_request_error", code="invalid_api_key")
 
-    async def _admit_fresh(self, parsed: oai.Parsed) -> tuple[str, dict]:
+    async def _admit_fresh(self, parsed: oai.Parsed, tenant: TenantState) -> tuple[str, dict]:
         """``_admit``; a 503 or 404 that a view older than ``FRESH_S`` gives is checked again
         against a new poll first (workers that registered since, as right after ``up``'s
         "ready:"): one round trip, on a path that is otherwise an error."""
         try:
-            return self._admit(parsed)
+            return self._admit(parsed, tenant)
         except OpenAIError as exc:
             if exc.status not in (503, 404) or time.monotonic() - self.view.polled_at < FRESH_S:
                 raise
         await self.view.refresh()
-        return self._admit(parsed)
+        return self._admit(parsed, tenant)
 
-    def _admit(self, parsed: oai.Parsed) -> tuple[str, dict]:
-        """The model name and its info; OpenAIError 429, 503 or 404 otherwise."""
+    def _admit(self, parsed: oai.Parsed, tenant: TenantState) -> tuple[str, dict]:
+        """The model name and its info; OpenAIError 429, 503 or 404 otherwise. Over the
+        backlog limit, a tenant under its share of the open requests is still admitted."""
         view = self.view
         limit = self.config.max_backlog
-        if limit is not None and view.backlog_now() > limit:
+        if limit is not None and view.backlog_now() > limit and not self.tenants.exempt(tenant):
             raise OpenAIError(429, f"the cluster's request backlog ({view.backlog_now()}) is over the "
                                    f"limit ({limit}); retry later", "rate_limit_error", code="rate_limit_exceeded")
         if not view.ok:
@@ -191,8 +194,10 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return self._count("models", errs.error(self._unauthorized()))
+        try:
+            self._tenant(request)
+        except OpenAIError as exc:
+            return self._count("models", errs.error(exc))
         now = int(time.time())
         data = [{"id": name, "object": "model", "created": info["created"] or now, "owned_by": "pdqueue",
                  "root": name, "parent": None, "max_model_len": info["max_model_len"] or None, "permission": []}
@@ -215,8 +220,7 @@ class Gateway:
         is not stopped by its client hanging up)."""
         headers = {"x-request-id": request.path_params["request_id"]}
         try:
-            if not self._authorized(request):
-                raise self._unauthorized()
+            self._tenant(request)
             request_id, _ = await self.records.find(request.path_params["request_id"])
             headers["x-request-id"] = request_id
             await self.client.cancel(request_id)
@@ -240,9 +244,10 @@ class Gateway:
             return self._count(endpoint, errs.error(errs.unavailable(errs.DRAINING), errs.retry_after(headers)))
         self._busy += 1
         try:
-            if not self._authorized(request):
-                raise self._unauthorized()
+            self._tenant(request)
             return await answer(headers)
+        except RateLimited as exc:
+            return self._count(endpoint, errs.error(exc.error, {**headers, "retry-after": str(exc.retry_after)}))
         except OpenAIError as exc:
             return self._count(endpoint, errs.error(exc, headers))
         finally:
@@ -250,6 +255,8 @@ class Gateway:
 
     async def _generate(self, request: Request, kind: str, headers: dict) -> Response:
         arrived = time.perf_counter()
+        tenant = request.state.tenant
+        self.tenants.admit(tenant)   # RateLimited: the 429 where the request enters
         endpoint = "chat" if kind == "chat" else "completions"
         ident = res.ident(request, headers["x-request-id"])
         headers["x-request-id"] = ident.request_id
@@ -262,15 +269,15 @@ class Gateway:
             self._log_ignored(parsed.ignored)
         params = res.params_hash(kind, parsed) if ident.resumable else ""   # only a record holds it
         answer = dict(endpoint=endpoint, arrived=arrived, headers=headers, after=ident.after,
-                      cancels=not ident.resumable)
+                      cancels=not ident.resumable, tenant=tenant)
         record = await self.records.load(ident.request_id) if ident.resumable else None
         if record is not None:   # a retry or a resume: attach to the first request
             return await self._attach(ident.request_id, record, params, parsed, answer)
         if ident.after is not None:
             return await self._resume_unrecorded(ident.request_id, kind, parsed, answer)
-        model, info = await self._admit_fresh(parsed)
+        model, info = await self._admit_fresh(parsed, tenant)
         spec = res.Spec(kind, model, int(time.time()), parsed.include_usage)
-        handle = await self._submit(ident.request_id, parsed, info)
+        handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class)
         if ident.resumable:
             await self.records.save(ident.request_id, spec, params)
         return self._reply(handle, spec, parsed.stream, ids=ident.resumable, attached=False, **answer)
@@ -313,8 +320,9 @@ class Gateway:
         return self._reply(self.client.handle(request_id), spec, stream, endpoint="requests", arrived=arrived,
                            headers=headers, after=after, ids=True, attached=True, cancels=False)
 
-    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict):
+    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str):
         kwargs = parsed.submit_kwargs(default_max_tokens=info["max_model_len"] or None)
+        kwargs.update(class_fields(service_class))
         if self.config.timeout_s is not None:
             kwargs["deadline_ms"] = max(1, int(self.config.timeout_s * 1000))
         try:

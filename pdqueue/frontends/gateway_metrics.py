@@ -37,9 +37,33 @@ class GatewayMetrics:
                                ("role",), registry=r)
         self.backlog = Gauge("pdqueue:gateway_backlog", "Request backlog of the cluster at the last poll "
                              "(lag + pending of the request streams).", ("role",), registry=r)
+        tenant = ("role", "tenant")
+        self.tenant_requests = Counter("pdqueue:gateway_tenant_requests", "Completion requests answered, by "
+                                       "tenant and status code.", (*tenant, "status"), registry=r)
+        self.tenant_prompt_tokens = Counter("pdqueue:gateway_tenant_prompt_tokens", "Prompt tokens of the "
+                                            "tenant's requests answered.", tenant, registry=r)
+        self.tenant_generation_tokens = Counter("pdqueue:gateway_tenant_generation_tokens", "Tokens generated "
+                                                "for the tenant.", tenant, registry=r)
+        self.tenant_rate_limited = Counter("pdqueue:gateway_tenant_rate_limited", "Requests refused with 429 "
+                                           "by the tenant's limit (requests or tokens per second).",
+                                           (*tenant, "limit"), registry=r)
+        self.tenant_open = Gauge("pdqueue:gateway_tenant_requests_in_flight", "The tenant's completion "
+                                 "requests being answered.", tenant, registry=r)
 
     def finished(self, model: str, c: Completion) -> None:
         self.success.labels("gateway", model, oai.finish_reason(c.finish_reason)).inc()
         self.prompt_tokens.labels("gateway", model).inc(c.num_prompt_tokens)
         self.generation_tokens.labels("gateway", model).inc(len(c.token_ids))
 
+    def tenant_started(self, tenant: str) -> None:
+        self.tenant_open.labels("gateway", tenant).inc()
+
+    def tenant_finished(self, tenant: str, status: int, prompt_tokens: int, generated_tokens: int) -> None:
+        self.tenant_open.labels("gateway", tenant).dec()
+        self.tenant_requests.labels("gateway", tenant, str(status)).inc()
+        if prompt_tokens or generated_tokens:
+            self.tenant_prompt_tokens.labels("gateway", tenant).inc(prompt_tokens)
+            self.tenant_generation_tokens.labels("gateway", tenant).inc(generated_tokens)
+
+    def tenant_limited(self, tenant: str, limit: str) -> None:
+        self.tenant_rate_limited.labels("gateway", tenant, limit).inc()

@@ -26,6 +26,10 @@ DEFAULT_PORT = 8000
               help="Port to listen on (0: a free one; the first line prints the URL).")
 @click.option("--api-key", envvar="PDQ_API_KEY", show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* [default: no key].")
+@click.option("--tenants", "tenants_path", envvar="PDQ_TENANTS", show_envvar=True, default=None,
+              type=click.Path(dir_okay=False),
+              help="A TOML file of tenants: API keys, share, requests_per_s, tokens_per_s, service_class "
+                   "(README, Tenants) [default: one tenant, --api-key's].")
 @click.option("--max-backlog", type=click.IntRange(min=0), default=None,
               help="Answer 429 while the cluster's request backlog (lag + pending of the request streams) is "
                    "over this [default: no limit].")
@@ -43,7 +47,7 @@ DEFAULT_PORT = 8000
               type=click.Choice(["auto", "hiredis", "python"]), default="auto", show_default=True,
               help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepalive_s, loop, http, redis_parser,
+def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, loop, http, redis_parser,
           log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
@@ -59,12 +63,17 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepa
     import os
 
     from pdqueue.frontends.gateway import GatewayConfig, bind, runtime, serve as run
+    from pdqueue.frontends.tenants import TenantError, load_tenants
     from pdqueue.queue.connection import PARSER_ENV
 
     os.environ[PARSER_ENV] = redis_parser   # every client this process makes (the gateway's)
     try:
         rt = runtime(loop, http)
     except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        tenants = load_tenants(tenants_path, api_key or None)
+    except TenantError as exc:
         raise UserError(str(exc)) from None
     target = resolve_target(redis_url, cluster)
     connect(target).close()
@@ -76,9 +85,18 @@ def serve(redis_url, cluster, host, port, api_key, max_backlog, timeout_s, keepa
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"pdqueue serve: http://{shown}:{bound}/v1 (cluster {target.cluster!r}, {target.shown_url}, "
-               f"{target.source}){'; API key required' if api_key else ''}", nl=True)
+               f"{target.source}){_keys_note(tenants)}", nl=True)
     click.get_text_stream("stdout").flush()
     click.echo(f"pdqueue serve: {rt.describe()}", err=True)
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
-                      max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s), sock,
+                      max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s,
+                      tenants=tuple(tenants)), sock,
         log_level=log_level, loop=rt.loop, http=rt.http)
+
+
+def _keys_note(tenants) -> str:
+    if not tenants:
+        return ""
+    if len(tenants) == 1 and tenants[0].name == "default":
+        return "; API key required"
+    return f"; API keys of {len(tenants)} tenants ({', '.join(t.name for t in tenants)})"
