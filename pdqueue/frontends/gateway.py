@@ -47,6 +47,8 @@ from pdqueue.frontends import http_errors as errs
 from pdqueue.frontends import openai_compat as oai
 from pdqueue.frontends import resumable as res
 from pdqueue.frontends.answer import Answer, Reply, reply
+from pdqueue.frontends.batch_api import BatchAPI
+from pdqueue.frontends.batch_runner import BatchRunner
 from pdqueue.frontends.cluster_view import ClusterView
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
@@ -72,6 +74,8 @@ class GatewayConfig:
     poll_s: float = 0.25              # how often the cluster view is refreshed
     keepalive_s: float | None = None  # an SSE comment after this long without a token; None: never
     tenants: tuple[Tenant, ...] = ()  # API keys -> tenants (tenants.py); none: api_key is tenant "default"
+    batch_lease_s: float = 10.0       # a killed gateway's batches are taken over after this
+    batch_concurrency: int = 64       # requests in flight per batch
 
 
 
@@ -86,6 +90,9 @@ class Gateway:
         self._poller: asyncio.Task | None = None
         self._ignored_logged: set[tuple[str, ...]] = set()
         self.records = res.Records(self.keys, config.timeout_s)
+        self.batch_api = BatchAPI(self)
+        self.batches: BatchRunner | None = None   # the batches this gateway runs (from start)
+        self._batch_task: asyncio.Task | None = None
         # Stopping (serve): draining after the first signal, `stopped` set by the second.
         self.draining = False
         self.stopped = asyncio.Event()
@@ -100,10 +107,15 @@ class Gateway:
         self.records.redis = self.client.redis
         await self.view.refresh()
         self._poller = asyncio.ensure_future(self.view.run())
+        self.batches = BatchRunner(self.config.redis_url, self.keys, self.client.redis, self.cancel,
+                                   lease_s=self.config.batch_lease_s, concurrency=self.config.batch_concurrency)
+        self._batch_task = asyncio.ensure_future(self.batches.run())
 
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self.batches is not None:
+            await self.batches.stop()
         if self.client is not None:
             await self.client.aclose()
         self.view.close()
@@ -112,6 +124,8 @@ class Gateway:
         """A stop signal (the first: drain; a later one, ``forced``: end the open answers now)."""
         if not self.draining:
             self.draining = True
+            if self.batches is not None:
+                self.batches.let_go()   # another gateway (or this one restarted) resumes them
             log.warning("stopping: %d answers open run to their end; new requests get 503 (a second "
                         "SIGTERM/SIGINT ends them now)", len(self.open) + self._busy)
         if forced and not self.stopped.is_set():
@@ -121,10 +135,10 @@ class Gateway:
 
     def idle(self) -> bool:
         """Draining, and no answer left to write: the process may exit."""
-        return self.draining and not self.open and self._busy == 0
+        return self.draining and not self.open and self._busy == 0 and not (self.batches and self.batches.busy())
 
     # ---- checks (no I/O) ----------------------------------------------------------------
-    def _tenant(self, request: Request) -> TenantState:
+    def tenant_of(self, request: Request) -> TenantState:
         """The tenant of the request's API key; OpenAIError 401 for none."""
         tenant = self.tenants.identify(request.headers.get("authorization", ""))
         if tenant is None:
@@ -195,14 +209,14 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._tenant(request)
+            self.tenant_of(request)
         except OpenAIError as exc:
-            return self._count("models", errs.error(exc))
+            return self.count("models", errs.error(exc))
         now = int(time.time())
         data = [{"id": name, "object": "model", "created": info["created"] or now, "owned_by": "pdqueue",
                  "root": name, "parent": None, "max_model_len": info["max_model_len"] or None, "permission": []}
                 for name, info in sorted(self.view.models().items())]
-        return self._count("models", JSONResponse({"object": "list", "data": data}))
+        return self.count("models", JSONResponse({"object": "list", "data": data}))
 
     async def completions(self, request: Request) -> Response:
         return await self._answering(request, "completions", lambda h: self._generate(request, "completion", h))
@@ -220,19 +234,19 @@ class Gateway:
         is not stopped by its client hanging up)."""
         headers = {"x-request-id": request.path_params["request_id"]}
         try:
-            self._tenant(request)
+            self.tenant_of(request)
             request_id, _ = await self.records.find(request.path_params["request_id"])
             headers["x-request-id"] = request_id
             await self.client.cancel(request_id)
         except OpenAIError as exc:
-            return self._count("cancel", errs.error(exc, headers))
+            return self.count("cancel", errs.error(exc, headers))
         except (redis.RedisError, OSError) as exc:
-            return self._count("cancel", errs.error(errs.unavailable(f"cannot reach the cluster's Redis: {exc}"), headers))
+            return self.count("cancel", errs.error(errs.unavailable(f"cannot reach the cluster's Redis: {exc}"), headers))
         log.info("request %s: cancelled by its client", request_id)
-        return self._count("cancel", JSONResponse({"id": request_id, "object": "request.cancel", "cancelled": True},
+        return self.count("cancel", JSONResponse({"id": request_id, "object": "request.cancel", "cancelled": True},
                                                   headers=headers))
 
-    def _count(self, endpoint: str, response: Response) -> Response:
+    def count(self, endpoint: str, response: Response) -> Response:
         self.metrics.requests.labels("gateway", endpoint, str(response.status_code)).inc()
         return response
 
@@ -241,15 +255,15 @@ class Gateway:
         the count of requests on their way to an answer (the drain waits for them)."""
         headers = {"x-request-id": res.named(request) or request.path_params.get("request_id") or uuid.uuid4().hex}
         if self.draining:
-            return self._count(endpoint, errs.error(errs.unavailable(errs.DRAINING), errs.retry_after(headers)))
+            return self.count(endpoint, errs.error(errs.unavailable(errs.DRAINING), errs.retry_after(headers)))
         self._busy += 1
         try:
-            self._tenant(request)
+            self.tenant_of(request)
             return await answer(headers)
         except RateLimited as exc:
-            return self._count(endpoint, errs.error(exc.error, {**headers, "retry-after": str(exc.retry_after)}))
+            return self.count(endpoint, errs.error(exc.error, {**headers, "retry-after": str(exc.retry_after)}))
         except OpenAIError as exc:
-            return self._count(endpoint, errs.error(exc, headers))
+            return self.count(endpoint, errs.error(exc, headers))
         finally:
             self._busy -= 1
 
@@ -350,19 +364,8 @@ class Gateway:
             log.warning("request %s: could not cancel (%s)", request_id, exc)
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
-        """Starlette's 404 (no route) and 405 (a route, another method), in OpenAI's shape."""
-        method, path = request.method, request.url.path
-        if exc.status_code == 404:
-            served = ", ".join(sorted({r.path for r in self.routes()}))
-            error = OpenAIError(404, f"Invalid URL ({method} {path}); this server serves {served}",
-                                code="unknown_url")
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
-            error = OpenAIError(405, f"{method} is not allowed on {path} (allowed: {allowed})",
-                                code="method_not_allowed")
-        else:
-            error = OpenAIError(exc.status_code, str(exc.detail))
-        return self._count("other", errs.error(error, exc.headers))
+        error = errs.routing_error(request.method, request.url.path, exc, sorted({r.path for r in self.routes()}))
+        return self.count("other", errs.error(error, exc.headers))
 
     def routes(self) -> list[Route]:
         return [Route("/v1/completions", self.completions, methods=["POST"]),
@@ -371,7 +374,8 @@ class Gateway:
                 Route("/v1/requests/{request_id}", self.fetch, methods=["GET"]),
                 Route("/v1/requests/{request_id}/cancel", self.cancel_request, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
-                Route("/metrics", self.metrics_endpoint, methods=["GET"])]
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                *self.batch_api.routes()]
 
 
 

@@ -39,6 +39,11 @@ DEFAULT_PORT = 8000
               help="Write an SSE comment (': keep-alive') after this many seconds without a token [default: never; "
                    "some benchmark clients drop every event after a comment, and a client that leaves is seen "
                    "without one].")
+@click.option("--batch-concurrency", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="Requests in flight per batch of the Batch API (/v1/batches).")
+@click.option("--batch-lease-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="A batch is run by one gateway at a time, under a lease renewed every third of this; a killed "
+                   "gateway's batches are taken over by another (or by it, restarted) after it.")
 @click.option("--loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
               help="The event loop (auto: uvloop when installed, else asyncio's).")
 @click.option("--http", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
@@ -47,9 +52,13 @@ DEFAULT_PORT = 8000
               type=click.Choice(["auto", "hiredis", "python"]), default="auto", show_default=True,
               help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, loop, http, redis_parser,
-          log_level):
+def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, batch_concurrency,
+          batch_lease_s, loop, http, redis_parser, log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
+
+    \b
+    The Batch API: POST /v1/files (purpose=batch), GET /v1/files/ID[/content], POST /v1/batches,
+    GET /v1/batches[/ID], POST /v1/batches/ID/cancel; batches live in Redis and survive restarts.
 
     \b
     Also GET /health (200 while prefill and decode, or colocated, workers live; else 503),
@@ -90,7 +99,8 @@ def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, ti
     click.echo(f"pdqueue serve: {rt.describe()}", err=True)
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
                       max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s,
-                      tenants=tuple(tenants)), sock,
+                      tenants=tuple(tenants), batch_lease_s=batch_lease_s,
+                      batch_concurrency=batch_concurrency), sock,
         log_level=log_level, loop=rt.loop, http=rt.http)
 
 
