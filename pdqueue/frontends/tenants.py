@@ -239,6 +239,7 @@ def load_tenants(path: str | None, api_key: str | None = None) -> list[Tenant]:
     for t in tenants:
         for k in t.api_keys:
             if k in seen:
-                raise TenantError(f"the same API key is given to tenants {seen[k]!r} and {t.name!r}")
+                where = f"--tenants {path}" if path is not None else "--api-key"
+                raise TenantError(f"{where}: the same API key is given to tenants {seen[k]!r} and {t.name!r}")
             seen[k] = t.name
     return tenants
