@@ -1,0 +1,35 @@
+"""Wire types of pdqueue: requests, result entries, and the prefill→decode handoff.
+
+Requests and results are flat Redis stream fields holding UTF-8 strings (numbers in
+decimal, lists as JSON arrays, booleans "1"/"0"), so ``redis-cli`` can write a request and
+read its answer. The handoff is internal: msgpack with a ``version`` field.
+
+Validation that needs the model (prompt longer than the context, more KV blocks than the
+pool, token ids beyond the vocabulary) is the worker's job; everything else is checked
+here and reported as a ``RequestError`` with a reason a human can act on.
+
+Imports the standard library and msgpack only (a producer must not need torch).
+
+One module per message: ``wire`` (version, enums, errors), ``requests``, ``limits``,
+``results``, ``handoff``. The names below are re-exported so that
+``from pdqueue.protocol import Request`` keeps working.
+"""
+
+from .handoff import Handoff, decode_handoff, encode_handoff
+from .limits import (MAX_ENTRY_BYTES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Limits,
+                     entry_bytes)
+from .requests import (MAX_SEED, REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms,
+                       entry_request_id, parse_request, request_to_fields, validate_request)
+from .results import Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry
+from .wire import (PROTOCOL_VERSION, ErrorCode, FinishReason, HandoffError, Priority, ProtocolError,
+                   RequestError, ResultType)
+
+__all__ = [
+    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Priority", "ErrorCode",
+    "ProtocolError", "RequestError", "HandoffError",
+    "Request", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
+    "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
+    "Limits", "MAX_ENTRY_BYTES", "MAX_PROMPT_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "entry_bytes",
+    "Completion", "ResultEvent", "token_entry", "done_entry", "error_entry", "parse_result",
+    "Handoff", "encode_handoff", "decode_handoff",
+]

@@ -1,0 +1,73 @@
+"""The protocol's version and change log, its enums and its errors."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+PROTOCOL_VERSION = 1
+# Change log (bump on any incompatible change to request/result fields or the handoff):
+#   1  first version: request fields id, prompt, prompt_ids, max_tokens, temperature,
+#      top_p, top_k, seed, stop, deadline_ms, priority, chat; result entries token/done/
+#      error; handoff msgpack {version, request, prompt_ids, output_ids, seed, ticket,
+#      prefill_worker, enqueued_ms, prefill_start_ms, prefill_end_ms, first_token_ms,
+#      attempt}.
+#      Later additions, all optional (older workers reject them as unknown fields):
+#      request field ignore_eos; done fields handoff_ms, first_step_ms, ttst_ms;
+#      request field messages (a conversation, the chat template applied to it);
+#      done field cached_tokens (prompt tokens served from the prefix cache; 0 if absent);
+#      handoff key cached_tokens (the same, carried to the decode worker; 0 if absent).
+
+
+class ResultType(str, Enum):
+    TOKEN = "token"
+    DONE = "done"
+    ERROR = "error"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"            # end-of-sequence token or a stop string (as OpenAI reports both)
+    LENGTH = "length"        # max_tokens reached
+    CANCELLED = "cancelled"  # cancel:<id> was set
+    EXPIRED = "expired"      # deadline_ms passed
+    ERROR = "error"
+
+
+class Priority(str, Enum):
+    NORMAL = "normal"
+    HIGH = "high"
+
+
+class ErrorCode(str, Enum):
+    BAD_REQUEST = "bad_request"  # malformed fields
+    TOO_LONG = "too_long"        # prompt (+ max_tokens) does not fit the model or the KV pool
+    DUPLICATE = "duplicate"      # a request with this id was already taken
+    INTERNAL = "internal"        # a worker bug or an unrecoverable failure
+    UNAVAILABLE = "unavailable"  # the cluster stopped before answering (`pdqueue up` with its own server)
+
+
+class ProtocolError(ValueError):
+    """A malformed wire message."""
+
+
+class RequestError(ProtocolError):
+    """A request that cannot be run. ``request_id`` names the answer stream to put the
+    error on; it is None when the id itself is unusable (the error then only goes to the
+    dead-letter stream)."""
+
+    def __init__(self, reason: str, request_id: str | None = None,
+                 code: str | ErrorCode = ErrorCode.BAD_REQUEST):
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+        self.code = ErrorCode(code).value if isinstance(code, ErrorCode) else str(code)
+
+
+class HandoffError(ProtocolError):
+    """A malformed handoff entry, or one of a protocol version this worker does not speak."""
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """A value for an error message, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
