@@ -187,6 +187,9 @@ def test_a_batch_is_answered_once_per_line_across_a_gateway_kill(url, logs, tena
         victim.proc.wait()
     finally:
         os.kill(gateway_pid, signal.SIGCONT)
+        if victim.proc.poll() is None:   # the test failed before the kill
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
     assert at_kill.request_counts.completed < n, "the batch ended before the kill: make it longer"
     done = wait_status(client, batch.id, ("completed", "failed", "cancelled"))
     assert done.status == "completed", done

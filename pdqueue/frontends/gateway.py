@@ -410,6 +410,8 @@ def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning"
       {"error": ...}``) and ``data: [DONE]``, a non-streaming request with a JSON 503; their
       pdqueue requests are cancelled (``cancel:<id>``). Then it exits 0. A connection is
       never cut.
+    - The batches it runs (``/v1/batches``) are let go at the first signal: another
+      gateway, or this one restarted, takes them over where they stopped.
 
     So a supervisor sends SIGTERM to the gateway first and waits for it to exit before it
     stops what the open answers read (the workers, the Redis server), and sends a second
