@@ -19,6 +19,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import openai
@@ -259,3 +260,45 @@ def test_a_cancelled_batch_ends_cancelled_with_each_answered_line_once(gateway):
         client.batches.cancel(batch.id)
     listed = client.batches.list(limit=10)
     assert batch.id in [b.id for b in listed.data]
+
+
+def test_a_batch_is_answered_once_per_line_across_a_redis_restart(tmp_path, tenants_file):
+    """Its own Redis (appendonly, fsync always), workers and gateway: Redis is killed
+    (SIGKILL) mid-batch and started again; the gateway stops the run while Redis is gone,
+    resumes it when it is back, and every line is answered once, each computed once."""
+    from pdqueue.queue.redis_server import RedisServer
+
+    n = 40
+    with RedisServer(dir=tmp_path, appendonly=True, extra_args=("--appendfsync", "always")) as server:
+        cluster = Cluster(server.url, tmp_path, cluster=CLUSTER)
+        try:
+            cluster.start("prefill", wait=False)
+            cluster.start("decode", wait=False)
+            for name in list(cluster.procs):
+                cluster.wait_registered(name)
+            gw = start_gateway(server.url, tmp_path, tenants_file, "gateway-redis-restart")
+            try:
+                client = oa(gw)
+                f = upload(client, jsonl([line(f"r-{i}", f"Restart {i}: once upon a time", max_tokens=24)
+                                          for i in range(n)]))
+                batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                              completion_window="24h")
+                at_kill = wait_for(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 3
+                                   and b, 120, what="some lines answered", interval=0.1)
+                server.kill()
+                time.sleep(1.0)   # an outage: the gateway, the workers and the run see Redis gone
+                server.start()
+                assert at_kill.request_counts.completed < n, "the batch ended before the restart: make it longer"
+                done = wait_status(client, batch.id, ("completed", "failed", "cancelled"))
+                assert done.status == "completed", done
+                out = output_lines(client, done.output_file_id)
+                assert sorted(o["custom_id"] for o in out) == sorted(f"r-{i}" for i in range(n))
+                assert all(o["response"]["status_code"] == 200 for o in out)
+                with redis.Redis.from_url(server.url) as r:
+                    ids = [fields[b"id"].decode() for _, fields in r.xrange(Keys(CLUSTER).done)
+                           if fields.get(b"id", b"").startswith(f"batch:{batch.id}:".encode())]
+                assert len(ids) == n and len(set(ids)) == n   # each computed once
+            finally:
+                gw.stop()
+        finally:
+            cluster.stop_and_check()

@@ -22,7 +22,7 @@ import uuid
 import redis
 
 from pdqueue.frontends.batch import BatchError, BatchRun
-from pdqueue.frontends.batch_store import RETENTION_S, BatchKeys, RedisInput, RedisOutput, file_ids_of
+from pdqueue.frontends.batch_store import RETENTION_S, BatchKeys, LeaseLost, RedisInput, RedisOutput, file_ids_of
 from pdqueue.frontends.tenants import class_fields
 from pdqueue.keys import Keys
 from pdqueue.queue.connection import connect
@@ -123,8 +123,9 @@ class BatchRunner:
             sync_r = connect(self.redis_url, purpose="worker")
             stop = threading.Event()
             run = BatchRun(sync_r, self.keys, RedisInput(sync_r, self.bkeys, record["input_file_id"]),
-                           RedisOutput(sync_r, self.bkeys, batch_id), batch_id=batch_id,
-                           concurrency=self.concurrency, stop=stop, request_fields=class_fields("batch"))
+                           RedisOutput(sync_r, self.bkeys, batch_id, self.owner), batch_id=batch_id,
+                           concurrency=self.concurrency, stop=stop, request_fields=class_fields("batch"),
+                           unavailable_after_s=float("inf"))   # a Redis outage stops it (_drive), never fails it
             await self._drive(batch_id, run, stop)
         except (redis.RedisError, OSError) as exc:
             log.warning("batch %s: lost Redis (%s); it is resumed later", batch_id, exc)
@@ -150,17 +151,24 @@ class BatchRunner:
             await asyncio.wait({task}, timeout=TICK_S)
             if task.done():
                 break
-            status = await self.r.hget(self.bkeys.batch(batch_id), "status")
-            cancelled = status == b"cancelling"
-            if time.monotonic() - renewed_at >= self.lease_ms / 3000:
-                if not await self._lease(batch_id, self.lease_ms):
-                    log.warning("batch %s: lost its lease; another gateway goes on with it", batch_id)
-                    stop.set()
-                renewed_at = time.monotonic()
+            try:
+                cancelled = await self.r.hget(self.bkeys.batch(batch_id), "status") == b"cancelling"
+                if time.monotonic() - renewed_at >= self.lease_ms / 3000:
+                    if not await self._lease(batch_id, self.lease_ms):
+                        log.warning("batch %s: lost its lease; another gateway goes on with it", batch_id)
+                        stop.set()
+                    renewed_at = time.monotonic()
+            except (redis.RedisError, OSError) as exc:   # stop; the batch is resumed when Redis is back
+                if not stop.is_set():
+                    log.warning("batch %s: lost Redis (%s); stopping it until Redis is back", batch_id, exc)
+                stop.set()
             if cancelled or self.stopping:
                 stop.set()
         try:
             await task
+        except LeaseLost:
+            log.warning("batch %s: lost its lease while writing; another gateway goes on with it", batch_id)
+            return
         except BatchError as exc:
             log.warning("batch %s: failed: %s", batch_id, exc)
             errors = {"object": "list", "data": [{"code": "batch_failed", "message": str(exc), "param": None,

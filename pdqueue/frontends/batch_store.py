@@ -30,7 +30,7 @@ from pdqueue.frontends.batch_input import MAX_LINE_BYTES, BatchError, InputInfo,
 from pdqueue.frontends.batch_output import Done, encode_line
 from pdqueue.keys import Keys
 
-__all__ = ["BatchKeys", "MAX_LINE_BYTES", "RETENTION_S", "RedisInput", "RedisOutput", "check_upload", "file_ids_of",
+__all__ = ["BatchKeys", "LeaseLost", "MAX_LINE_BYTES", "RETENTION_S", "RedisInput", "RedisOutput", "check_upload", "file_ids_of",
            "output_file_batch"]
 
 RETENTION_S = 7 * 24 * 3600
@@ -130,12 +130,27 @@ class RedisInput:
         yield raw_lines(_RangeReader(self.r, self.bkeys.file(self.name), size))
 
 
+class LeaseLost(Exception):
+    """The runner's lease on the batch went to another gateway: it must write nothing more."""
+
+
+# KEYS: the lease, the list; ARGV: owner, line, ttl. A line is written only under the lease,
+# so a runner that lost it (paused past its lease) cannot write a line its successor writes.
+_WRITE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
 class RedisOutput:
     """A batch's output and error lines in Redis (``BatchRun``'s ``sink``): one RPUSH per
-    line, so a line is there whole or not at all, and what is there is what a rerun skips."""
+    line, so a line is there whole or not at all, and what is there is what a rerun skips;
+    written only while ``owner`` holds the batch's lease (``LeaseLost`` otherwise)."""
 
-    def __init__(self, r: redis.Redis, bkeys: BatchKeys, batch_id: str):
-        self.r, self.bkeys, self.batch_id = r, bkeys, batch_id
+    def __init__(self, r: redis.Redis, bkeys: BatchKeys, batch_id: str, owner: str):
+        self.r, self.bkeys, self.batch_id, self.owner = r, bkeys, batch_id, owner
         self.name = f"batch {batch_id}'s output"
 
     def open(self) -> None:
@@ -163,10 +178,9 @@ class RedisOutput:
     def write(self, obj: dict) -> None:
         ok = (obj.get("response") or {}).get("status_code") == 200
         key = self.bkeys.out(self.batch_id) if ok else self.bkeys.err(self.batch_id)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.rpush(key, encode_line(obj))
-        pipe.expire(key, RETENTION_S)
-        pipe.execute()
+        if not self.r.eval(_WRITE, 2, self.bkeys.lock(self.batch_id), key, self.owner, encode_line(obj),
+                           RETENTION_S):
+            raise LeaseLost(self.batch_id)
 
     def close(self) -> None:
         pass
