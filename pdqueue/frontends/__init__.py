@@ -1,3 +1,6 @@
-"""The OpenAI front ends: `openai_compat` (the API as pure functions), `gateway` (the HTTP
-server, `pdqueue serve`) and `batch` (OpenAI Batch files, `pdqueue batch`). Producers of
-the queue like any other client; none imports torch."""
+"""The OpenAI front ends, producers of the queue like any other client (none imports torch):
+`openai_compat` (the API as pure functions); the gateway, `pdqueue serve` (`gateway`: the
+app and its stop; `answer`, `resumable`, `cluster_view`, `gateway_metrics`, `http_errors`,
+`runtime`, `tenants`; the Batch API: `batch_api`, `batch_store`, `batch_runner`); OpenAI
+Batch files, `pdqueue batch` (`batch`: the window; `batch_input`, `batch_output`,
+`batch_resume`)."""
