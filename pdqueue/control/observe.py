@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.control.planner import CompletionObs, Observation, WorkerObs
+from pdqueue.control.observation import CompletionObs, Observation, WorkerObs
 from pdqueue.protocol import ProtocolError, ResultType, parse_result
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
