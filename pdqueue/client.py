@@ -44,6 +44,7 @@ from pdqueue.config import RedisConfig
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
 from pdqueue.keys import CANCEL_TTL_S, Keys
 from pdqueue.protocol import (
+    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, as_str,
     Completion,
     Priority,
     ProtocolError,
@@ -126,8 +127,9 @@ def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | 
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-                  max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+                  max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+                  top_p: float = DEFAULT_TOP_P,
+                  top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                   chat: bool = False, ignore_eos: bool = False, id: str | None = None,
                   messages: Sequence[dict] | None = None) -> Request:
@@ -180,10 +182,6 @@ class _Assembler:
             raise RequestFailed(event.reason or "", event.code or "internal", self.request_id)
         self.completion = event.completion
         return event
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _remaining_s(deadline: float | None) -> float | None:
@@ -327,8 +325,9 @@ class Client(_Settled):
         self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, client_from_url)
 
     def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-               max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+               max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+               top_p: float = DEFAULT_TOP_P,
+               top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                chat: bool = False, ignore_eos: bool = False, id: str | None = None,
                messages: Sequence[dict] | None = None) -> RequestHandle:
@@ -339,7 +338,7 @@ class Client(_Settled):
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages)
         entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
-        return RequestHandle(self, req.id, _str(entry_id))
+        return RequestHandle(self, req.id, as_str(entry_id))
 
     def submit_many(self, requests: Sequence[dict]) -> list[RequestHandle]:
         """Queue many requests in one pipelined round trip; all are validated first."""
@@ -348,7 +347,7 @@ class Client(_Settled):
             for req in reqs:
                 pipe.xadd(self._stream_of(req), request_to_fields(req))
             entry_ids = pipe.execute()
-        return [RequestHandle(self, req.id, _str(eid))
+        return [RequestHandle(self, req.id, as_str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 
     def handle(self, request_id: str) -> RequestHandle:
@@ -440,8 +439,9 @@ class AsyncClient(_Settled):
         self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, async_client_from_url)
 
     async def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-                     max_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-                     top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+                     max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+                     top_p: float = DEFAULT_TOP_P,
+                     top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                      chat: bool = False, ignore_eos: bool = False,
                      id: str | None = None, messages: Sequence[dict] | None = None) -> AsyncRequestHandle:
@@ -451,7 +451,7 @@ class AsyncClient(_Settled):
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages)
         entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
-        return AsyncRequestHandle(self, req.id, _str(entry_id))
+        return AsyncRequestHandle(self, req.id, as_str(entry_id))
 
     async def submit_many(self, requests: Sequence[dict]) -> list[AsyncRequestHandle]:
         reqs = [build_request(**spec) for spec in requests]
@@ -459,7 +459,7 @@ class AsyncClient(_Settled):
             for req in reqs:
                 pipe.xadd(self._stream_of(req), request_to_fields(req))
             entry_ids = await pipe.execute()
-        return [AsyncRequestHandle(self, req.id, _str(eid))
+        return [AsyncRequestHandle(self, req.id, as_str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 
     def handle(self, request_id: str) -> AsyncRequestHandle:

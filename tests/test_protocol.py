@@ -262,3 +262,16 @@ def test_request_accepts_lists_and_plain_strings():
     req = Request(id="x", prompt_ids=[1, 2], stop=["a"], priority="high")
     assert req.prompt_ids == (1, 2) and req.stop == ("a",) and req.priority is Priority.HIGH
     assert request_to_fields(req)["priority"] == "high"
+
+
+def test_roles_finish_reasons_and_reply_text_have_one_definition():
+    from pdqueue.protocol import REQUEST_ROLES, ROLES, Role, as_str
+    assert ROLES == ("prefill", "decode", "colocated") == tuple(r.value for r in Role)
+    assert REQUEST_ROLES == ("prefill", "colocated") and Role.DECODE == "decode"
+    assert f"{FinishReason.STOP}" == str(FinishReason.STOP) == "stop"   # as the engine's plain strings
+    assert as_str(b"a") == as_str("a") == "a" and as_str(3) == "3"
+    assert as_str(b"\xff", "replace") == "\ufffd"
+    with pytest.raises(UnicodeDecodeError):
+        as_str(b"\xff")
+    assert Request(id="x", prompt="p").max_tokens == 128 and "max_tokens" not in request_to_fields(
+        Request(id="x", prompt="p"))

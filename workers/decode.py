@@ -183,9 +183,7 @@ class DecodeRole(Role):
                         unit.ack(stream, entry_id)
                         continue
                 req = h.request
-                params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                        top_k=req.top_k, seed=h.seed, stop=tuple(req.stop),
-                                        ignore_eos=req.ignore_eos)
+                params = SamplingParams.for_request(req, h.seed)
                 self.jobs[req.id] = Job(stream, entry_id, h, params, now_ms())
 
     def check_handoff(self, h: Handoff) -> str | None:

@@ -102,8 +102,7 @@ class Intake:
                 if moved is not None:   # 1: a peer caching more of it runs it; -1: already finished elsewhere
                     return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, seed=seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
+            params = SamplingParams.for_request(req, seed)
             engine.add_request(req.id, prompt_ids, params)
             return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)
         except RequestError as exc:

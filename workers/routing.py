@@ -38,6 +38,7 @@ import redis
 
 from pdqueue.engine.block_manager import chain_hashes
 from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import REQUEST_ROLES, as_str
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
 from pdqueue.queue.registry import list_workers
@@ -65,10 +66,6 @@ end
 redis.call('SREM', KEYS[2], KEYS[1])
 return 1
 """
-
-
-def _s(value) -> str:
-    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 class Advertise:
@@ -136,7 +133,7 @@ class Router:
             return
         self._refreshed = now
         try:
-            members = sorted(_s(m) for m in self.r.smembers(self.keys.routed_streams))
+            members = sorted(as_str(m) for m in self.r.smembers(self.keys.routed_streams))
             if self.own not in members:   # first time, or removed while we looked dead: back in
                 streams.ensure_group(self.r, self.own, PREFILL_GROUP)
                 self.r.sadd(self.keys.routed_streams, self.own)
@@ -146,10 +143,10 @@ class Router:
         self.others = [m for m in members if m != self.own]
         self.all_workers = {w["worker_id"] for w in workers}
         # Who still reads its own stream: a worker that became a decode worker does not.
-        self.readers = {w["worker_id"] for w in workers if w.get("role") in ("prefill", "colocated")
-                        and (w.get("switching_to") or w.get("role")) in ("prefill", "colocated")}
+        self.readers = {w["worker_id"] for w in workers if w.get("role") in REQUEST_ROLES
+                        and (w.get("switching_to") or w.get("role")) in REQUEST_ROLES}
         self.peers = {w["worker_id"]: w for w in workers
-                      if w["worker_id"] != self.worker_id and w.get("role") in ("prefill", "colocated")
+                      if w["worker_id"] != self.worker_id and w.get("role") in REQUEST_ROLES
                       and not w.get("switching_to") and (w.get("load") or {}).get("accepting", True)}
 
     # -- advertising ---------------------------------------------------------------------------
@@ -189,7 +186,7 @@ class Router:
             if owner is None and i >= mine:
                 break   # a chain is only held whole: nobody advertises what lies past a gap
             if owner is not None:
-                depth[_s(owner)] = i + 1
+                depth[as_str(owner)] = i + 1
         depth.pop(self.worker_id, None)
         if not depth:
             return None
@@ -216,7 +213,7 @@ class Router:
         if best is None:
             return None
         moved = forward(self.r, stream, PREFILL_GROUP, entry_id,
-                        {**{_s(k): v for k, v in fields.items()}, "routed_from": self.worker_id,
+                        {**{as_str(k): v for k, v in fields.items()}, "routed_from": self.worker_id,
                          "enqueued_ms": str(int(enqueued_ms))},
                         self.keys.requests_for(best[0]), self.keys.seen(request_id))
         if moved == 1:
@@ -242,9 +239,9 @@ class Router:
         for s, info in zip(self.others, infos):
             if isinstance(info, Exception):
                 continue
-            group = next((g for g in info if _s(g.get("name")) == PREFILL_GROUP), None)
+            group = next((g for g in info if as_str(g.get("name")) == PREFILL_GROUP), None)
             if group is not None:
-                candidates.append((s, _s(group.get("last-delivered-id")), group.get("lag")))
+                candidates.append((s, as_str(group.get("last-delivered-id")), group.get("lag")))
         taken: list = []
         alive = self.readers | {self.worker_id}   # owners that will read their stream again
         wall_ms = time.time() * 1000
@@ -257,7 +254,7 @@ class Router:
                 if owner not in self.all_workers and owner != self.worker_id:   # gone for good
                     self.r.eval(_DROP_IF_EMPTY, 2, s, self.keys.routed_streams, PREFILL_GROUP)
                 continue
-            waited = wall_ms - int(_s(first[0][0]).split("-")[0])
+            waited = wall_ms - int(as_str(first[0][0]).split("-")[0])
             if owner in alive and waited < TAKEOVER_AFTER_MS:
                 continue
             got = streams.parse_read_reply(
@@ -283,7 +280,7 @@ class Router:
                 if not got:
                     return moved
                 for stream, entry_id, fields in got:
-                    rid = _s(fields.get(b"id", fields.get("id", entry_id)))
+                    rid = as_str(fields.get(b"id", fields.get("id", entry_id)))
                     moved += forward(self.r, stream, PREFILL_GROUP, entry_id, fields, self.keys.requests,
                                      self.keys.seen(rid)) == 1
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:

@@ -39,12 +39,13 @@ import time
 from dataclasses import dataclass, field
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.protocol import REQUEST_ROLES
+from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
 CONTROL_EVERY_S = 0.1     # control:<id> is read at most this often
 FIXED_ROLE = "fixed role: started without --switchable"
-REQUEST_ROLES = ("prefill", "colocated")
 
 
 @dataclass(slots=True)
@@ -64,28 +65,6 @@ class Switching:
         return round(((time.monotonic() if t is None else t) - self.read_at) * 1000, 1)
 
 
-def backlog(r, group: str, consumer: str, stream_names) -> int:
-    """Entries of ``stream_names`` that ``consumer`` does not hold: their length (acks
-    delete entries) minus what is pending for ``consumer`` in ``group``."""
-    stream_names = list(stream_names)
-    with r.pipeline(transaction=False) as pipe:
-        for stream in stream_names:
-            pipe.xlen(stream)
-        for stream in stream_names:
-            pipe.xpending(stream, group)
-        replies = pipe.execute(raise_on_error=False)
-    lengths, pending = replies[:len(stream_names)], replies[len(stream_names):]
-    total = sum(n for n in lengths if isinstance(n, int))
-    mine = 0
-    for summary in pending:
-        if isinstance(summary, dict):
-            for c in summary.get("consumers") or []:
-                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-                if name == consumer:
-                    mine += int(c["pending"])
-    return max(0, total - mine)
-
-
 def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to_role: str) -> str | None:
     """Why switching ``worker_id`` from ``from_role`` to ``to_role`` would leave a backlog
     with nobody to serve it (see the module docstring), or None."""
@@ -96,7 +75,7 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
     has_decode = any(role == "decode" for role in after.values())
     has_request_role = any(role in REQUEST_ROLES for role in after.values())
     if from_role in REQUEST_ROLES and not has_request_role:
-        n = backlog(r, PREFILL_GROUP, worker_id, request_streams_of(r, keys))
+        n = streams_backlog(r, request_streams_of(r, keys), PREFILL_GROUP, not_held_by=worker_id).total
         if n:
             return f"nobody left to serve it: last prefill-capable worker, {n} request(s) queued"
     if not has_decode and prefill and (from_role == "decode" or to_role == "prefill"):
@@ -105,7 +84,7 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
     if from_role == "decode" and not has_decode:
         nodes = {w.get("node") for w in others if w.get("node")} | {node}
         streams = [keys.handoff, *(keys.handoff_node(n) for n in sorted(nodes))]
-        n = backlog(r, DECODE_GROUP, worker_id, streams)
+        n = streams_backlog(r, streams, DECODE_GROUP, not_held_by=worker_id).total
         if n:
             return f"nobody left to serve it: last decode worker, {n} handoff(s) queued"
     return None

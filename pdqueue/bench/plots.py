@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdqueue.protocol import ROLES
+
 
 def available() -> bool:
     try:
@@ -111,7 +113,7 @@ def plot_phases(result: dict, directory: Path) -> list[Path]:
         timeline = result["raw"][mode]["phases"]["timeline"]
         ts = [p["t"] for p in timeline]
         ax_roles, ax_backlog = row
-        for role in ("prefill", "decode", "colocated"):
+        for role in ROLES:
             ax_roles.step(ts, [sum(r == role for r in p["roles"].values()) for p in timeline], where="post",
                           label=role)
         ax_backlog.plot(ts, [p["request_backlog"] for p in timeline], label="requests")

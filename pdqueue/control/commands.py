@@ -45,8 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdqueue.keys import CONTROL_TTL_S, EVENTS_MAXLEN, Keys
-
-ROLES = ("prefill", "decode", "colocated")
+from pdqueue.protocol import ROLES, as_str
 SWITCH = "switch"
 _FIELDS = {"op", "id", "role", "epoch", "by"}
 
@@ -63,14 +62,10 @@ class SwitchCommand:
     by: str = ""
 
 
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def parse_command(fields: Mapping) -> SwitchCommand:
     """The command in a ``control:<id>`` entry; ``CommandError`` with the reason if it is
     not a well-formed switch."""
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    f = {as_str(k): as_str(v) for k, v in fields.items()}
     unknown = sorted(set(f) - _FIELDS)
     if unknown:
         raise CommandError(f"unknown field(s) {unknown}")
@@ -109,7 +104,7 @@ def take_commands(r, keys: Keys, worker_id: str, count: int = 16) -> list[tuple[
     if not entries:
         return []
     r.xdel(stream, *[eid for eid, _ in entries])
-    return [(_s(eid), fields) for eid, fields in entries]
+    return [(as_str(eid), fields) for eid, fields in entries]
 
 
 def event(r_or_pipe, keys: Keys, kind: str, **fields: Any) -> None:
@@ -123,7 +118,7 @@ def switch_events(r, keys: Keys, command_id: str, since: str = "-") -> list[dict
     """Every event of one switch command, oldest first."""
     out = []
     for _eid, fields in r.xrange(keys.events, min=since):
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        f = {as_str(k): as_str(v) for k, v in fields.items()}
         if f.get("type") == SWITCH and f.get("command") == command_id:
             out.append(f)
     return out
@@ -154,7 +149,7 @@ def read_plan(r, keys: Keys) -> dict[str, Any] | None:
     raw = r.hgetall(keys.plan)
     if not raw:
         return None
-    f = {_s(k): _s(v) for k, v in raw.items()}
+    f = {as_str(k): as_str(v) for k, v in raw.items()}
     plan: dict[str, Any] = {role: int(f.get(role, 0) or 0) for role in ROLES}
     plan.update({k: f.get(k, "") for k in ("reason", "mode", "action")})
     plan["time_ms"] = int(f.get("time_ms", 0) or 0)

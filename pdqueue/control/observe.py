@@ -8,17 +8,17 @@
   ``role_since_ms`` (when the worker took its current role). Those may sit in ``load``
   (what ``Heartbeat.update(role_epoch=...)`` writes) or as top-level hash fields;
   ``load`` wins;
-- XINFO GROUPS of the request streams (group ``prefill``) and of the handoff streams
-  (``handoff`` and ``handoff:<node>`` for every node named by a heartbeat; group
-  ``decode``): lag (entries not yet delivered; the stream length when the group does not
-  exist yet) and pending (delivered, not acknowledged);
+- the backlog (``pdqueue.queue.backlog``) of the request streams (group ``prefill``) and
+  of the handoff streams (``handoff`` and ``handoff:<node>`` for every node named by a
+  heartbeat; group ``decode``): lag (entries not yet delivered) and pending (delivered,
+  not acknowledged);
 - the ``done`` entries of the last ``window_s`` seconds (at most ``done_limit``, newest
   first), parsed with ``pdqueue.protocol.parse_result``; malformed ones are skipped.
 
 Times: ``now`` (Unix seconds) defaults to the Redis server's clock, the clock of the
 stream entry ids, so the window and the completions' finish times agree.
 
-Imports redis and pdqueue.keys/protocol/queue.registry/planner.
+Imports redis and pdqueue.keys/protocol/queue and the planner's observation types.
 """
 
 from __future__ import annotations
@@ -29,28 +29,24 @@ import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.control.observation import CompletionObs, Observation, WorkerObs
-from pdqueue.protocol import ProtocolError, ResultType, parse_result
+from pdqueue.protocol import ProtocolError, ResultType, as_str, parse_result
+from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
 DONE_LIMIT = 2000
-_LAG_COUNT_LIMIT = 10000
-
-
-def _s(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def _int(value: Any, default: int = 0) -> int:
     try:
-        return int(float(_s(value)))
+        return int(float(as_str(value, "replace")))
     except (TypeError, ValueError):
         return default
 
 
 def _float(value: Any) -> float | None:
     try:
-        out = float(_s(value))
+        out = float(as_str(value, "replace"))
     except (TypeError, ValueError):
         return None
     return out if out == out else None  # NaN -> None
@@ -61,7 +57,7 @@ def _bool(value: Any) -> bool:
         return value
     if isinstance(value, (int, float)):
         return value != 0
-    return _s(value).strip().lower() in ("1", "true", "yes", "on")
+    return as_str(value, "replace").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _field(w: dict, name: str) -> Any:
@@ -80,36 +76,17 @@ def worker_obs(w: dict, now_ms: int) -> WorkerObs:
     step_ms = _float(_field(w, "step_ms"))
     beat_ms = _int(w.get("beat_ms"), now_ms) or now_ms
     return WorkerObs(
-        worker_id=w["worker_id"], role=_s(w.get("role", "")),
+        worker_id=w["worker_id"], role=as_str(w.get("role", ""), "replace"),
         role_epoch=_int(_field(w, "role_epoch"), 0),
         switchable=_bool(_field(w, "switchable") or False),
         running=_int(load.get("running")), waiting=_int(load.get("waiting")),
         backlog=_int(load.get("backlog")), fetching=_int(load.get("fetching")),
         kv_free=None if kv_free is None else _int(kv_free),
         kv_total=None if kv_total is None else _int(kv_total),
-        node=_s(w.get("node", "")), incarnation=_s(w.get("incarnation", "")),
+        node=as_str(w.get("node", ""), "replace"), incarnation=as_str(w.get("incarnation", ""), "replace"),
         beat_age_s=max(0, now_ms - beat_ms) / 1000.0,
         step_ms=step_ms if step_ms and step_ms > 0 else None,
         role_since=None if since_ms is None else since_ms / 1000.0)
-
-
-def group_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
-    """(lag, pending) of ``group`` on ``stream``; (0, 0) when the stream does not exist,
-    (length, 0) when the group does not exist yet."""
-    try:
-        groups = r.xinfo_groups(stream)
-    except redis.ResponseError:  # no such key
-        return 0, 0
-    for g in groups:
-        if _s(g.get("name", "")) != group:
-            continue
-        pending = _int(g.get("pending"))
-        lag = g.get("lag")
-        if lag is None:  # Redis < 7, or deletions it cannot account for: count what is undelivered
-            last_id = _s(g.get("last-delivered-id", "0-0"))
-            lag = len(r.xrange(stream, f"({last_id}", "+", count=_LAG_COUNT_LIMIT))
-        return _int(lag), pending
-    return int(r.xlen(stream)), 0
 
 
 def completion_obs(entry_id: Any, fields: dict) -> CompletionObs | None:
@@ -122,7 +99,7 @@ def completion_obs(entry_id: Any, fields: dict) -> CompletionObs | None:
     if event.type is not ResultType.DONE or c is None:
         return None
     try:
-        finish_ms = int(_s(entry_id).split("-")[0])
+        finish_ms = int(as_str(entry_id, "replace").split("-")[0])
     except ValueError:
         return None
     return CompletionObs(
@@ -147,17 +124,9 @@ def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: floa
     now_ms = int(now * 1000)
     workers = tuple(worker_obs(w, now_ms) for w in list_workers(r, keys))
 
-    request_lag = request_pending = 0
-    for stream in request_streams_of(r, keys):
-        lag, pending = group_backlog(r, stream, PREFILL_GROUP)
-        request_lag += lag
-        request_pending += pending
-    handoff_lag = handoff_pending = 0
+    requests = streams_backlog(r, request_streams_of(r, keys), PREFILL_GROUP)
     nodes = sorted({w.node for w in workers if w.node})
-    for stream in [keys.handoff, *(keys.handoff_node(n) for n in nodes)]:
-        lag, pending = group_backlog(r, stream, DECODE_GROUP)
-        handoff_lag += lag
-        handoff_pending += pending
+    handoffs = streams_backlog(r, [keys.handoff, *(keys.handoff_node(n) for n in nodes)], DECODE_GROUP)
 
     since_ms = max(0, now_ms - int(window_s * 1000))
     entries = r.xrevrange(keys.done, str(now_ms), f"{since_ms}-0", count=done_limit)
@@ -167,10 +136,10 @@ def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: floa
         if c is not None and c.finish_time <= now + 1e-3:
             completions.append(c)
     completions.sort(key=lambda c: c.finish_time)
-    return Observation(time=now, workers=workers, request_lag=request_lag,
-                       request_pending=request_pending, handoff_lag=handoff_lag,
-                       handoff_pending=handoff_pending, completions=tuple(completions),
+    return Observation(time=now, workers=workers, request_lag=requests.waiting,
+                       request_pending=requests.held, handoff_lag=handoffs.waiting,
+                       handoff_pending=handoffs.held, completions=tuple(completions),
                        window_s=window_s)
 
 
-__all__ = ["DONE_LIMIT", "completion_obs", "group_backlog", "observe", "server_time", "worker_obs"]
+__all__ = ["DONE_LIMIT", "completion_obs", "observe", "server_time", "worker_obs"]

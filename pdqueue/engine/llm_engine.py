@@ -42,13 +42,7 @@ from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams, sample
 from pdqueue.engine.scheduler import Scheduler
 from pdqueue.engine.sequence import Sequence, SequenceStatus
-
-
-class FinishReason:
-    STOP = "stop"          # EOS or a stop string
-    LENGTH = "length"      # max_tokens or the model's context
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
+from pdqueue.protocol import FinishReason
 
 
 @dataclass(slots=True)

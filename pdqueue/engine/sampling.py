@@ -14,15 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+from pdqueue.protocol import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
+
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K  # 0 = no top-k cut
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -36,6 +38,12 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+
+    @classmethod
+    def for_request(cls, req, seed: int) -> "SamplingParams":
+        """A ``pdqueue.protocol.Request``'s sampling, with the effective ``seed``."""
+        return cls(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                   top_k=req.top_k, seed=seed, stop=tuple(req.stop), ignore_eos=req.ignore_eos)
 
     @property
     def greedy(self) -> bool:

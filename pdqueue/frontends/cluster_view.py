@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from pdqueue.control.observe import group_backlog
+from pdqueue.queue.backlog import group_backlog
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers

@@ -18,16 +18,17 @@ One module per message: ``wire`` (version, enums, errors), ``requests``, ``limit
 from .handoff import Handoff, decode_handoff, encode_handoff
 from .limits import (MAX_ENTRY_BYTES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Limits,
                      entry_bytes)
-from .requests import (MAX_SEED, REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms,
-                       entry_request_id, parse_request, request_to_fields, validate_request)
+from .requests import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, MAX_SEED,
+                       REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms, entry_request_id, parse_request,
+                       request_to_fields, validate_request)
 from .results import Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry
-from .wire import (PROTOCOL_VERSION, ErrorCode, FinishReason, HandoffError, Priority, ProtocolError,
-                   RequestError, ResultType)
+from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority,
+                   ProtocolError, RequestError, ResultType, Role, as_str)
 
 __all__ = [
-    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Priority", "ErrorCode",
-    "ProtocolError", "RequestError", "HandoffError",
-    "Request", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
+    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ErrorCode",
+    "ProtocolError", "RequestError", "HandoffError", "as_str",
+    "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
     "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
     "Limits", "MAX_ENTRY_BYTES", "MAX_PROMPT_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "entry_bytes",
     "Completion", "ResultEvent", "token_entry", "done_entry", "error_entry", "parse_result",

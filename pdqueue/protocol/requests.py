@@ -10,16 +10,22 @@ from typing import Any, Mapping
 
 from .wire import Priority, RequestError, _short
 
+# A request's defaults, the one place they are written (the client, the CLI and the
+# engine's SamplingParams take them from here).
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0   # 0 = off
 
 @dataclass(frozen=True, slots=True)
 class Request:
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                   # 0 = off
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
     seed: int | None = None          # None: the prefill worker picks one (see Handoff.seed)
     stop: tuple[str, ...] = ()
     deadline_ms: int | None = None   # expires this many ms after enqueued_ms
@@ -144,13 +150,13 @@ def request_to_fields(req: Request) -> dict[str, str]:
         fields["prompt"] = req.prompt
     if req.prompt_ids is not None:
         fields["prompt_ids"] = json.dumps(list(req.prompt_ids), separators=(",", ":"))
-    if req.max_tokens != 128:
+    if req.max_tokens != DEFAULT_MAX_TOKENS:
         fields["max_tokens"] = str(req.max_tokens)
-    if req.temperature != 1.0:
+    if req.temperature != DEFAULT_TEMPERATURE:
         fields["temperature"] = repr(float(req.temperature))
-    if req.top_p != 1.0:
+    if req.top_p != DEFAULT_TOP_P:
         fields["top_p"] = repr(float(req.top_p))
-    if req.top_k != 0:
+    if req.top_k != DEFAULT_TOP_K:
         fields["top_k"] = str(req.top_k)
     if req.seed is not None:
         fields["seed"] = str(req.seed)

@@ -27,10 +27,27 @@ class ResultType(str, Enum):
 
 class FinishReason(str, Enum):
     STOP = "stop"            # end-of-sequence token or a stop string (as OpenAI reports both)
-    LENGTH = "length"        # max_tokens reached
+    LENGTH = "length"        # max_tokens (or the model's context) reached
     CANCELLED = "cancelled"  # cancel:<id> was set
     EXPIRED = "expired"      # deadline_ms passed
     ERROR = "error"
+
+    # Formats as its value, as the engine's plain strings did ("finish: stop").
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Role(str, Enum):
+    """What a worker does: prefill (reads the request streams, hands off), decode (reads
+    the handoff stream), colocated (both in one engine)."""
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+ROLES = tuple(role.value for role in Role)
+# The roles that read the request streams (the prefill group's consumers).
+REQUEST_ROLES = (Role.PREFILL.value, Role.COLOCATED.value)
 
 
 class Priority(str, Enum):
@@ -71,3 +88,11 @@ def _short(value: Any, limit: int = 40) -> str:
     """A value for an error message, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def as_str(value: Any, errors: str = "strict") -> str:
+    """A Redis reply value as text: bytes decoded as UTF-8 (``errors`` as in
+    ``bytes.decode``), anything else through ``str``."""
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", errors)
+    return str(value)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
+from pdqueue.protocol import as_str
+
 # KEYS[1] = input stream; KEYS[2..] = keys the writes touch.
 # ARGV[1] = group, ARGV[2] = entry id, ARGV[3] = JSON list of writes
 #   [key_index (into KEYS), ttl_ms (0 = none), maxlen (0 = none), num_args];
@@ -85,12 +87,6 @@ return lost
 """
 
 
-def _s(value) -> str:
-    if isinstance(value, (bytes, bytearray)):
-        return value.decode("utf-8", errors="surrogateescape")
-    return str(value)
-
-
 class Write:
     """One XADD of ``fields`` to ``key``, trimmed (approximately) to ``maxlen`` entries and
     giving ``key`` a TTL of ``ttl_ms`` (0: neither). The one write type: inside
@@ -144,4 +140,4 @@ def touch_owned(r, stream: str, group: str, consumer: str, entry_ids: list[str])
     if not entry_ids:
         return []
     lost = r.eval(_TOUCH_OWNED, 1, stream, group, consumer, *entry_ids)
-    return [_s(x) for x in lost]
+    return [as_str(x, "surrogateescape") for x in lost]

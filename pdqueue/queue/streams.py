@@ -35,19 +35,16 @@ from typing import Any, Iterable, Mapping, NamedTuple
 import redis
 
 from pdqueue.keys import DEAD_MAXLEN, SEEN_TTL_S, Keys
+from pdqueue.protocol import as_str
 
 Entry = tuple[str, str, dict]
 """(stream, entry_id, fields)"""
 
 
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
-
-
 def request_streams_of(r: redis.Redis, keys: Keys) -> list[str]:
     """Every request stream of the cluster: ``requests:high``, ``requests``, then each
     worker's own stream (``requests:w:<id>``: routed requests, workers/routing.py)."""
-    own = sorted(_str(m) for m in r.smembers(keys.routed_streams))
+    own = sorted(as_str(m) for m in r.smembers(keys.routed_streams))
     return [*keys.request_streams, *own]
 
 
@@ -73,14 +70,14 @@ def _normalize_read(reply: Any) -> list[tuple[str, list]]:
         for stream, value in reply.items():
             if value and isinstance(value[0], list):  # {stream: [[entries]]}
                 value = value[0]
-            out.append((_str(stream), value))
+            out.append((as_str(stream), value))
         return out
-    return [(_str(stream), entries) for stream, entries in reply]
+    return [(as_str(stream), entries) for stream, entries in reply]
 
 
 def parse_read_reply(reply: Any) -> list[Entry]:
     """(stream, entry_id, fields) triples of an XREAD/XREADGROUP reply, in reply order."""
-    return [(stream, _str(eid), fields)
+    return [(stream, as_str(eid), fields)
             for stream, entries in _normalize_read(reply)
             for eid, fields in entries if eid is not None]
 
@@ -131,10 +128,10 @@ def parse_autoclaim(stream: str, reply: Any) -> Claimed:
     in the PEL and tells not their ids; they are dropped here.)"""
     if not isinstance(reply, (list, tuple)) or len(reply) not in (2, 3):
         raise ValueError(f"unexpected XAUTOCLAIM reply: {reply!r}")
-    entries = [(stream, _str(eid), fields or {}) for item in (reply[1] or [])
+    entries = [(stream, as_str(eid), fields or {}) for item in (reply[1] or [])
                if item is not None and item[0] is not None for eid, fields in [item]]
-    deleted = [_str(eid) for eid in reply[2]] if len(reply) == 3 and reply[2] else []
-    return Claimed(_str(reply[0]), entries, deleted)
+    deleted = [as_str(eid) for eid in reply[2]] if len(reply) == 3 and reply[2] else []
+    return Claimed(as_str(reply[0]), entries, deleted)
 
 
 def autoclaim(r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int,
@@ -176,7 +173,7 @@ def claim_request(r: redis.Redis, keys: Keys, request_id: str, entry_id: str,
     pipe.get(key)   # ours if the SET took, else the entry that took the id first
     pipe.exists(keys.cancel(request_id))
     _, current, cancelled = pipe.execute()
-    return current is None or _str(current) == _str(entry_id), bool(cancelled)
+    return current is None or as_str(current) == as_str(entry_id), bool(cancelled)
 
 
 def touch(r: redis.Redis, stream: str, group: str, consumer: str, entry_ids: list[str]) -> None:
@@ -217,7 +214,7 @@ def dead_record(fields: Mapping, reason: str, source_stream: str, entry_id: str,
     """The dead-letter entry of an input entry that died: why, where from, and the original
     fields kept byte for byte under a ``field:`` prefix."""
     record: dict[Any, Any] = {"reason": reason, "code": str(getattr(code, "value", code)),
-                              "source": source_stream, "entry_id": _str(entry_id)}
+                              "source": source_stream, "entry_id": as_str(entry_id)}
     if worker:
         record["worker"] = worker
     for name, value in fields.items():

@@ -55,7 +55,7 @@ import logging
 import socket
 import threading
 from socketserver import ThreadingMixIn
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import redis
@@ -63,14 +63,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.control.observe import group_backlog
+from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
+from pdqueue.protocol import ROLES, as_str
 from pdqueue.queue.streams import request_streams_of
 
 log = logging.getLogger("pdqueue.telemetry.metrics")
 
 LABELS = ("model_name", "role")
-ROLES = ("prefill", "decode", "colocated")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms aggregate with theirs.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -81,10 +81,6 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # A KV copy: shm ~1 ms for a short prompt, the network up to the fetch timeout.
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def _s(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def _seconds(ms: float) -> float:
@@ -260,7 +256,8 @@ class WorkerMetrics:
 def stream_groups(r: redis.Redis, keys: Keys) -> list[tuple[str, str, int, int, int]]:
     """(stream key, group, length, lag, pending) of the request streams (group ``prefill``)
     and of ``handoff`` and every ``handoff:<node>`` (group ``decode``). Raises redis errors."""
-    nodes = sorted({_s(k) for k in r.scan_iter(match=keys.handoff_node("*"), count=500, _type="stream")})
+    nodes = sorted({as_str(k, "replace")
+                    for k in r.scan_iter(match=keys.handoff_node("*"), count=500, _type="stream")})
     out = []
     for stream, group in [*((s, PREFILL_GROUP) for s in request_streams_of(r, keys)), (keys.handoff, DECODE_GROUP),
                           *((n, DECODE_GROUP) for n in nodes)]:
@@ -300,7 +297,7 @@ class StreamCollector:
             lengths = {key: int(self.r.xlen(key)) for key in (self.keys.done, self.keys.dead)}
             roles: dict[str, int] = {role: 0 for role in ROLES}
             for w in list_workers(self.r, self.keys):
-                role = _s(w.get("role", ""))
+                role = as_str(w.get("role", ""), "replace")
                 roles[role] = roles.get(role, 0) + 1
         except redis.RedisError as exc:
             log.warning("stream metrics: redis unavailable (%s)", exc)
@@ -339,7 +336,7 @@ def sd_targets(r: redis.Redis, keys: Keys) -> list[dict]:
     worker that advertises ``metrics`` (host:port) in its heartbeat. Target labels are
     ``pdqueue_worker`` and ``pdqueue_cluster`` (not ``role``: every series carries its own
     ``role`` label, which a target label of that name would rename)."""
-    return [{"targets": [_s(w["metrics"])], "labels": {"pdqueue_worker": w["worker_id"],
+    return [{"targets": [as_str(w["metrics"], "replace")], "labels": {"pdqueue_worker": w["worker_id"],
                                                        "pdqueue_cluster": keys.cluster}}
             for w in list_workers(r, keys) if w.get("metrics")]
 

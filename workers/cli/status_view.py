@@ -22,21 +22,18 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
 
 import redis
 
 from pdqueue.control import commands
 from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import as_str
+from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 
 DONE_SCAN_LIMIT = 2000
 """At most this many of the newest ``done`` entries are read for the ``recent`` numbers."""
-
-
-def _s(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float | None]:
@@ -73,12 +70,9 @@ def _worker_row(w: dict, now_ms: int) -> dict:
 
 
 def _group_row(r: redis.Redis, stream: str, g: dict) -> dict:
-    name = _s(g.get("name", ""))
-    pending = int(g.get("pending") or 0)
-    last_id = _s(g.get("last-delivered-id", "0-0"))
-    lag = g.get("lag")
-    if lag is None:  # Redis < 7, or deletions it cannot account for: count what is undelivered
-        lag = len(r.xrange(stream, f"({last_id}", "+", count=10000))
+    name = as_str(g.get("name", ""), "replace")
+    backlog = group_backlog(r, stream, name)
+    pending, lag = backlog.held, backlog.waiting
     oldest_idle_ms = None
     if pending:
         first = r.xpending_range(stream, name, "-", "+", 1)
@@ -99,7 +93,7 @@ def _stream_info(r: redis.Redis, keys: Keys, key: str) -> dict:
 
 def _handoff_node_streams(r: redis.Redis, keys: Keys) -> list[str]:
     pattern = keys.handoff_node("*")
-    return sorted({_s(k) for k in r.scan_iter(match=pattern, count=500, _type="stream")})
+    return sorted({as_str(k, "replace") for k in r.scan_iter(match=pattern, count=500, _type="stream")})
 
 
 def _recent(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> dict:
@@ -110,7 +104,7 @@ def _recent(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> dict:
     first_start_ms = now_ms
     reasons: dict[str, int] = {}
     for entry_id, fields in entries:
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        f = {as_str(k, "replace"): as_str(v, "replace") for k, v in fields.items()}
         try:
             n = len(json.loads(f.get("token_ids", "[]")))
             e2e_ms = float(f.get("e2e_ms", 0))
@@ -126,7 +120,7 @@ def _recent(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> dict:
             e2e.append(e2e_ms)
         if n > 1:
             tbt.append(tbt_ms)
-        done_ms = int(_s(entry_id).split("-")[0])
+        done_ms = int(as_str(entry_id, "replace").split("-")[0])
         first_start_ms = min(first_start_ms, done_ms - int(e2e_ms))
     # Rates over the active part of the window: from the arrival of its first request.
     span_s = max(1e-3, min(window_s, (now_ms - first_start_ms) / 1000)) if entries else window_s
@@ -154,7 +148,7 @@ def _switches(r: redis.Redis, keys: Keys, count: int = 3) -> list[dict]:
     """The last ``count`` final switch events (done, refused, failed), newest last."""
     out = []
     for _eid, fields in r.xrevrange(keys.events, count=50):
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        f = {as_str(k, "replace"): as_str(v, "replace") for k, v in fields.items()}
         if f.get("type") == commands.SWITCH and f.get("status") in ("done", "refused", "failed"):
             out.append(f)
             if len(out) == count:

@@ -9,11 +9,9 @@ import sys
 
 import click
 
+from pdqueue.protocol import ROLES
 from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
                                 check_model, engine_options, load, model_option, redis_security_options)
-
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 def limit_options(f):

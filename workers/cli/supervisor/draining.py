@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
-from pdqueue.protocol import ErrorCode, entry_request_id, error_entry
+from pdqueue.protocol import REQUEST_ROLES, ErrorCode, Role, entry_request_id, error_entry
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
@@ -77,7 +77,7 @@ class WorkLeft:
         has a reader."""
         roles = self.cluster.current_roles()
         running = {roles.get(w.worker_id, w.role) for w in self.cluster.workers if w.alive}
-        readers = {PREFILL_GROUP: ("prefill", "colocated"), DECODE_GROUP: ("decode",)}
+        readers = {PREFILL_GROUP: REQUEST_ROLES, DECODE_GROUP: (Role.DECODE.value,)}
         for group, (waiting, held) in by_group.items():
             if waiting + held and not running & set(readers[group]):
                 return (f"{count_of(waiting + held, 'request', 'requests')} for a {group} worker, "
