@@ -17,6 +17,7 @@ import redis
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from pdqueue.protocol import REQUEST_ROLES, ErrorCode, Role, entry_request_id, error_entry
 from pdqueue.queue.registry import list_workers
+from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.streams import request_streams_of
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
 
@@ -58,18 +59,8 @@ class WorkLeft:
         """``backlog`` per consumer group: ``prefill`` (the request streams) and ``decode``
         (the handoff streams)."""
         streams = self._work_streams()
-        with self.cluster.redis.pipeline(transaction=False) as pipe:
-            for stream, group in streams:
-                pipe.xlen(stream)
-                pipe.xpending(stream, group)
-            replies = pipe.execute(raise_on_error=False)
-        out = {PREFILL_GROUP: (0, 0), DECODE_GROUP: (0, 0)}
-        for (_, group), length, pending in zip(streams, replies[::2], replies[1::2]):
-            length = length if isinstance(length, int) else 0
-            in_hand = int(pending.get("pending") or 0) if isinstance(pending, dict) else 0
-            waiting, held = out[group]
-            out[group] = (waiting + max(0, length - in_hand), held + in_hand)
-        return out
+        return {group: tuple(streams_backlog(self.cluster.redis, [s for s, g in streams if g == group], group))
+                for group in (PREFILL_GROUP, DECODE_GROUP)}
 
     def _nobody_for(self, by_group: dict[str, tuple[int, int]]) -> str | None:
         """Work left in a group that no running worker reads (its workers died): e.g. ``2
