@@ -12,6 +12,7 @@ import redis
 
 from pdqueue.queue.backlog import group_backlog
 from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import Role
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
@@ -73,7 +74,7 @@ class ClusterView:
     def serving(self) -> bool:
         """Some worker of each needed role lives: prefill and decode, or colocated."""
         roles = self.roles()
-        return roles.get("colocated", 0) > 0 or (roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0)
+        return roles.get(Role.COLOCATED, 0) > 0 or (roles.get(Role.PREFILL, 0) > 0 and roles.get(Role.DECODE, 0) > 0)
 
     def models(self) -> dict[str, dict]:
         """Served model name -> {"max_model_len", "created"} (from the heartbeats)."""

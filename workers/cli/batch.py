@@ -36,6 +36,7 @@ def batch(input_path, output_path, redis_url, cluster, batch_id, concurrency):
     already in OUTPUT are skipped, requests still in Redis are re-attached to, not sent again."""
     from pdqueue.frontends.batch import BatchError, file_run
     from pdqueue.keys import Keys
+    from pdqueue.protocol import Role
     from pdqueue.queue.registry import list_workers
 
     target = resolve_target(redis_url, cluster)
@@ -54,8 +55,8 @@ def batch(input_path, output_path, redis_url, cluster, batch_id, concurrency):
         print_line(err, f"[yellow]{output_path}: removed an incomplete last line (an earlier run was stopped "
                         f"while writing it)[/]")
     roles = {w.get("role") for w in list_workers(r, keys)}
-    if counts.todo and "colocated" not in roles and not {"prefill", "decode"} <= roles:
-        missing = "prefill" if "prefill" not in roles and "colocated" not in roles else "decode"
+    if counts.todo and Role.COLOCATED not in roles and not {Role.PREFILL, Role.DECODE} <= roles:
+        missing = Role.PREFILL.value if Role.PREFILL not in roles else Role.DECODE.value
         print_line(err, f"[yellow]warning: cluster {target.cluster!r} at {target.shown_url} has no {missing} worker; "
                         f"requests wait in the queue[/]")
 
