@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pdqueue.frontends import tenants as tn
+from pdqueue.frontends.service_classes import class_fields
 from pdqueue.frontends.tenants import RateLimited, Tenant, TenantError, Tenants, load_tenants
 
 
@@ -92,6 +93,8 @@ def test_over_the_backlog_a_tenant_under_its_share_is_still_admitted():
     assert not Tenants([Tenant("only", ("c",))]).exempt(t.identify("Bearer a"))   # one tenant: no exemption
 
 
-def test_the_service_class_goes_into_the_request():
-    assert tn.class_fields("interactive") == {"priority": "high"}
-    assert tn.class_fields("standard") == {} and tn.class_fields("batch") == {}
+def test_a_service_class_becomes_request_fields():
+    assert class_fields("interactive") == {"priority": "high"}
+    assert class_fields("standard") == {} and class_fields("batch") == {}
+    with pytest.raises(ValueError, match="expected one of interactive, standard, batch"):
+        class_fields("gold")

@@ -34,6 +34,7 @@ from pdqueue.frontends.batch_input import (MAX_LINE_BYTES, URLS, BatchError, Fil
                                            request_id, scan_input)
 from pdqueue.frontends.batch_output import Done, FileOutput, output_line
 from pdqueue.frontends.batch_resume import place
+from pdqueue.frontends.service_classes import BATCH, class_fields
 from pdqueue.keys import Keys
 from pdqueue.protocol import (Completion, FinishReason, ProtocolError, Request, RequestError, ResultType,
                               parse_result)
@@ -88,8 +89,8 @@ class BatchRun:
     the output (what is done); ``run()`` answers the rest and returns the ``Counts``.
     ``stop`` (set by Ctrl-C): stop sending, write what has arrived, return; what was sent
     stays in Redis for the next run. ``on_progress(counts)`` after each written line.
-    ``request_fields``: more ``build_request`` arguments for every request (the gateway's
-    batches send theirs in the batch service class)."""
+    ``request_fields``: more ``build_request`` arguments for every request (default: those
+    of the batch service class)."""
 
     def __init__(self, r: redis.Redis, keys: Keys, source, sink, *, batch_id: str | None = None,
                  concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
@@ -104,7 +105,8 @@ class BatchRun:
         self.stop = stop or threading.Event()
         self.on_progress = on_progress or (lambda counts: None)
         self.unavailable_after_s = unavailable_after_s
-        self.request_fields = dict(request_fields or {})   # extra build_request arguments
+        # more build_request arguments; by default, the batch service class
+        self.request_fields = dict(class_fields(BATCH) if request_fields is None else request_fields)
         self.counts = Counts()
         self.interrupted = False
         self.done: Done | None = None

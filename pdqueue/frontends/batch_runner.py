@@ -23,7 +23,6 @@ import redis
 
 from pdqueue.frontends.batch import BatchError, BatchRun
 from pdqueue.frontends.batch_store import RETENTION_S, BatchKeys, LeaseLost, RedisInput, RedisOutput, file_ids_of
-from pdqueue.frontends.tenants import class_fields
 from pdqueue.keys import Keys
 from pdqueue.queue.connection import connect
 
@@ -124,7 +123,7 @@ class BatchRunner:
             stop = threading.Event()
             run = BatchRun(sync_r, self.keys, RedisInput(sync_r, self.bkeys, record["input_file_id"]),
                            RedisOutput(sync_r, self.bkeys, batch_id, self.owner), batch_id=batch_id,
-                           concurrency=self.concurrency, stop=stop, request_fields=class_fields("batch"),
+                           concurrency=self.concurrency, stop=stop,
                            unavailable_after_s=float("inf"))   # a Redis outage stops it (_drive), never fails it
             await self._drive(batch_id, run, stop)
         except (redis.RedisError, OSError) as exc:

@@ -53,7 +53,8 @@ from pdqueue.frontends.cluster_view import ClusterView
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.runtime import Runtime, bind, runtime
-from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, class_fields, load_tenants
+from pdqueue.frontends.service_classes import class_fields
+from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, load_tenants
 from pdqueue.keys import Keys
 from pdqueue.protocol import RequestError
 

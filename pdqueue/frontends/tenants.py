@@ -29,11 +29,10 @@ import tomllib
 from dataclasses import dataclass, field
 
 from pdqueue.frontends.openai_compat import OpenAIError
+from pdqueue.frontends.service_classes import SERVICE_CLASSES
 
-__all__ = ["DEFAULT_TENANT", "SERVICE_CLASSES", "RateLimited", "Tenant", "TenantError", "TenantState", "Tenants",
-           "class_fields", "load_tenants"]
+__all__ = ["DEFAULT_TENANT", "RateLimited", "Tenant", "TenantError", "TenantState", "Tenants", "load_tenants"]
 
-SERVICE_CLASSES = ("interactive", "standard", "batch")
 DEFAULT_TENANT = "default"
 _FIELDS = {"api_keys", "share", "requests_per_s", "tokens_per_s", "burst_s", "service_class"}
 
@@ -169,12 +168,6 @@ class RateLimited(Exception):
     def __init__(self, error: OpenAIError, retry_after: int):
         super().__init__(error.message)
         self.error, self.retry_after = error, retry_after
-
-
-def class_fields(service_class: str) -> dict:
-    """Submit arguments that put a request in ``service_class``: until the request carries
-    a class, ``interactive`` is today's high priority and the others normal."""
-    return {"priority": "high"} if service_class == "interactive" else {}
 
 
 def _digest(key: str) -> bytes:
