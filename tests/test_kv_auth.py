@@ -799,3 +799,15 @@ def test_kv_auth_off_is_a_warning_and_works_both_sides(cluster, tiny):
     check_results(cluster, tiny, prompts, params, handles, "zmq")
     assert "authentication is OFF" in cluster.log("prefill0") and "authentication is OFF" in cluster.log("decode0")
     assert cluster.r.get(Keys(cluster.cluster).kv_secret) is None
+
+
+def test_sender_takes_a_config_or_its_fields_and_refuses_unknown_ones():
+    from pdqueue.transfer import SenderConfig
+    pool = SMALL.allocate()
+    with KVSender(pool, SMALL, "w-cfg", "inc-cfg", NODE, config=SenderConfig(lease_s=5.0, data_port=None)) as kv:
+        assert kv.leases.lease_s == 5.0 and kv.data_endpoint == "" and kv.auth_failures == 0
+    with KVSender(pool, SMALL, "w-cfg", "inc-cfg", NODE, lease_s=7.0, auth=AUTH) as kv:
+        assert kv.config.lease_s == 7.0 and kv.data_endpoint.startswith("tcp://127.0.0.1:")
+        assert kv.export(rid(), [1], 3).mac   # signed: the config's auth is the sender's
+    with pytest.raises(TypeError):
+        KVSender(pool, SMALL, "w-cfg", "inc-cfg", NODE, lease_seconds=3.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from pdqueue.transfer.sender import KVSender
+from pdqueue.transfer.sender import KVSender, SenderConfig
 from workers.common import kv_auth_for
 from workers.recovery import REDIS_DOWN
 
@@ -17,16 +17,15 @@ def make_sender(shell, kv_cache, layout, *, nixl: bool = False) -> KVSender:
     blocks lease them together): over its shared segment when it has one, else over the
     tensor (ZeroMQ; and the TCP data wire when the pool is in host memory)."""
     config = shell.config
-    auth = kv_auth_for(config, shell.r, shell.keys)   # signs tickets; peers must prove the secret
-    common = dict(endpoint=config.bind, advertise=config.advertise, lease_s=config.lease_s, auth=auth,
-                  shared_blocks=True, nixl=nixl)
+    sender_config = SenderConfig(endpoint=config.bind, advertise=config.advertise, lease_s=config.lease_s,
+                                 data_port=config.data_port, shared_blocks=True, nixl=nixl,
+                                 auth=kv_auth_for(config, shell.r, shell.keys))   # signs tickets; peers must prove the secret
     if shell.segment is not None:
-        return KVSender.for_shared_pool(shell.segment, shell.node, data_port=config.data_port, **common)
-    if kv_cache.device.type == "cpu":
-        common["data_port"] = config.data_port
+        return KVSender.for_shared_pool(shell.segment, shell.node, config=sender_config)
     # (An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ, or
-    # with --transfer nixl straight out of device memory, registered as VRAM.)
-    return KVSender(kv_cache, layout, shell.worker_id, shell.incarnation, shell.node, **common)
+    # with --transfer nixl straight out of device memory, registered as VRAM; the sender
+    # starts a TCP data server only for a pool in host memory.)
+    return KVSender(kv_cache, layout, shell.worker_id, shell.incarnation, shell.node, config=sender_config)
 
 
 def serve_leases(shell, sender: KVSender, free_released: Callable[[], None]) -> None:

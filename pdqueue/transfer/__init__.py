@@ -1,8 +1,8 @@
 """KV-cache transport between prefill (sender) and decode (receiver) workers.
 
-- ``KVSender`` (prefill): ``export`` leases blocks and returns a ``Ticket``; a TCP data server
-  and a ZeroMQ ROUTER thread serve fetch and release; ``poll_freeable`` hands blocks back
-  to the engine.
+- ``KVSender`` (prefill, configured by a ``SenderConfig``): ``export`` leases blocks and
+  returns a ``Ticket``; a TCP data server and a ZeroMQ ROUTER thread serve fetch and
+  release; ``poll_freeable`` hands blocks back to the engine.
 - ``KVReceiver`` (decode): ``fetch(ticket, dst_block_ids)`` copies over shared memory (same
   ``node_id()``), else over the TCP data wire (the ticket names a data endpoint), else over
   ZeroMQ; backends are pluggable through ``register_transport``.
@@ -20,11 +20,11 @@ from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.leases import LeaseState, LeaseTable
 from pdqueue.transfer.node import node_id
 from pdqueue.transfer.receiver import KVReceiver
-from pdqueue.transfer.sender import KVSender
+from pdqueue.transfer.sender import KVSender, SenderConfig
 from pdqueue.transfer.shm import SharedKVPool, cleanup_segments, segment_name
 
 __all__ = [
     "AUTO_ORDER", "TRANSFER_VERSION", "TRANSPORTS", "FailureCode", "FetchResult", "KVAuth", "KVReceiver", "KVSender",
-    "LeaseState", "LeaseTable", "ReceiveContext", "SharedKVPool", "Ticket", "TransferError", "Transport",
+    "LeaseState", "LeaseTable", "ReceiveContext", "SenderConfig", "SharedKVPool", "Ticket", "TransferError", "Transport",
     "cleanup_segments", "generate_secret", "node_id", "register_transport", "segment_name",
 ]
