@@ -30,19 +30,31 @@ A worker started with ``--switchable`` reads ``control:<id>`` every ``CONTROL_EV
    reads the other's heartbeat before the other marks ``switching_to``, a few ms):
    senders issue one move at a time (the planner does).
 
+``SwitchControl`` is this protocol in a worker (``WorkerShell.switches``): it reads the
+commands, refuses or accepts them, asks the shell to switch (``WorkerShell.switch_role``)
+and writes the events; the shell tells it when the old role has drained (``drained``), when
+the new one serves (``done``) and when a switch failed (``failed``).
+
 Imports redis and pdqueue only (no torch).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+from pdqueue.control import commands
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import REQUEST_ROLES
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
+from workers.common import Every
+from workers.recovery import REDIS_DOWN
+
+log = logging.getLogger("pdqueue.worker")
 
 CONTROL_EVERY_S = 0.1     # control:<id> is read at most this often
 FIXED_ROLE = "fixed role: started without --switchable"
@@ -88,3 +100,106 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
         if n:
             return f"nobody left to serve it: last decode worker, {n} handoff(s) queued"
     return None
+
+
+class SwitchControl:
+    """The switch commands of one worker (see the module docstring). ``shell`` is its
+    ``WorkerShell``; ``make_role(name)`` builds the role a command asks for."""
+
+    def __init__(self, shell, make_role: Callable[[str], object]):
+        self.shell = shell
+        self.make_role = make_role
+        self.switching: Switching | None = None   # an accepted switch command, until done or failed
+        self._every = Every(CONTROL_EVERY_S)
+
+    def poll(self) -> None:
+        """Every ``CONTROL_EVERY_S``: answer the commands waiting on ``control:<id>``."""
+        if not self._every.due():
+            return
+        shell = self.shell
+        for entry_id, fields in commands.take_commands(shell.r, shell.keys, shell.worker_id):
+            try:
+                self._command(entry_id, fields)
+            except REDIS_DOWN as exc:   # read and deleted, but not answered: the sender times out
+                log.warning("switch command %s not answered: redis unavailable (%s)", entry_id, exc)
+
+    def _command(self, entry_id: str, fields) -> None:
+        shell = self.shell
+        read_at = time.monotonic()
+        raw_id = fields.get(b"id", fields.get("id", b""))
+        command_id = (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)) or entry_id
+        try:
+            cmd = commands.parse_command(fields)
+        except commands.CommandError as exc:
+            self._refuse(command_id, "", str(exc))
+            return
+        command_id = cmd.id or command_id
+        reason = self.refusal(cmd)
+        if reason:
+            self._refuse(command_id, cmd.role, reason)
+            return
+        role = shell.role
+        sw = Switching(command_id, role.name, cmd.role, shell.role_epoch, held=len(role.held()),
+                       leases=int(role.load().get("leases", 0)), read_at=read_at)
+        self.switching = sw
+        shell.heartbeat.update(switching_to=cmd.role)
+        shell.beat_now()
+        self.event("accepted", sw, by=cmd.by)
+        log.info("worker %s: switch %s -> %s accepted (command %s by %s; %d in hand, %d leases)", shell.worker_id,
+                 role.name, cmd.role, command_id, cmd.by or "?", sw.held, sw.leases)
+        shell.switch_role(self.make_role(cmd.role))
+
+    def refusal(self, cmd: commands.SwitchCommand) -> str | None:
+        """Why this worker will not carry ``cmd`` out, or None (the module docstring's order)."""
+        shell = self.shell
+        if not shell.config.switchable:
+            return FIXED_ROLE
+        if shell.stop.warm.is_set() or shell.stop.cold.is_set():
+            return "the worker is stopping"
+        if self.switching is not None or shell.next_role is not None:
+            to = self.switching.to_role if self.switching else shell.next_role.name
+            return f"a switch to {to} is in progress"
+        if cmd.epoch != shell.role_epoch:
+            return f"stale epoch: expected {cmd.epoch}, worker is at {shell.role_epoch}"
+        if cmd.role == shell.role.name:
+            return f"already {cmd.role}"
+        return backlog_refusal(shell.r, shell.keys, shell.worker_id, shell.node, shell.role.name, cmd.role)
+
+    def _refuse(self, command_id: str, to: str, reason: str) -> None:
+        shell = self.shell
+        log.warning("worker %s: switch command %s refused: %s", shell.worker_id, command_id, reason)
+        commands.event(shell.r, shell.keys, commands.SWITCH, command=command_id, worker=shell.worker_id,
+                       status="refused", reason=reason, **{"from": shell.role.name, "to": to},
+                       epoch=shell.role_epoch)
+
+    def event(self, status: str, sw: Switching, **fields) -> None:
+        fields.setdefault("epoch", sw.epoch)
+        try:
+            commands.event(self.shell.r, self.shell.keys, commands.SWITCH, command=sw.command,
+                           worker=self.shell.worker_id, status=status, **{"from": sw.from_role, "to": sw.to_role},
+                           held=sw.held, leases=sw.leases, **fields)
+        except REDIS_DOWN as exc:
+            log.warning("switch %s: the %s event was not written (%s)", sw.command, status, exc)
+
+    # ---- what the shell reports --------------------------------------------------------
+    def drained(self) -> None:
+        """The old role has settled what it held."""
+        if self.switching is not None:
+            self.switching.drained_at = time.monotonic()
+
+    def done(self) -> None:
+        """The new role serves (started, its own pending entries taken in): ``done``."""
+        sw, self.switching = self.switching, None
+        if sw is None:
+            return
+        shell = self.shell
+        drain_ms = sw.ms_since_read(sw.drained_at) if sw.drained_at is not None else 0.0
+        self.event("done", sw, epoch=shell.role_epoch, drain_ms=drain_ms, switch_ms=sw.ms_since_read())
+        log.info("worker %s: now %s (epoch %d): drained in %.0f ms, serving %.0f ms after the command",
+                 shell.worker_id, shell.role.name, shell.role_epoch, drain_ms, sw.ms_since_read())
+
+    def failed(self, reason: str, **fields) -> None:
+        """The switch in progress (if any) did not complete: ``failed``."""
+        sw, self.switching = self.switching, None
+        if sw is not None:
+            self.event("failed", sw, reason=reason, **fields)

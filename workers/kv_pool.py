@@ -1,0 +1,83 @@
+"""The process's KV pool, which every role of a worker uses in turn, and the sweep of this
+node's KV segments whose owner died."""
+
+from __future__ import annotations
+
+import logging
+
+from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool, cleanup_segments
+from workers.common import Every
+
+log = logging.getLogger("pdqueue.worker")
+
+
+class ProcessKV:
+    """The KV pool tensor, made once, when the first role asks (``pool``), so a switch
+    allocates nothing. On CPU it lives in a named shared memory segment (``segment``) when
+    the role needs one (prefill: decode workers on this node copy out of it) or the worker is
+    switchable (any role may become prefill); a plain pool is replaced by a segment only when
+    a prefill role comes to a worker that had none (a switch in a process started without
+    ``--switchable``). On an accelerator it is an ordinary device tensor.
+
+    The segment's block epochs stay right across roles: a prefill role bumps a block's epoch
+    before its engine writes new content into it (the engine's ``on_rewrite``), its drain
+    serves its leases until they are released or expired, and after it closed (its senders
+    stopped) every block's epoch is bumped (``retire_tickets``), so no copy validated against
+    its tickets can see what a later role writes."""
+
+    def __init__(self, layout, device: str, switchable: bool, worker_id: str, incarnation: str):
+        self.layout = layout
+        self.device = device
+        self.switchable = switchable
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.segment: SharedKVPool | None = None
+        self._tensor = None
+
+    def pool(self, shared: bool = False):
+        if (shared or self.switchable) and self.device == "cpu" and self.segment is None:
+            self.segment = SharedKVPool.create(self.layout, DEFAULT_PREFIX, self.worker_id, self.incarnation)
+            self._tensor = self.segment.tensor
+        elif self._tensor is None:
+            self._tensor = self.layout.allocate(device=self.device)
+        return self._tensor
+
+    def retire_tickets(self) -> None:
+        """The old role's tickets (leases still held when its drain ran out of time) can no
+        longer validate a copy: the next role may write any block."""
+        if self.segment is not None:
+            self.segment.bump_epochs(range(self.layout.num_blocks))
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close(unlink=True)
+
+
+class SegmentSweep:
+    """``sweep()`` every ``every_s`` (or at once with ``force``): unlink this node's KV
+    segments whose owner died (``cleanup_segments``), so a crashed prefill worker's pool goes
+    whether it is restarted at once, later or never. Returns the names removed."""
+
+    def __init__(self, r, keys, every_s: float):
+        self.r = r
+        self.keys = keys
+        self._every = Every(every_s)
+
+    def __call__(self, force: bool = False) -> list[str]:
+        if not self._every.due(force):
+            return []
+        try:
+            return cleanup_segments(self._owner_alive)
+        except OSError as exc:
+            log.warning("KV segment sweep failed (%s)", exc)
+            return []
+
+    def _owner_alive(self, worker_id: str, incarnation: str) -> bool:
+        """For segments of earlier pdqueue versions only (no owner lock): is the owner
+        registered in this cluster with that incarnation."""
+        try:
+            info = self.r.hgetall(self.keys.worker(worker_id))
+        except Exception:
+            return True  # cannot tell: keep it
+        inc = info.get(b"incarnation") if info else None
+        return inc is not None and inc.decode() == incarnation
