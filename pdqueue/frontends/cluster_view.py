@@ -10,7 +10,7 @@ import time
 
 import redis
 
-from pdqueue.queue.backlog import group_backlog
+from pdqueue.queue.backlog import streams_backlog
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Role
 from pdqueue.queue.connection import connect
@@ -39,10 +39,7 @@ class ClusterView:
     def poll(self) -> None:
         """One refresh (blocking: call it in a thread)."""
         workers = list_workers(self._r, self.keys)
-        backlog = 0
-        for stream in request_streams_of(self._r, self.keys):
-            lag, pending = group_backlog(self._r, stream, PREFILL_GROUP)
-            backlog += lag + pending
+        backlog = streams_backlog(self._r, request_streams_of(self._r, self.keys), PREFILL_GROUP).total
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()
 
     async def refresh(self) -> None:
