@@ -821,6 +821,7 @@ def test_no_workers_503_then_backlog_429(shared_redis_url, logs):
         with pytest.raises(openai.RateLimitError) as info:
             oa.completions.create(model="tiny", prompt="Hi", max_tokens=2)
         assert "backlog (3)" in info.value.body["message"]
+        assert info.value.response.headers["retry-after"] == "1"
     finally:
         assert gw.stop() == 0, gw.log()
 

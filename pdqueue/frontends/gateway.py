@@ -169,8 +169,9 @@ class Gateway:
         view = self.view
         limit = self.config.max_backlog
         if limit is not None and view.backlog_now() > limit and not self.tenants.exempt(tenant):
-            raise OpenAIError(429, f"the cluster's request backlog ({view.backlog_now()}) is over the "
-                                   f"limit ({limit}); retry later", "rate_limit_error", code="rate_limit_exceeded")
+            raise RateLimited(OpenAIError(429, f"the cluster's request backlog ({view.backlog_now()}) is over the "
+                                               f"limit ({limit}); retry later", "rate_limit_error",
+                                          code="rate_limit_exceeded"), retry_after=1)   # polled every 0.25 s
         if not view.ok:
             raise errs.unavailable("the gateway cannot reach the cluster's Redis")
         if not view.serving():
