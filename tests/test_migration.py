@@ -152,3 +152,32 @@ def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster
     assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}
     print(f"c0 stopped in {took:.2f} s, {len(moved)} requests moved")
     wait_pools_free(cluster)
+
+
+def test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker(cluster, tiny, runs):
+    """The planner's lever (op=migrate): c0 keeps its role and takes work, moves up to 3 of
+    its running decodes to d0 with their KV, and every answer is token for token the
+    colocated engine's, once; a budget command sets c0's TBT budget and is refused by d0."""
+    from pdqueue.control import commands
+
+    cluster.start("colocated", *FAST, "--policy", "chunked", "--tbt-slo-ms", "200", worker_id="c0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    c0, keys = cluster.id("c0"), cluster.keys
+    assert cluster.workers()["c0"]["load"].get("tbt_budget_ms") == 200
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
+    done = commands.wait_switch(cluster.r, keys, commands.send_migrate(cluster.r, keys, c0, 3, by="test"), 60)
+    assert done is not None and done["status"] == "done" and done["type"] == "migrate", done
+    assert done["moved"] == "3", done
+    budget = commands.wait_switch(cluster.r, keys, commands.send_budget(cluster.r, keys, c0, 120.0), 30)
+    assert budget["status"] == "done", budget
+    wait_for(lambda: cluster.workers()["c0"]["load"].get("tbt_budget_ms") == 120, what="c0 reports its new budget")
+    refused = commands.wait_switch(cluster.r, keys, commands.send_budget(cluster.r, keys, cluster.id("d0"), 120.0), 30)
+    assert refused["status"] == "refused" and "has no TBT budget" in refused["reason"], refused
+    results = check_answers(cluster, tiny, client, handles, runs)
+    moved = [res for res in results if res.decode_worker == cluster.id("d0")]
+    assert len(moved) == 3 and {res.prefill_worker for res in moved} == {c0}
+    assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}   # the KV travelled
+    assert {res.decode_worker for res in results if res not in moved} == {c0}
+    assert cluster.workers()["c0"]["role"] == "colocated" and cluster.procs["c0"].poll() is None
+    wait_pools_free(cluster)

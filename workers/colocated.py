@@ -22,7 +22,10 @@ finished with a handoff, as a prefill worker's would be); the others finish here
 
 from __future__ import annotations
 
+from pdqueue.control.commands import MIGRATE
+from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.scheduler import STEP_SHARE
 from pdqueue.protocol import Completion, Handoff, encode_handoff
 from workers.common import Every, now_ms, tbt_stats
 from workers.migration import Migrator
@@ -39,11 +42,16 @@ class ColocatedRole(RequestRole):
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self._check = Every(CHECK_EVERY_S)
+        self.tbt_budget_ms = shell.config.engine.tbt_slo_ms   # the planner may change it (set_tbt_budget)
+        self._migrate: tuple[int, str] | None = None         # (count, command id) asked by a planner
 
     def load(self) -> dict:
-        return {**super().load(), "step_ms": round(self.step_s * 1000, 2),
+        load = {**super().load(), "step_ms": round(self.step_s * 1000, 2),
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
                 "migrated_out": self.migrator.moved if self.migrator is not None else 0}
+        if self.engine.scheduler.policy == PrefillPolicy.CHUNKED:   # it takes budget commands (0: none)
+            load["tbt_budget_ms"] = self.tbt_budget_ms or 0
+        return load
 
     def read_limit(self) -> int:
         """No more than the free batch slots: the rest stays in Redis for other workers."""
@@ -57,6 +65,8 @@ class ColocatedRole(RequestRole):
             self.migrator.free_released()
             if not self.shell.accepting and self.inflight:
                 self.migrate_out()
+            elif self._migrate is not None:
+                self._migrate_asked()
         if not self._check.due():
             return
         stopped = self.shell.to_stop({rid: it.request for rid, it in self.inflight.items()})
@@ -70,14 +80,50 @@ class ColocatedRole(RequestRole):
                     num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
                     prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"))
 
-    def migrate_out(self) -> None:
-        """Not accepting: the requests past their first token go on on a decode worker."""
-        self.migrator.announce()
-        target = self.migrator.target()
+    # ---- the planner's levers (commands: workers/switching.py) -----------------------------
+    def set_tbt_budget(self, tbt_slo_ms: float | None) -> str | None:
+        """The chunked policy's TBT target from now on (None: chunks fill the token budget);
+        why not, if it cannot."""
+        scheduler = self.engine.scheduler
+        if scheduler.policy != PrefillPolicy.CHUNKED:
+            return "the TBT budget needs the chunked policy (--policy chunked)"
+        scheduler.tbt_step_s = None if tbt_slo_ms is None else tbt_slo_ms / 1000 * STEP_SHARE
+        self.tbt_budget_ms = tbt_slo_ms
+        return None
+
+    def migrate_some(self, count: int, command_id: str) -> str | None:
+        """Move up to ``count`` running decodes to a decode worker at the next step boundary
+        (``done`` with ``moved`` then); why not, if it cannot."""
+        if self.migrator is None:
+            return "migration is off (--no-migrate)"
+        if self._migrate is not None:
+            return f"a migration ({self._migrate[1]}) is in progress"
+        if self.migrator.peer_stream() is None:
+            return "no decode worker takes work"
+        self._migrate = (count, command_id)
+        return None
+
+    def _migrate_asked(self) -> None:
+        (count, command_id), self._migrate = self._migrate, None
+        target = self.migrator.peer_stream()
+        moved = self.migrate_out(target, count) if target is not None else 0
+        self.shell.switches.answer(MIGRATE, command_id, "done", moved=moved, to=target or "")
+
+    def migrate_out(self, target: str | None = None, limit: int | None = None) -> int:
+        """The requests past their first token go on on a decode worker (all of them when not
+        accepting; else up to ``limit`` to ``target``, those with the fewest tokens so far:
+        the most gaps left). Returns how many moved."""
         if target is None:
-            return
+            self.migrator.announce()
+            target = self.migrator.target()
+            if target is None:
+                return 0
+        running = sorted(self.inflight.items(), key=lambda kv: len(kv[1].token_times_ms))
+        moved = 0
         with self.shell.unit() as unit:
-            for rid, it in list(self.inflight.items()):
+            for rid, it in running:
+                if limit is not None and moved >= limit:
+                    break
                 exported = self.migrator.export(rid) if it.token_times_ms else None
                 if exported is None:
                     continue
@@ -89,6 +135,8 @@ class ColocatedRole(RequestRole):
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms, prefill_end_ms=first,
                                   first_token_ms=first, cached_tokens=seq.cached_tokens)
                 unit.handoff(it.stream, it.entry_id, rid, target, encode_handoff(handoff))
+                moved += 1
+        return moved
 
     def drain(self) -> None:
         super().drain()

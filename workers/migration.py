@@ -23,6 +23,10 @@ Redis and its segment outlives it for the lease (``keep_until``), else the fetch
 receiver recomputes from prompt + tokens; the receiver dies: its entry is taken over as any
 handoff. The tokens on ``out:<id>`` are the source's, then the receiver's from the next index.
 
+A planner may also ask a colocated worker that goes on serving to move some of its running
+decodes (``op=migrate``, pdqueue/control/commands.py): the same move, to the same peers
+(``peer_stream``), with no drain announced.
+
 Where to: only while a peer decode worker lives that is not itself stopping or switching
 (``draining`` in its heartbeat's load). Stopping workers announce it at once and look for
 peers ``SETTLE_S`` later, so two workers stopped together (``up``'s Ctrl-C) do not hand their
@@ -81,6 +85,15 @@ class Migrator:
             return self._target
         self._target_at = now
         self._target = self._find_target()
+        return self._target
+
+    def peer_stream(self) -> str | None:
+        """Like ``target`` but without a drain (a planner's ``migrate`` command: the role
+        keeps taking work): the handoff stream to move to now, or None (no peer takes work)."""
+        now = time.monotonic()
+        if now - self._target_at >= PEERS_EVERY_S:
+            self._target_at = now
+            self._target = self._find_target()
         return self._target
 
     def _find_target(self) -> str | None:

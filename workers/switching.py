@@ -134,6 +134,9 @@ class SwitchControl:
             self._refuse(command_id, "", str(exc))
             return
         command_id = cmd.id or command_id
+        if isinstance(cmd, (commands.BudgetCommand, commands.MigrateCommand)):
+            self._lever(command_id, cmd)
+            return
         reason = self.refusal(cmd)
         if reason:
             self._refuse(command_id, cmd.role, reason)
@@ -164,6 +167,40 @@ class SwitchControl:
         if cmd.role == shell.role.name:
             return f"already {cmd.role}"
         return backlog_refusal(shell.r, shell.keys, shell.worker_id, shell.node, shell.role.name, cmd.role)
+
+    def _lever(self, command_id: str, cmd) -> None:
+        """A budget or migrate command: the role carries it out (``set_tbt_budget``,
+        ``migrate_some``) or says why not; a migration answers ``done`` once it ran."""
+        shell = self.shell
+        budget = isinstance(cmd, commands.BudgetCommand)
+        kind = commands.BUDGET if budget else commands.MIGRATE
+        method = getattr(shell.role, "set_tbt_budget" if budget else "migrate_some", None)
+        if shell.stop.warm.is_set() or shell.stop.cold.is_set():
+            reason = "the worker is stopping"
+        elif self.switching is not None or shell.next_role is not None:
+            reason = "a switch is in progress"
+        elif method is None:
+            reason = f"the {shell.role.name} role has no {'TBT budget' if budget else 'running decodes to move'}"
+        else:
+            reason = method(cmd.tbt_slo_ms) if budget else method(cmd.count, command_id)
+        if reason:
+            log.warning("worker %s: %s command %s refused: %s", shell.worker_id, kind, command_id, reason)
+            self.answer(kind, command_id, "refused", reason=reason)
+        elif budget:
+            log.info("worker %s: TBT budget %s (command %s by %s)", shell.worker_id,
+                     "off" if cmd.tbt_slo_ms is None else f"{cmd.tbt_slo_ms:g} ms", command_id, cmd.by or "?")
+            self.answer(kind, command_id, "done", tbt_slo_ms="off" if cmd.tbt_slo_ms is None else cmd.tbt_slo_ms)
+        else:
+            self.answer(kind, command_id, "accepted", count=cmd.count, by=cmd.by)
+
+    def answer(self, kind: str, command_id: str, status: str, **fields) -> None:
+        """An event answering a budget or migrate command."""
+        shell = self.shell
+        try:
+            commands.event(shell.r, shell.keys, kind, command=command_id, worker=shell.worker_id, status=status,
+                           role=shell.role.name, **fields)
+        except REDIS_DOWN as exc:
+            log.warning("%s %s: the %s event was not written (%s)", kind, command_id, status, exc)
 
     def _refuse(self, command_id: str, to: str, reason: str) -> None:
         shell = self.shell

@@ -36,7 +36,8 @@ def _fixed(*workers: tuple[str, tuple[str, ...]]) -> Callable[["Settings"], Work
     return lambda _settings: list(workers)
 
 
-def _colocated_chunked(*, slo: bool = False, weights: str | None = None) -> Callable[["Settings"], Workers]:
+def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
+                       switchable: bool = False) -> Callable[["Settings"], Workers]:
     """2 colocated workers, decodes first and prompt chunks of at most ``chunk_tokens`` per
     step; ``slo``: under the TBT budget of the bench's own TBT SLO (scheduler.py); ``weights``:
     quantized weights (a colocated worker takes the decode side's ``--weights``)."""
@@ -46,6 +47,8 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None) -> Call
             extra += ("--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")
         if weights:
             extra += ("--weights", weights)
+        if switchable:
+            extra += ("--switchable",)
         return [("colocated", extra)] * 2
     return workers
 
@@ -55,9 +58,9 @@ def _prefix(*extra: str) -> Callable[["Settings"], Workers]:
     return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
 
 
-def _start_planner(settings: Settings, url: str, cluster: str) -> Callable[[], None]:
+def _start_planner(settings: Settings, url: str, cluster: str, elastic: bool = False) -> Callable[[], None]:
     """The adaptive mode's planner, in a thread of this process, until the returned function
-    is called."""
+    is called; ``elastic``: also over the workers' TBT budgets and migrations."""
     import threading
 
     from pdqueue.control.adapter import Adapter
@@ -67,7 +70,7 @@ def _start_planner(settings: Settings, url: str, cluster: str) -> Callable[[], N
 
     config = PlannerConfig(ttft_slo_ms=settings.slo_ttft_ms, tbt_slo_ms=settings.slo_tbt_ms, mode=settings.plan_mode,
                            min_dwell_s=settings.plan_dwell_s, cooldown_s=settings.plan_cooldown_s,
-                           window_s=settings.plan_window_s, move_timeout_s=60.0)
+                           window_s=settings.plan_window_s, move_timeout_s=60.0, elastic=elastic)
     adapter = Adapter(connect(url, purpose="supervisor"), Keys(cluster), config, name="bench-serve")
     done = threading.Event()
     threading.Thread(target=adapter.run, args=(done, 1.0), name="pdq-planner", daemon=True).start()
@@ -92,6 +95,10 @@ MODES: dict[str, Mode] = {
     "colocated-chunked-int4": Mode(_colocated_chunked(weights="int4")),
     "colocated-slo": Mode(_colocated_chunked(slo=True)),
     "colocated-slo-int4": Mode(_colocated_chunked(slo=True, weights="int4")),
+    # Issue 25: 2 colocated int4 workers under the TBT budget, switchable, and the planner
+    # over roles, per-worker budgets and migrations of running decodes.
+    "elastic": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
+                    beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
 }
 DEFAULT_MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
 PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")

@@ -1,7 +1,8 @@
 """Actuation: a ``Planner`` run against a live cluster. Each ``tick`` observes the cluster
-through Redis (``planner_obs.observe``), asks the planner, publishes the plan (the
+through Redis (``observe.observe``), asks the planner, publishes the plan (the
 ``plan`` hash and, when it changes, a ``type=plan`` event) and sends the moves as switch
-commands (``pdqueue.control.commands``). A move the worker refuses is reported back to the planner
+commands (``pdqueue.control.commands``), and with ``PlannerConfig.elastic`` the budgets and
+migrations as budget and migrate commands. A move the worker refuses is reported back to the planner
 (``move_refused``) so it is not waited for.
 
 Used by ``pdqueue up --adapt`` (a thread of the supervisor), ``pdqueue plan --apply`` and
@@ -71,6 +72,12 @@ class Adapter:
                 log.info("planner: %s (%s)", move, decision.reason)
                 self.state.sent.append(Sent(move, cid))
                 del self.state.sent[:-20]
+            for budget in decision.budgets:      # elastic: answered by type=budget events
+                commands.send_budget(self.r, self.keys, budget.worker_id, budget.tbt_slo_ms, by=self.name)
+                log.info("planner: %s", budget)
+            for migration in decision.migrations:
+                commands.send_migrate(self.r, self.keys, migration.worker_id, migration.count, by=self.name)
+                log.info("planner: %s", migration)
         return decision
 
     def _follow_sent(self) -> None:

@@ -26,6 +26,19 @@ Switch protocol:
    (the id), ``worker``, ``status``, ``reason``, ``from``, ``to``, ``epoch`` and timings.
    ``wait_switch`` follows them for one command.
 
+Two more commands, for the elastic planner (``PlannerConfig.elastic``), answered with
+``type=budget`` / ``type=migrate`` events the same way (``refused`` with the reason, else
+``done``):
+
+- ``op=budget id=<cmd> tbt_slo_ms=<ms|off> by=<who>``: a colocated or decode worker on the
+  chunked policy sets its engine's TBT budget (the share of each step prompt chunks get
+  beside the running decodes; ``engine/scheduler.py``); the heartbeat's load reports it as
+  ``tbt_budget_ms``.
+- ``op=migrate id=<cmd> count=<n> by=<who>``: a colocated worker moves up to ``n`` of its
+  running decodes with their KV to a decode worker (``workers/migration.py``), keeping its
+  role and taking new work; ``accepted``, then ``done`` with ``moved``. Refused while no
+  decode worker takes work.
+
 A role epoch is an integer that only grows: a worker starts at its start time in ms, and
 each switch adds one, so a command aimed at an earlier process of the same worker id is
 stale as well.
@@ -46,8 +59,13 @@ from typing import Any, Mapping
 
 from pdqueue.keys import CONTROL_TTL_S, EVENTS_MAXLEN, Keys
 from pdqueue.protocol import ROLES, as_str
+
 SWITCH = "switch"
-_FIELDS = {"op", "id", "role", "epoch", "by"}
+BUDGET = "budget"      # a worker's TBT budget (the chunked policy's tbt_slo_ms)
+MIGRATE = "migrate"    # move some running decodes to a decode worker, with their KV
+OPS = (SWITCH, BUDGET, MIGRATE)
+_FIELDS = {SWITCH: {"op", "id", "role", "epoch", "by"}, BUDGET: {"op", "id", "tbt_slo_ms", "by"},
+           MIGRATE: {"op", "id", "count", "by"}}
 
 
 class CommandError(ValueError):
@@ -62,15 +80,40 @@ class SwitchCommand:
     by: str = ""
 
 
-def parse_command(fields: Mapping) -> SwitchCommand:
+@dataclass(frozen=True, slots=True)
+class BudgetCommand:
+    id: str
+    tbt_slo_ms: float | None   # the new target; None: no budget (chunks fill the token budget)
+    by: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateCommand:
+    id: str
+    count: int                 # at most this many running decodes move
+    by: str = ""
+
+
+def parse_command(fields: Mapping) -> SwitchCommand | BudgetCommand | MigrateCommand:
     """The command in a ``control:<id>`` entry; ``CommandError`` with the reason if it is
-    not a well-formed switch."""
+    not well-formed."""
     f = {as_str(k): as_str(v) for k, v in fields.items()}
-    unknown = sorted(set(f) - _FIELDS)
+    op = f.get("op")
+    if op not in OPS:
+        raise CommandError(f"op must be one of {list(OPS)}, got {op!r}")
+    unknown = sorted(set(f) - _FIELDS[op])
     if unknown:
         raise CommandError(f"unknown field(s) {unknown}")
-    if f.get("op") != SWITCH:
-        raise CommandError(f"op must be {SWITCH!r}, got {f.get('op')!r}")
+    if op == BUDGET:
+        return BudgetCommand(id=f.get("id") or "", tbt_slo_ms=_budget(f.get("tbt_slo_ms", "")), by=f.get("by", ""))
+    if op == MIGRATE:
+        try:
+            count = int(f.get("count", ""))
+        except ValueError:
+            raise CommandError(f"count must be an integer, got {f.get('count')!r}") from None
+        if count < 1:
+            raise CommandError(f"count must be >= 1, got {count}")
+        return MigrateCommand(id=f.get("id") or "", count=count, by=f.get("by", ""))
     if f.get("role") not in ROLES:
         raise CommandError(f"role must be one of {list(ROLES)}, got {f.get('role')!r}")
     try:
@@ -78,6 +121,18 @@ def parse_command(fields: Mapping) -> SwitchCommand:
     except ValueError:
         raise CommandError(f"epoch must be an integer, got {f.get('epoch')!r}") from None
     return SwitchCommand(id=f.get("id") or "", role=f["role"], epoch=epoch, by=f.get("by", ""))
+
+
+def _budget(text: str) -> float | None:
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise CommandError(f"tbt_slo_ms must be a number of ms or 'off', got {text!r}") from None
+    if not value > 0:
+        raise CommandError(f"tbt_slo_ms must be > 0, got {text!r}")
+    return value
 
 
 def switch_fields(role: str, epoch: int, by: str = "", id: str | None = None) -> dict[str, str]:
@@ -88,7 +143,24 @@ def send_switch(r, keys: Keys, worker_id: str, role: str, epoch: int, by: str = 
                 id: str | None = None) -> str:
     """Ask ``worker_id`` to switch to ``role`` if its role epoch is still ``epoch``;
     returns the command id (follow it with ``wait_switch``)."""
-    fields = switch_fields(role, epoch, by, id)
+    return _send(r, keys, worker_id, switch_fields(role, epoch, by, id))
+
+
+def send_budget(r, keys: Keys, worker_id: str, tbt_slo_ms: float | None, by: str = "") -> str:
+    """Set ``worker_id``'s TBT budget (None: none); returns the command id. The worker
+    answers with a ``type=budget`` event (``done`` or ``refused``)."""
+    value = "off" if tbt_slo_ms is None else f"{float(tbt_slo_ms):g}"
+    return _send(r, keys, worker_id, {"op": BUDGET, "id": secrets.token_hex(6), "tbt_slo_ms": value, "by": by})
+
+
+def send_migrate(r, keys: Keys, worker_id: str, count: int, by: str = "") -> str:
+    """Ask ``worker_id`` to move up to ``count`` running decodes to a decode worker; returns
+    the command id. Answered with ``type=migrate`` events: ``accepted``, then ``done`` with
+    ``moved`` (or ``refused``)."""
+    return _send(r, keys, worker_id, {"op": MIGRATE, "id": secrets.token_hex(6), "count": str(int(count)), "by": by})
+
+
+def _send(r, keys: Keys, worker_id: str, fields: dict[str, str]) -> str:
     with r.pipeline(transaction=True) as pipe:
         pipe.xadd(keys.control(worker_id), fields)
         pipe.expire(keys.control(worker_id), CONTROL_TTL_S)
@@ -115,19 +187,19 @@ def event(r_or_pipe, keys: Keys, kind: str, **fields: Any) -> None:
 
 
 def switch_events(r, keys: Keys, command_id: str, since: str = "-") -> list[dict[str, str]]:
-    """Every event of one switch command, oldest first."""
+    """Every event of one command (switch, budget or migrate), oldest first."""
     out = []
     for _eid, fields in r.xrange(keys.events, min=since):
         f = {as_str(k): as_str(v) for k, v in fields.items()}
-        if f.get("type") == SWITCH and f.get("command") == command_id:
+        if f.get("type") in OPS and f.get("command") == command_id:
             out.append(f)
     return out
 
 
 def wait_switch(r, keys: Keys, command_id: str, timeout_s: float = 60.0,
                 final: tuple[str, ...] = ("done", "refused", "failed")) -> dict[str, str] | None:
-    """The final event of a switch command (done, refused or failed), or None when none
-    came within ``timeout_s``."""
+    """The final event of a command (done, refused or failed), or None when none came within
+    ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         for f in switch_events(r, keys, command_id):

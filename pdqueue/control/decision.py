@@ -43,6 +43,15 @@ class PlannerConfig:
     ewma_alpha: float = 0.3
     decode_decay: float = 0.05
     min_rate_prompt_tokens: int = 16
+    # elastic: per-worker TBT budgets and migrations of running decodes (elastic.py)
+    elastic: bool = False
+    budget_every_s: float = 10.0      # a worker's budget changes at most this often
+    budget_step: float = 0.8          # tighter: x this; looser: / this
+    budget_min_frac: float = 0.5      # budgets stay within [min, max] x the TBT target
+    budget_max_frac: float = 2.0
+    migrate_waiting: int = 2          # prompts waiting in a colocated engine that threaten its decodes
+    migrate_every_s: float = 5.0      # per worker
+    migrate_max: int = 8              # running decodes per migration
 
     def __post_init__(self) -> None:
         if self.mode not in ("reactive", "predictive"):
@@ -63,6 +72,14 @@ class PlannerConfig:
             raise ValueError("decode_decay must be in [0, 1)")
         if self.confirm < 1 or self.max_moves < 1 or self.max_batch < 1:
             raise ValueError("confirm, max_moves and max_batch must be >= 1")
+        if not 0 < self.budget_step < 1:
+            raise ValueError("budget_step must be in (0, 1)")
+        if not 0 < self.budget_min_frac <= 1 <= self.budget_max_frac:
+            raise ValueError("need 0 < budget_min_frac <= 1 <= budget_max_frac")
+        if self.budget_every_s < 0 or self.migrate_every_s < 0:
+            raise ValueError("budget_every_s and migrate_every_s must be >= 0")
+        if self.migrate_waiting < 1 or self.migrate_max < 1:
+            raise ValueError("migrate_waiting and migrate_max must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +103,8 @@ class Decision:
     reason: str = ""
     action: str = "hold"              # move | repair | hold | wait | cooldown
     signals: dict[str, float | int | str | None] = field(default_factory=dict)
+    budgets: tuple = ()               # elastic.Budget: TBT budgets to set (PlannerConfig.elastic)
+    migrations: tuple = ()            # elastic.Migration: running decodes to move
 
 
 __all__ = ["Decision", "Move", "PlannerConfig"]

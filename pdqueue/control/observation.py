@@ -45,6 +45,9 @@ class WorkerObs:
     beat_age_s: float = 0.0
     step_ms: float | None = None     # recent engine step time at ``running``, if reported
     role_since: float | None = None  # when it took its current role, if reported
+    tbt_budget_ms: float | None = None  # colocated: the TBT budget its engine runs with (None: none)
+    budgetable: bool = False         # it reports a TBT budget: it takes budget commands (chunked policy)
+    draining: bool = False           # stopping or switching: takes no migrated decodes
 
     @property
     def kv_used_frac(self) -> float | None:

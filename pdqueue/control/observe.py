@@ -86,7 +86,9 @@ def worker_obs(w: dict, now_ms: int) -> WorkerObs:
         node=as_str(w.get("node", ""), "replace"), incarnation=as_str(w.get("incarnation", ""), "replace"),
         beat_age_s=max(0, now_ms - beat_ms) / 1000.0,
         step_ms=step_ms if step_ms and step_ms > 0 else None,
-        role_since=None if since_ms is None else since_ms / 1000.0)
+        role_since=None if since_ms is None else since_ms / 1000.0,
+        tbt_budget_ms=(_float(load.get("tbt_budget_ms")) or None), budgetable="tbt_budget_ms" in load,
+        draining=_bool(load.get("draining") or False) or bool(as_str(w.get("switching_to") or "", "replace")))
 
 
 def completion_obs(entry_id: Any, fields: dict) -> CompletionObs | None:

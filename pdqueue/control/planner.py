@@ -22,10 +22,12 @@ numbers that decided) and ``signals`` (the same numbers as a dict).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from pdqueue.control.capacity import Capacity, CapacityModel
 from pdqueue.control.decision import Decision, Move, PlannerConfig
+from pdqueue.control.elastic import Budget, Elastic, Migration
 from pdqueue.control.moves import Roster, after_moves, violations
 from pdqueue.control.observation import (COLOCATED, DECODE, PREFILL, ROLES, CompletionObs, Observation,
                                          WorkerObs)
@@ -98,6 +100,7 @@ class Planner:
         self.model = CapacityModel(self.config)
         self.reactive = Reactive(self.config)
         self.predictive = Predictive(self.config)
+        self.elastic = Elastic(self.config) if self.config.elastic else None
         self._last_move_time: float | None = None
         self._streak = {PREFILL: 0, DECODE: 0}
         self._prev_queues: tuple[int, int] | None = None
@@ -123,6 +126,19 @@ class Planner:
         self.roster.pending.pop(worker_id, None)
 
     def decide(self, obs: Observation) -> Decision:
+        """The role decision, and with ``elastic`` the budgets and migrations beside it."""
+        decision = self._decide_roles(obs)
+        if self.elastic is None:
+            return decision
+        completions = tuple(c for c in obs.completions if c.finish_time >= obs.time - self.config.window_s)
+        moving = {mv.worker_id for mv in decision.moves} | set(self.roster.pending)
+        budgets, migrations = self.elastic.decide(obs, completions, moving)
+        if not budgets and not migrations:
+            return decision
+        levers = "; ".join(str(x) for x in (*budgets, *migrations))
+        return replace(decision, budgets=budgets, migrations=migrations, reason=f"{decision.reason}; {levers}")
+
+    def _decide_roles(self, obs: Observation) -> Decision:
         cfg = self.config
         self._notes = []
         if self.roster.track(obs, self._notes):
@@ -186,6 +202,6 @@ class Planner:
         return Decision(obs.time, dict(counts), moves, reason, action, dict(signals))
 
 
-__all__ = ["COLOCATED", "DECODE", "PREFILL", "ROLES", "Capacity", "CompletionObs", "Decision",
+__all__ = ["COLOCATED", "DECODE", "PREFILL", "ROLES", "Budget", "Capacity", "Migration", "CompletionObs", "Decision",
            "Move", "Observation", "Planner", "PlannerConfig", "WorkerObs", "percentile",
            "violations"]

@@ -165,6 +165,8 @@ class Reactive:
         cfg, m = self.config, turn.m
         p, d, c = (turn.counts[r] for r in ROLES)
         kv_ok = m.decode_kv_used is None or m.decode_kv_used < cfg.kv_high
+        if cfg.elastic:
+            return self._elastic_to_decode(turn, why)
         if d >= 1 and m.queued_handoffs < d and kv_ok:
             # colocated workers stall their own decodes: they turn prefill and the decode
             # workers (nothing queued for them) take their sequences; the prefill-capable
@@ -184,6 +186,24 @@ class Reactive:
             return turn.hold(f"decode short: {why}; but prefill cannot spare one: {spare}")
         return self._start_route(turn, {PREFILL: p + s - 1, DECODE: d + 1, COLOCATED: c - s}, DECODE,
                                  f"decode short: {why}; back to disaggregated, "
+                                 f"prefill can spare one: {spare}")
+
+    def _elastic_to_decode(self, turn: "Turn", why: str) -> Decision | None:
+        """Elastic: colocated workers keep both kinds of work by budget, and their running
+        decodes move to decode workers; so decode short means one more decode worker when
+        there is none or those there are busy, else a hold while migrations act."""
+        cfg, m = self.config, turn.m
+        p, d, c = (turn.counts[r] for r in ROLES)
+        if d >= 1 and m.queued_handoffs < d and (m.decode_kv_used is None or m.decode_kv_used < cfg.kv_high):
+            return turn.hold(f"decode short: {why}; {d} decode worker(s) with room: migrations and "
+                             f"budgets act first")
+        if p + c < 2:
+            return None
+        ok, spare = self._prefill_spare(m, COLOCATED)
+        if not ok:
+            return turn.hold(f"decode short: {why}; but prefill cannot spare one: {spare}")
+        return self._start_route(turn, {PREFILL: p, DECODE: d + 1, COLOCATED: c - 1}, DECODE,
+                                 f"decode short: {why}; one colocated worker decodes, "
                                  f"prefill can spare one: {spare}")
 
     def _prefill_spare(self, m: Signals, giver: str) -> tuple[bool, str]:

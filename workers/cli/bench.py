@@ -298,7 +298,8 @@ def _write_partial(out: str, partial: dict) -> None:
               help="Any of disagg, colocated-prefill-first, colocated-chunked, adaptive (1 prefill + 1 decode "
                    "worker that a planner switches between roles as the load changes), colocated-slo (chunked "
                    "under the TBT budget of --slo-tbt-ms), disagg-int8, disagg-int4, colocated-chunked-int4, "
-                   "colocated-slo-int4, prefix-off, prefix-blind, prefix-aware.")
+                   "colocated-slo-int4, elastic (2 colocated int4 workers under the TBT budget, switchable, with "
+                   "a planner over their roles, budgets and migrations), prefix-off, prefix-blind, prefix-aware.")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
               help="The adaptive mode's planner.")
 @click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")

@@ -334,17 +334,20 @@ def planner_options(f):
                      help="At least this long between decisions that switch someone."),
         click.option("--window-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
                      help="Completions older than this are not looked at."),
+        click.option("--elastic", is_flag=True,
+                     help="Also set each colocated worker's TBT budget (workers on --policy chunked) and move "
+                          "running decodes off colocated workers with prompts waiting to decode workers."),
     ]):
         f = opt(f)
     return f
 
 
-def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
+def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic=False):
     from pdqueue.control.planner import PlannerConfig
 
     try:
         return PlannerConfig(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, mode=plan_mode, min_dwell_s=dwell_s,
                              cooldown_s=cooldown_s, window_s=window_s,
-                             move_timeout_s=max(60.0, 3 * dwell_s))
+                             move_timeout_s=max(60.0, 3 * dwell_s), elastic=elastic)
     except ValueError as exc:
         raise UserError(f"planner: {exc}") from None

@@ -94,7 +94,8 @@ def check_port_free(port: int) -> None:
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
-       weights, prefill_weights, decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s):
+       weights, prefill_weights, decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s,
+       elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
     worker id, after 1 s, doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
@@ -145,7 +146,10 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             password_source = f"the password in {ENV_PASSWORD}"
         for name in SECURITY_ENV:  # its URL carries the password; TLS and users are for other servers
             os.environ.pop(name, None)
-    plan_config = planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s) if adapt else None
+    if elastic and not adapt:
+        raise UserError("--elastic goes with --adapt")
+    plan_config = (planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic)
+                   if adapt else None)
     threads = threads or max(1, (os.cpu_count() or 1) // (num_prefill + num_decode))
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=num_decode, model=model, cluster=cluster,
                                 redis_url=redis_url, redis_port=redis_port, threads=threads,
