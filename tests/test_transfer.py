@@ -125,7 +125,7 @@ def test_release_returns_blocks_to_the_engine_exactly_once(sender, local_pool):
                                (tcp, FailureCode.UNKNOWN_REQUEST)):
             with pytest.raises(TransferError) as err:
                 receiver.fetch(tickets[0], [0, 1])
-            assert err.value.code == code and not err.value.retryable
+            assert err.value.code == code
 
 
 @pytest.mark.parametrize("mode", ["shm", "tcp", "zmq"])
@@ -143,7 +143,7 @@ def test_expired_lease_frees_blocks_and_fetch_fails(sender, local_pool, mode):
         else:
             with pytest.raises(TransferError) as err:   # the sender refuses to serve it
                 receiver.fetch(before, [0, 1])
-            assert err.value.code == FailureCode.LEASE_EXPIRED and not err.value.retryable
+            assert err.value.code == FailureCode.LEASE_EXPIRED
         freed = poll_until(sender, [before, after])
         assert sorted(freed) == sorted([(before.request_id, (40, 41)), (after.request_id, (42,))])
         with pytest.raises(TransferError) as err:
@@ -158,7 +158,7 @@ def test_stale_incarnation_is_rejected(sender, local_pool, mode):
     with Receiver(local_pool, SMALL, NODE, mode=mode, timeout_s=5) as receiver:
         with pytest.raises(TransferError) as err:
             receiver.fetch(stale, [0])
-        assert err.value.code == FailureCode.STALE_INCARNATION and not err.value.retryable
+        assert err.value.code == FailureCode.STALE_INCARNATION
         receiver.fetch(ticket, [0])   # the genuine ticket still works
     checked = Receiver(local_pool, SMALL, NODE, is_current=lambda worker, inc: False)
     with checked, pytest.raises(TransferError) as err:
@@ -416,7 +416,7 @@ def test_segment_header_is_validated_and_owner_unlinks():
         assert err.value.code == FailureCode.NONCE_MISMATCH
         with pytest.raises(TransferError) as err:
             SharedKVPool.attach(owner.name + "-missing", owner.nonce)
-        assert err.value.code == FailureCode.SEGMENT_UNAVAILABLE and err.value.retryable
+        assert err.value.code == FailureCode.SEGMENT_UNAVAILABLE
     finally:
         owner.close()
     assert owner.name not in own_segments()
@@ -526,3 +526,10 @@ def test_throughput_sanity(capsys):
               f"shm fetch {gbps['shm']:.2f} GB/s vs torch copy {gbps['torch']:.2f} GB/s; "
               f"tcp fetch {gbps['tcp']:.2f} and zmq fetch {gbps['zmq']:.2f} GB/s vs raw TCP socket "
               f"{gbps['raw']:.2f} GB/s")
+
+
+def test_transfer_errors_carry_a_code_and_no_retry_flag():
+    err = TransferError("gone", FailureCode.LEASE_LOST)
+    assert err.code is FailureCode.LEASE_LOST and str(err) == "lease_lost: gone" and not hasattr(err, "retryable")
+    reply = wire.unpack(wire.error_reply(3, FailureCode.BAD_REPLY, "bad"))
+    assert reply == {"v": TRANSFER_VERSION, "seq": 3, "ok": False, "code": "bad_reply", "reason": "bad"}

@@ -7,29 +7,12 @@ Imports redis (never torch).
 
 from pdqueue.queue.connection import connect
 from pdqueue.queue.ownership import Write, ack_and_write, touch_owned
-from pdqueue.queue.publisher import Publisher, XAdd
+from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.redis_server import RedisServer, find_redis_server_binary
-from pdqueue.queue.registry import Heartbeat, Registry, list_workers
-from pdqueue.queue.streams import (
-    Claimed,
-    ack_into,
-    autoclaim,
-    claim_request,
-    claim_request_id,
-    dead_letter,
-    dead_record,
-    ensure_group,
-    read_group,
-    read_own_pending,
-    touch,
-    xadd_expiring,
-    xadd_into,
-)
+from pdqueue.queue.registry import Heartbeat, list_workers
+from pdqueue.queue.streams import claim_request, dead_record, ensure_group, read_group, read_own_pending
 
 __all__ = [
-    "Claimed", "Heartbeat", "Publisher", "RedisServer", "Registry", "Write", "XAdd", "ack_and_write",
-    "ack_into", "autoclaim", "claim_request", "claim_request_id", "connect", "dead_letter", "dead_record",
-    "ensure_group",
-    "find_redis_server_binary", "list_workers", "read_group", "read_own_pending", "touch",
-    "touch_owned", "xadd_expiring", "xadd_into",
+    "Heartbeat", "Publisher", "RedisServer", "Write", "ack_and_write", "claim_request", "connect", "dead_record",
+    "ensure_group", "find_redis_server_binary", "list_workers", "read_group", "read_own_pending", "touch_owned",
 ]

@@ -1,7 +1,7 @@
 """A consumer group's backlog: the one definition, for the planner's observer, ``pdqueue
 status``, the metrics, the gateway, a worker's switch rules and ``up``'s drain.
 
-An answered entry is acknowledged and deleted (``streams.ack_into``), so what a request or
+An answered entry is acknowledged and deleted (``ownership.ack_and_write``), so what a request or
 handoff stream holds is what its group has still to finish: ``held`` entries delivered to a
 consumer and not acknowledged (the group's pending count) and ``waiting`` ones not yet
 delivered (its lag; where Redis cannot tell the lag after deletions, the rest of the stream).

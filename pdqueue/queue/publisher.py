@@ -20,7 +20,8 @@ Every drop calls ``on_error(exc, ops)`` if given (on the publisher thread, befor
 counts as finished: ``pending`` still includes it). The workers pass their own, so a unit
 that failed reaches the worker and not only the log.
 
-Imports redis, pdqueue.retry and pdqueue.queue.ownership (``Write``) only.
+Imports redis and pdqueue.retry only. An op is any ``fn(pipe)``, e.g. an
+``ownership.Write``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import redis
 
-from pdqueue.queue.ownership import Write
 from pdqueue.retry import backoff_delay
 
 log = logging.getLogger(__name__)
@@ -41,18 +41,10 @@ Op = Callable[[Any], None]
 """fn(pipe): adds commands to a redis-py pipeline."""
 
 
-def XAdd(stream: str, fields: Mapping, maxlen: int | None = None, ttl_s: float | None = None) -> Write:
-    """A plain XADD op in its earlier spelling (TTL in seconds): a ``Write``, the one write
-    type (``pdqueue.queue.ownership``), whose TTL is in milliseconds."""
-    return Write(stream, fields, ttl_ms=0 if ttl_s is None else max(1, int(ttl_s * 1000)), maxlen=maxlen or 0)
-
-
-def _as_op(op: Op | tuple) -> Op:
+def _as_op(op: Op) -> Op:
     if callable(op):
         return op
-    if isinstance(op, tuple) and len(op) in (2, 3):
-        return XAdd(*op)
-    raise TypeError(f"an op is a callable fn(pipe) or a (stream, fields[, maxlen]) tuple, got {op!r}")
+    raise TypeError(f"an op is a callable fn(pipe), got {op!r}")
 
 
 class Publisher:
@@ -80,7 +72,7 @@ class Publisher:
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------
-    def submit(self, ops: Iterable[Op | tuple]) -> None:
+    def submit(self, ops: Iterable[Op]) -> None:
         """Queue ``ops`` to run together in one MULTI/EXEC. Never blocks on Redis."""
         unit = [_as_op(op) for op in ops]
         with self._cond:

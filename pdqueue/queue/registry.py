@@ -192,23 +192,3 @@ def list_workers(r: redis.Redis, keys: Keys, role: str | None = None) -> list[di
         hashes = pipe.execute()
     workers = [_decode_worker(keys, key, raw) for key, raw in zip(found, hashes) if raw]
     return [w for w in workers if role is None or w.get("role") == role]
-
-
-class Registry:
-    """Facade: register this process (``heartbeat``) and look up the others."""
-
-    def __init__(self, r: redis.Redis, keys: Keys):
-        self._r = r
-        self.keys = keys
-
-    def heartbeat(self, worker_id: str, **kwargs: Any) -> Heartbeat:
-        """A started ``Heartbeat``; see its constructor for ``kwargs``."""
-        return Heartbeat(self._r, self.keys, worker_id, **kwargs).start()
-
-    def list_workers(self, role: str | None = None) -> list[dict[str, Any]]:
-        return list_workers(self._r, self.keys, role)
-
-    def get(self, worker_id: str) -> dict[str, Any] | None:
-        key = self.keys.worker(worker_id)
-        raw = self._r.hgetall(key)
-        return _decode_worker(self.keys, key, raw) if raw else None

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 #      Ops ``nixl_md`` (a sender's NIXL agent metadata, in a session) and ``acquire`` (hold a
 #      lease for a one-sided NIXL read): transfer.nixl; an older sender answers "unknown op"
 #      and the receiver recomputes.
+#      Later, without a bump: error replies no longer carry ``retryable`` (no receiver read
+#      it; a version-6 receiver that still parses it reads it as false).
 TRANSFER_VERSION = 6
 
 

@@ -1,7 +1,8 @@
-"""Why a KV transfer failed, and whether trying the same ticket again can help.
+"""Why a KV transfer failed.
 
 A ``TransferError`` never leaves the receiver's destination blocks in a usable state: the
-caller (the decode worker) frees them and takes the recompute path unless ``retryable``.
+caller (the decode worker) frees them and takes the recompute path (in mode "auto" a
+path that cannot serve the ticket hands it to the next path first).
 Imports nothing heavy.
 """
 
@@ -27,11 +28,9 @@ class FailureCode(str, Enum):
 
 
 class TransferError(Exception):
-    """A fetch failed. ``retryable``: the same ticket may still succeed (e.g. via another path);
-    otherwise the caller recomputes the request."""
+    """A fetch failed; ``code`` says why."""
 
-    def __init__(self, reason: str, retryable: bool = False, code: FailureCode = FailureCode.BAD_REPLY):
+    def __init__(self, reason: str, code: FailureCode = FailureCode.BAD_REPLY):
         super().__init__(f"{code.value}: {reason}")
         self.reason = reason
-        self.retryable = retryable
         self.code = FailureCode(code)

@@ -174,12 +174,12 @@ class NixlTransport(Transport):
         src_ids = list(ticket.block_ids[first_block:])
         if not 0 <= first_block < len(ticket.block_ids) or len(src_ids) != len(dst_block_ids):
             raise TransferError(f"{len(src_ids)} ticket blocks from block {first_block} for {len(dst_block_ids)} "
-                                "destination blocks", False, FailureCode.BAD_TICKET)
+                                "destination blocks", FailureCode.BAD_TICKET)
         started = time.monotonic()
         header = self._call(ticket, "acquire")
         hold_s = header.get("hold_s")
         if not isinstance(hold_s, (int, float)) or hold_s != hold_s or header.get("request_id") != ticket.request_id:
-            raise TransferError(f"bad acquire reply for {ticket.request_id!r}: {header}", False, FailureCode.BAD_REPLY)
+            raise TransferError(f"bad acquire reply for {ticket.request_id!r}: {header}", FailureCode.BAD_REPLY)
         hold_until = started + hold_s * HOLD_MARGIN
         if header.get("agent") != remote.name:
             # Same worker and incarnation, another agent (a role switch on a fixed port
@@ -192,7 +192,7 @@ class NixlTransport(Transport):
         if time.monotonic() > hold_until:
             self.ctx.control.release_nowait(ticket)
             raise TransferError(f"the read of {ticket.request_id!r} ended after the lease window of {hold_s:.2f}s "
-                                "that the sender granted: the copy is discarded", False, FailureCode.LEASE_LOST)
+                                "that the sender granted: the copy is discarded", FailureCode.LEASE_LOST)
         self.ctx.control.release_nowait(ticket)
         return nbytes
 
@@ -227,21 +227,21 @@ class NixlTransport(Transport):
                      and isinstance(header.get("dev"), int) and header.get("mem") in ("DRAM", "VRAM"))
         if not fields_ok or not name.startswith(f"pdq-{ticket.worker_id}-{ticket.incarnation}-"):
             raise TransferError(f"bad nixl_md reply from {ticket.endpoint} for {ticket.worker_id}/"
-                                f"{ticket.incarnation}: agent {name!r}", False, FailureCode.BAD_REPLY)
+                                f"{ticket.incarnation}: agent {name!r}", FailureCode.BAD_REPLY)
         if header.get("nbytes") != ticket.kv_layout.nbytes:
             raise TransferError(f"{name} registered {header.get('nbytes')} bytes, the ticket's pool has "
-                                f"{ticket.kv_layout.nbytes}", False, FailureCode.LAYOUT_MISMATCH)
+                                f"{ticket.kv_layout.nbytes}", FailureCode.LAYOUT_MISMATCH)
         try:
             loaded = self.agent.add_remote_agent(md)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != name:
                 self.agent.remove_remote_agent(loaded)
-                raise TransferError(f"metadata of {name} names agent {loaded}", False, FailureCode.BAD_REPLY)
+                raise TransferError(f"metadata of {name} names agent {loaded}", FailureCode.BAD_REPLY)
             self.agent.make_connection(name)   # the first read then pays no connection set-up
         except TransferError:
             raise
         except Exception as exc:   # nixl_cu12's errors (a malformed or unloadable metadata blob)
-            raise TransferError(f"cannot load NIXL agent {name} of {ticket.endpoint}: {exc!r}", False,
+            raise TransferError(f"cannot load NIXL agent {name} of {ticket.endpoint}: {exc!r}",
                                 FailureCode.BAD_REPLY) from None
         remote = _Remote(name, header["addr"], header["nbytes"], header["mem"], header["dev"])
         if len(self._remotes) >= MAX_REMOTES:
@@ -288,12 +288,12 @@ class NixlTransport(Transport):
         except Exception as exc:   # nixl_cu12's errors: a peer that disconnected, a bad descriptor
             self._abandon(ticket, handle)
             raise TransferError(f"NIXL read of {ticket.request_id!r} from {remote.name} failed: {exc!r}",
-                                False, FailureCode.PEER_TIMEOUT) from None
+                                FailureCode.PEER_TIMEOUT) from None
         if state != "DONE":
             self._abandon(ticket, handle)
             why = ("did not finish in time (sender dead or stuck, or the lease window too short)"
                    if state == "PROC" else "failed")
-            raise TransferError(f"NIXL read of {ticket.request_id!r} from {remote.name} {why}", False,
+            raise TransferError(f"NIXL read of {ticket.request_id!r} from {remote.name} {why}",
                                 FailureCode.PEER_TIMEOUT)
         handle.release()
 

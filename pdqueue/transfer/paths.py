@@ -66,24 +66,24 @@ class ShmTransport(Transport):
         info = segment.info
         if (info.worker_id, info.incarnation) != (ticket.worker_id, ticket.incarnation):
             raise TransferError(f"segment {info.name} belongs to {info.worker_id}/{info.incarnation}, the ticket "
-                                f"to {ticket.worker_id}/{ticket.incarnation}", False, FailureCode.STALE_INCARNATION)
+                                f"to {ticket.worker_id}/{ticket.incarnation}", FailureCode.STALE_INCARNATION)
         if not info.layout.compatible_with(self.ctx.layout) or max(ticket.block_ids) >= info.layout.num_blocks:
             raise TransferError(f"segment {info.name} layout {info.layout} cannot serve the ticket",
-                                False, FailureCode.LAYOUT_MISMATCH)
+                                FailureCode.LAYOUT_MISMATCH)
 
     def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
         segment = self._mapping(ticket)
         if len(ticket.block_epochs) != len(ticket.block_ids):
             raise TransferError(f"ticket has {len(ticket.block_epochs)} block epochs for {len(ticket.block_ids)} "
-                                "blocks", False, FailureCode.BAD_TICKET)
+                                "blocks", FailureCode.BAD_TICKET)
         src_ids, expected = ticket.block_ids[first_block:], list(ticket.block_epochs[first_block:])
         if segment.epochs_of(src_ids) != expected:
             raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
-                                "(lease released or expired)", False, FailureCode.LEASE_EXPIRED)
+                                "(lease released or expired)", FailureCode.LEASE_EXPIRED)
         copy_blocks(planes(segment.tensor), src_ids, planes(self.ctx.pool), dst_block_ids)
         if segment.epochs_of(src_ids) != expected:
             raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
-                                "while they were copied", False, FailureCode.LEASE_LOST)
+                                "while they were copied", FailureCode.LEASE_LOST)
         self.ctx.control.release_nowait(ticket)
         return len(src_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
 
@@ -127,14 +127,14 @@ class ZmqTransport(Transport):
         check_reply_describes(ticket, header, layout, first_block)
         max_frame_bytes = header.get("max_frame_bytes")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
-            raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", False, FailureCode.BAD_REPLY)
+            raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", FailureCode.BAD_REPLY)
         if header.get("frames") != "staged":
-            raise TransferError(f"unknown frame plan {header.get('frames')!r}", False, FailureCode.BAD_REPLY)
+            raise TransferError(f"unknown frame plan {header.get('frames')!r}", FailureCode.BAD_REPLY)
         num_blocks = len(ticket.block_ids) - first_block
         plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
         if header.get("num_frames") != len(plan):
             raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
-                                False, FailureCode.BAD_REPLY)
+                                FailureCode.BAD_REPLY)
         dst = planes(self.ctx.pool)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -142,7 +142,7 @@ class ZmqTransport(Transport):
                 if len(frame) != (p1 - p0) * (b1 - b0) * layout.block_nbytes:
                     self.ctx.control.forget(ticket.endpoint)   # the rest of the reply is still queued
                     raise TransferError(f"data frame of {len(frame)} bytes, expected "
-                                        f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", False, FailureCode.BAD_REPLY)
+                                        f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", FailureCode.BAD_REPLY)
                 src = torch.frombuffer(frame.buffer, dtype=layout.torch_dtype).view(p1 - p0, b1 - b0, -1)
                 copy_blocks(src, range(b1 - b0), dst[p0:p1], dst_block_ids[b0:b1])
         self.ctx.control.release_nowait(ticket)
@@ -182,7 +182,7 @@ class TcpTransport(Transport):
             check_reply_describes(ticket, header, layout, first_block)
             if header.get("nbytes") != expected:
                 raise TransferError(f"fetch reply announces {header.get('nbytes')} bytes, expected {expected}",
-                                    False, FailureCode.BAD_REPLY)
+                                    FailureCode.BAD_REPLY)
             recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
                               for p, _s, d, n in stream_pieces(num_planes, src_ids, dst_block_ids)
                               for start in (p * plane_nbytes + d * block_nbytes,)])
@@ -194,7 +194,7 @@ class TcpTransport(Transport):
             timed_out = isinstance(exc, TimeoutError)
             raise TransferError(f"fetch from {endpoint} failed: {exc!r}" + (
                 f" (nothing for {self.ctx.timeout_s}s: sender dead or stuck)" if timed_out else ""),
-                False, FailureCode.PEER_TIMEOUT if timed_out or isinstance(exc, ConnectionError)
+                FailureCode.PEER_TIMEOUT if timed_out or isinstance(exc, ConnectionError)
                 else FailureCode.BAD_REPLY) from None
         try:
             send_control(conn, wire.request("release", 0, ticket, noreply=True))
@@ -242,7 +242,7 @@ def check_reply_describes(ticket: Ticket, header: dict, layout, first_block: int
     if (header.get("request_id") != ticket.request_id or header.get("block_ids") != src_ids
             or header.get("shape") != expected_shape or header.get("dtype") != layout.dtype):
         raise TransferError(f"fetch reply for {ticket.request_id!r} describes other data: {header}",
-                            False, FailureCode.BAD_REPLY)
+                            FailureCode.BAD_REPLY)
 
 
 register_transport(ShmTransport, auto_rank=0)

@@ -71,11 +71,11 @@ class KVReceiver:
             try:
                 ticket = Ticket.from_dict(ticket)
             except (ValueError, TypeError, KeyError) as exc:
-                raise TransferError(f"malformed ticket: {exc}", False, FailureCode.BAD_TICKET) from None
+                raise TransferError(f"malformed ticket: {exc}", FailureCode.BAD_TICKET) from None
         dst_block_ids = [int(b) for b in dst_block_ids]
         with self._lock:
             if self._closed:
-                raise TransferError("receiver is closed", False, FailureCode.CLOSED)
+                raise TransferError("receiver is closed", FailureCode.CLOSED)
             start = time.perf_counter()
             try:
                 self._validate(ticket, dst_block_ids, first_block)
@@ -126,35 +126,35 @@ class KVReceiver:
     def _validate(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> None:
         if ticket.version != TRANSFER_VERSION:
             raise TransferError(f"ticket version {ticket.version}, receiver speaks {TRANSFER_VERSION}",
-                                False, FailureCode.VERSION_MISMATCH)
+                                FailureCode.VERSION_MISMATCH)
         if self.auth is not None and not self.auth.verify_ticket(ticket):
             why = ("it is unsigned (its sender runs without KV authentication?)" if not ticket.mac else
                    f"it names cluster {ticket.cluster!r}" if ticket.cluster != self.auth.cluster else
                    "its MAC does not verify (forged or altered, or signed with another secret)")
-            raise TransferError(f"ticket of {ticket.request_id!r} refused: {why}", False, FailureCode.AUTH_FAILED)
+            raise TransferError(f"ticket of {ticket.request_id!r} refused: {why}", FailureCode.AUTH_FAILED)
         try:
             src_layout = ticket.kv_layout
         except (KeyError, TypeError, ValueError) as exc:
-            raise TransferError(f"ticket layout unreadable: {exc}", False, FailureCode.BAD_TICKET) from None
+            raise TransferError(f"ticket layout unreadable: {exc}", FailureCode.BAD_TICKET) from None
         if not src_layout.compatible_with(self.layout):
             raise TransferError(f"sender layout {src_layout} is incompatible with {self.layout}",
-                                False, FailureCode.LAYOUT_MISMATCH)
+                                FailureCode.LAYOUT_MISMATCH)
         src_ids = ticket.block_ids
         if (not src_ids or not isinstance(first_block, int) or not 0 <= first_block <= len(src_ids)
                 or len(src_ids) - first_block != len(dst_block_ids)):
             raise TransferError(f"{len(src_ids)} ticket blocks from block {first_block} for {len(dst_block_ids)} "
-                                "destination blocks", False, FailureCode.BAD_TICKET)
+                                "destination blocks", FailureCode.BAD_TICKET)
         if any(not 0 <= b < src_layout.num_blocks for b in src_ids):
-            raise TransferError(f"ticket block ids out of range: {src_ids}", False, FailureCode.BAD_TICKET)
+            raise TransferError(f"ticket block ids out of range: {src_ids}", FailureCode.BAD_TICKET)
         if any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(dst_block_ids):
             raise TransferError(f"destination block ids are not distinct ids of the local pool: {dst_block_ids}",
-                                False, FailureCode.BAD_TICKET)
+                                FailureCode.BAD_TICKET)
         if not 0 < ticket.num_tokens <= len(src_ids) * self.layout.block_size:
             raise TransferError(f"{ticket.num_tokens} tokens do not fit {len(src_ids)} blocks",
-                                False, FailureCode.BAD_TICKET)
+                                FailureCode.BAD_TICKET)
         if self.is_current is not None and not self.is_current(ticket.worker_id, ticket.incarnation):
             raise TransferError(f"{ticket.worker_id} incarnation {ticket.incarnation} is no longer current",
-                                False, FailureCode.STALE_INCARNATION)
+                                FailureCode.STALE_INCARNATION)
 
     def _choose(self, ticket: Ticket) -> Transport:
         names = AUTO_ORDER if self.mode == "auto" else [self.mode]
@@ -174,7 +174,7 @@ class KVReceiver:
         if error is not None:
             raise error
         raise TransferError(f"no transfer path ({self.mode}) can serve the ticket from node {ticket.node} "
-                            f"(this node {self.node}, segment {ticket.segment})", False,
+                            f"(this node {self.node}, segment {ticket.segment})",
                             FailureCode.SEGMENT_UNAVAILABLE)
 
     def _transport(self, name: str) -> Transport:

@@ -101,7 +101,7 @@ def read_segment_info(path: str) -> SegmentInfo:
     try:
         fd = os.open(path, os.O_RDONLY)
     except (FileNotFoundError, PermissionError) as exc:
-        raise TransferError(f"cannot open segment {path}: {exc}", True, FailureCode.SEGMENT_UNAVAILABLE) from None
+        raise TransferError(f"cannot open segment {path}: {exc}", FailureCode.SEGMENT_UNAVAILABLE) from None
     try:
         return _parse_header(fd, path)
     finally:
@@ -112,13 +112,13 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
     size = os.fstat(fd).st_size
     head = os.pread(fd, mmap.PAGESIZE, 0)
     if len(head) < _HEADER.size:
-        raise TransferError(f"segment {path} is too short for a header", True, FailureCode.SEGMENT_UNAVAILABLE)
+        raise TransferError(f"segment {path} is too short for a header", FailureCode.SEGMENT_UNAVAILABLE)
     magic, version, epochs_offset, pool_offset, nonce, meta_len = _HEADER.unpack_from(head)
     if magic != SEGMENT_MAGIC:
-        raise TransferError(f"{path} is not a complete pdqueue KV segment", True, FailureCode.SEGMENT_UNAVAILABLE)
+        raise TransferError(f"{path} is not a complete pdqueue KV segment", FailureCode.SEGMENT_UNAVAILABLE)
     if version != SEGMENT_VERSION:
         raise TransferError(f"segment {path} has version {version}, expected {SEGMENT_VERSION}",
-                            False, FailureCode.VERSION_MISMATCH)
+                            FailureCode.VERSION_MISMATCH)
     if _HEADER.size + meta_len > len(head):
         head = os.pread(fd, _HEADER.size + meta_len, 0)
     try:
@@ -128,10 +128,10 @@ def _parse_header(fd: int, path: str) -> SegmentInfo:
                            int(meta["pid"]), str(meta["worker_id"]), str(meta["incarnation"]),
                            os.fstat(fd).st_ino, bool(meta.get("owner_lock", False)))
     except Exception as exc:
-        raise TransferError(f"segment {path} has a corrupt header: {exc}", False, FailureCode.SEGMENT_UNAVAILABLE) from None
+        raise TransferError(f"segment {path} has a corrupt header: {exc}", FailureCode.SEGMENT_UNAVAILABLE) from None
     if (pool_offset % mmap.PAGESIZE or size < pool_offset + layout.nbytes or epochs_offset % 8
             or not _HEADER.size + meta_len <= epochs_offset <= pool_offset - 8 * layout.num_blocks):
-        raise TransferError(f"segment {path} is truncated or misaligned", False, FailureCode.SEGMENT_UNAVAILABLE)
+        raise TransferError(f"segment {path} is truncated or misaligned", FailureCode.SEGMENT_UNAVAILABLE)
     return info
 
 
@@ -160,7 +160,7 @@ class SharedKVPool:
         """The pool ``[L, 2, num_blocks, block_size, kv_heads, head_dim]``. Read-only for an
         attacher (the mapping is PROT_READ: writing to it kills the process)."""
         if self._tensor is None:
-            raise TransferError(f"segment {self.name} is closed", False, FailureCode.CLOSED)
+            raise TransferError(f"segment {self.name} is closed", FailureCode.CLOSED)
         return self._tensor
 
     @classmethod
@@ -206,12 +206,12 @@ class SharedKVPool:
         try:
             fd = os.open(path, os.O_RDONLY)
         except (FileNotFoundError, PermissionError) as exc:
-            raise TransferError(f"cannot open segment {path}: {exc}", True, FailureCode.SEGMENT_UNAVAILABLE) from None
+            raise TransferError(f"cannot open segment {path}: {exc}", FailureCode.SEGMENT_UNAVAILABLE) from None
         try:
             info = _parse_header(fd, path)
             if not hmac.compare_digest(info.nonce, str(expected_nonce or "")):
                 raise TransferError(f"segment {path} has another nonce than the ticket's: it was "
-                                    "recreated or belongs to another shm domain", False, FailureCode.NONCE_MISMATCH)
+                                    "recreated or belongs to another shm domain", FailureCode.NONCE_MISMATCH)
             mm = mmap.mmap(fd, info.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -220,7 +220,7 @@ class SharedKVPool:
     def epochs_of(self, block_ids) -> list[int]:
         """The current epochs of ``block_ids`` (see the module docstring)."""
         if self._tensor is None:
-            raise TransferError(f"segment {self.name} is closed", False, FailureCode.CLOSED)
+            raise TransferError(f"segment {self.name} is closed", FailureCode.CLOSED)
         return self._epochs[list(block_ids)].tolist()
 
     def keep_until(self, t: float) -> None:

@@ -12,8 +12,8 @@ ZeroMQ stays the fallback path (``mode="zmq"``, tickets without a data endpoint)
 Messages on one connection (one request at a time, the receiver asks, the sender answers):
 - a control message: 4-byte little-endian length + msgpack map. A request is
   ``{v, op, seq, request_id, incarnation, nonce, mac}`` (op ``fetch``, or ``release`` which gets
-  no answer); a reply is the ZeroMQ wire's reply header (``ok``; on error ``code, reason,
-  retryable``; a fetch reply adds ``request_id, block_ids, shape, dtype, nbytes``). With
+  no answer); a reply is the ZeroMQ wire's reply header (``ok``; on error ``code, reason``;
+  a fetch reply adds ``request_id, block_ids, shape, dtype, nbytes``). With
   authentication (transfer.auth) the receiver's first message is ``hello`` (answered with the
   sender's challenge and proof, before any other request) and every fetch is ``sealed``, the
   first one carrying the receiver's proof, as on the ZeroMQ wire; a connection that fails
@@ -264,7 +264,7 @@ class DataClient:
 
     def connect(self, endpoint: str) -> tuple[socket.socket, bool]:
         """(the open connection to ``endpoint``, whether it was kept from before), made if
-        needed; TransferError (retryable: another path may work) if it cannot be made."""
+        needed; TransferError (``peer_timeout``: another path may work) if it cannot be made."""
         conn = self._conns.get(endpoint)
         if conn is not None:
             self._conns.move_to_end(endpoint)
@@ -273,8 +273,8 @@ class DataClient:
         try:
             conn = socket.create_connection((host, port), timeout=self.timeout_s)
         except OSError as exc:
-            # Retryable: mode "auto" then tries ZeroMQ (e.g. a firewall that lets only it through).
-            raise TransferError(f"cannot connect to KV data endpoint {endpoint}: {exc}", True,
+            # Mode "auto" then tries ZeroMQ (e.g. a firewall that lets only it through).
+            raise TransferError(f"cannot connect to KV data endpoint {endpoint}: {exc}",
                                 FailureCode.PEER_TIMEOUT) from None
         _tune(conn, self.timeout_s)
         if self.auth is not None:
@@ -297,17 +297,17 @@ class DataClient:
             send_control(conn, hello(0, handshake))
             reply = recv_control(conn)
         except (OSError, ValueError) as exc:
-            # Retryable: mode "auto" then tries ZeroMQ (e.g. the sender is at its connection limit).
-            raise TransferError(f"KV data endpoint {endpoint} failed the handshake: {exc!r}", True,
+            # Mode "auto" then tries ZeroMQ (e.g. the sender is at its connection limit).
+            raise TransferError(f"KV data endpoint {endpoint} failed the handshake: {exc!r}",
                                 FailureCode.PEER_TIMEOUT) from None
         if reply is None:
-            raise TransferError(f"KV data endpoint {endpoint} closed the connection at the handshake", True,
+            raise TransferError(f"KV data endpoint {endpoint} closed the connection at the handshake",
                                 FailureCode.PEER_TIMEOUT)
         ControlClient.check_reply(endpoint, "hello", reply)   # e.g. a sender without authentication
         session = handshake.finish(reply)
         if session is None:
             raise TransferError(f"{endpoint} did not prove this cluster's KV secret (an impostor, or a sender of "
-                                "another cluster or secret)", False, FailureCode.AUTH_FAILED)
+                                "another cluster or secret)", FailureCode.AUTH_FAILED)
         return session
 
     def forget(self, endpoint: str) -> None:
@@ -325,6 +325,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
     if scheme != "tcp" or not host or not port.isdigit():
-        raise TransferError(f"bad KV data endpoint {endpoint!r} (expected tcp://host:port)", False,
+        raise TransferError(f"bad KV data endpoint {endpoint!r} (expected tcp://host:port)",
                             FailureCode.BAD_TICKET)
     return host.strip("[]"), int(port)

@@ -9,7 +9,7 @@ sn, proof}``; every later request goes inside ``{v, op: sealed, seq, body, tag[,
 (``body``: the packed request; the client's ``proof`` on the first one). A release is
 accepted without a session on the strength of the ticket's MAC alone (it serves nothing and
 gets no answer), so the shm path's fire-and-forget release never waits for a handshake. A reply is a msgpack
-header frame ``{v, seq, ok, ...}`` (on error: ``code, reason, retryable``); a ``fetch`` reply
+header frame ``{v, seq, ok, ...}`` (on error: ``code, reason``); a ``fetch`` reply
 adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes, frames``
 (``"staged"``) and is followed by ``num_frames`` messages
 ``[data_tag {v, seq, i}, raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather
@@ -82,9 +82,9 @@ def data_tag(seq: int, index: int) -> bytes:
     return pack({"v": TRANSFER_VERSION, "seq": seq, "i": index})
 
 
-def error_reply(seq, code: FailureCode, reason: str, retryable: bool = False, **extra) -> bytes:
+def error_reply(seq, code: FailureCode, reason: str, **extra) -> bytes:
     return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": False, "code": code.value,
-                 "reason": reason, "retryable": retryable, **extra})
+                 "reason": reason, **extra})
 
 
 def ok_reply(seq, **fields) -> bytes:
@@ -125,7 +125,7 @@ class ControlClient:
         header, _, seq = self._call(ticket, "fetch", **({"first_block": first_block} if first_block else {}))
         count = header.get("num_frames")
         if not isinstance(count, int) or count < 0:
-            raise TransferError(f"bad num_frames {count!r}", False, FailureCode.BAD_REPLY)
+            raise TransferError(f"bad num_frames {count!r}", FailureCode.BAD_REPLY)
         return header, self._data_frames(ticket.endpoint, seq, count)
 
     def _data_frames(self, endpoint: str, seq: int, count: int) -> Iterator[zmq.Frame]:
@@ -136,13 +136,13 @@ class ControlClient:
             except zmq.Again:
                 self.forget(endpoint)
                 raise TransferError(f"data frame {index} of {count} from {endpoint} did not come within "
-                                    f"{self.timeout_s}s (sender dead or stuck)", False,
+                                    f"{self.timeout_s}s (sender dead or stuck)",
                                     FailureCode.PEER_TIMEOUT) from None
             try:
                 tag = unpack(parts[0].bytes)
             except Exception as exc:
                 self.forget(endpoint)
-                raise TransferError(f"undecodable data tag from {endpoint}: {exc}", False,
+                raise TransferError(f"undecodable data tag from {endpoint}: {exc}",
                                     FailureCode.BAD_REPLY) from None
             if len(parts) == 1 and tag.get("seq") == seq:
                 self.forget(endpoint)
@@ -150,7 +150,7 @@ class ControlClient:
             if len(parts) != 2 or tag.get("seq") != seq or tag.get("i") != index:
                 self.forget(endpoint)
                 raise TransferError(f"expected data frame {index} of fetch {seq} from {endpoint}, got "
-                                    f"{len(parts)} parts tagged {tag}", False, FailureCode.BAD_REPLY)
+                                    f"{len(parts)} parts tagged {tag}", FailureCode.BAD_REPLY)
             yield parts[1]
 
     def call(self, ticket: Ticket, op: str, **extra) -> dict:
@@ -196,7 +196,7 @@ class ControlClient:
             if session is None:
                 self.forget(endpoint)
                 raise TransferError(f"{endpoint} did not prove this cluster's KV secret (an impostor, or a sender "
-                                    "of another cluster or secret)", False, FailureCode.AUTH_FAILED)
+                                    "of another cluster or secret)", FailureCode.AUTH_FAILED)
             self._sessions[endpoint] = session
         session.used = now
         return session
@@ -207,20 +207,20 @@ class ControlClient:
             sock.send(raw, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.forget(endpoint)
-            raise TransferError(f"cannot send {op} to {endpoint}: {exc}", False, FailureCode.PEER_TIMEOUT) from None
+            raise TransferError(f"cannot send {op} to {endpoint}: {exc}", FailureCode.PEER_TIMEOUT) from None
         deadline = time.monotonic() + self.timeout_s
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
                 self.forget(endpoint)
                 raise TransferError(f"no reply to {op} from {endpoint} within {self.timeout_s}s "
-                                    "(sender dead or stuck)", False, FailureCode.PEER_TIMEOUT)
+                                    "(sender dead or stuck)", FailureCode.PEER_TIMEOUT)
             frames = sock.recv_multipart(copy=False)
             try:
                 header = unpack(frames[0].bytes)
             except Exception as exc:
                 self.forget(endpoint)
-                raise TransferError(f"undecodable reply from {endpoint}: {exc}", False, FailureCode.BAD_REPLY) from None
+                raise TransferError(f"undecodable reply from {endpoint}: {exc}", FailureCode.BAD_REPLY) from None
             if header.get("seq") == seq:
                 return header, frames[1:]   # anything else is a late reply to an earlier request
 
@@ -229,13 +229,13 @@ class ControlClient:
         """Raise TransferError unless ``header`` is a successful reply of our version."""
         if header.get("v") != TRANSFER_VERSION:
             raise TransferError(f"{endpoint} speaks transfer version {header.get('v')}, "
-                                f"expected {TRANSFER_VERSION}", False, FailureCode.VERSION_MISMATCH)
+                                f"expected {TRANSFER_VERSION}", FailureCode.VERSION_MISMATCH)
         if not header.get("ok"):
             try:
                 code = FailureCode(header.get("code"))
             except ValueError:
                 code = FailureCode.BAD_REPLY
-            raise TransferError(f"{endpoint}: {header.get('reason')}", bool(header.get("retryable")), code)
+            raise TransferError(f"{endpoint}: {header.get('reason')}", code)
 
     def forget(self, endpoint: str, linger_ms: int = 0) -> None:
         self._sessions.pop(endpoint, None)
