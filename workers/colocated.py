@@ -144,6 +144,9 @@ class ColocatedRole(RequestRole):
             self.migrator.drain()
 
     def close(self) -> None:
+        if self._migrate is not None:   # stopped or switched before the next step boundary
+            self.shell.switches.answer(MIGRATE, self._migrate[1], "failed", reason="the role stopped first")
+            self._migrate = None
         if self.migrator is not None:
             self.migrator.close()
         super().close()
