@@ -14,12 +14,7 @@ capped backoff if Redis goes away; a connection that keeps failing for
 ``RedisConfig.unavailable_after_s`` (30 s) raises ``RedisUnavailable``. Token entries carry
 their index: one a retried worker publishes twice is yielded once.
 
-Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``:
-``$PDQ_REDIS_URL``, else the running ``pdqueue up``, else redis://127.0.0.1:6379/0; the
-cluster: ``$PDQ_CLUSTER``, else that of the ``up`` serving the URL, else ``default``.
-
-A ``redis+cluster://`` URL reaches a Redis Cluster (``pdqueue.queue.connection``: the
-client follows MOVED/ASK; a failover is retried like a restart).
+Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``.
 
 Imports redis, msgpack and pdqueue's keys/protocol/config/retry/discovery/queue.streams
 and queue.connection; never torch.

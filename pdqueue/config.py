@@ -1,9 +1,6 @@
-"""The client's Redis settings (``RedisConfig``), a frozen dataclass, and the one place where
-Redis credentials and TLS settings are resolved (``redis_security``) and URLs are shown
-without their password (``redact_url``). The engine's config is
-``pdqueue.engine.config.EngineConfig``, the workers' ``workers.common.WorkerConfig``; the
-timeouts of the workers' and the CLI's connections are in ``pdqueue.queue.connection``,
-whose ``connect`` applies ``redis_security`` as ``RedisConfig.redis_kwargs`` does.
+"""The client's Redis settings (``RedisConfig``), and the one place where Redis credentials
+and TLS settings are resolved (``redis_security``, which ``queue.connection.connect``
+applies too) and URLs are shown without their password (``redact_url``).
 
 Credentials and TLS (docs/security.md), first found wins:
 

@@ -1,56 +1,28 @@
 """The one place Redis clients are made, with their timeouts, credentials and TLS.
 
-``connect(url, purpose=...)`` picks the timeouts by what the client is for:
+``connect(url, purpose=...)`` picks the timeouts by what the client is for (``TIMEOUTS``:
+``worker``, ``check``, ``admin``, ``supervisor``, ``poll``). Credentials and TLS come from
+``pdqueue.config.redis_security``, which ``RedisConfig.redis_kwargs`` (the Client) applies
+too, so every connection pdqueue makes is secured the same way. ``connect_async`` is the
+``redis.asyncio`` twin.
 
-- ``worker``: a worker's own client and its publisher's (reads block at most 100 ms, so a
-  30 s socket timeout only ever fires on a dead connection; health checks every 30 s
-  reconnect a connection that went stale while idle). The same values as
-  ``pdqueue.config.RedisConfig``'s defaults, which the client library uses.
-- ``check``: one quick round trip to tell whether Redis is there at all (the CLI's check
-  before starting a worker).
-- ``admin``: commands run by an operator's tool (``status``, ``submit``): fail within
-  seconds rather than hang.
-- ``supervisor``: ``pdqueue up`` watching its own workers and server.
-- ``poll``: a background poll of the cluster's state (the gateway's ``ClusterView``).
+A ``redis+cluster://`` (``rediss+cluster://``) URL names a Redis Cluster by one or more of
+its nodes: the client is then redis-py's RedisCluster (``LazyRedisCluster``,
+``AsyncRedisCluster``), whose transient errors (CLUSTERDOWN during a failover, no
+reachable node, a slot on the move) are raised as ``ClusterUnavailable``, a
+``redis.ConnectionError``: callers retry them as they retry a Redis restart. The scheme
+decides, not a probe: the kind of client is known before any I/O, a URL says the same in
+every process and in ``ps``, and a plain URL of a cluster node is caught by ``check_mode``.
 
-Credentials and TLS come from ``pdqueue.config.redis_security``: the URL's user and
-password, else ``PDQ_REDIS_USERNAME`` / ``PDQ_REDIS_PASSWORD_FILE`` / ``PDQ_REDIS_PASSWORD``;
-for ``rediss://`` URLs ``PDQ_REDIS_CA``, ``PDQ_REDIS_CERT``, ``PDQ_REDIS_KEY`` (the CLI's
-``--redis-*`` options set these). ``RedisConfig.redis_kwargs`` (the Client) applies the
-same function, so every connection pdqueue makes is secured the same way.
-``connect_async`` is the ``redis.asyncio`` twin.
+``classify_error(exc)`` says what a Redis error means for the one who met it
+(``ErrorKind``), so that messages do not say "cannot reach" for a server that answered.
 
-A ``redis+cluster://`` (``rediss+cluster://``) URL names a Redis Cluster by one or more
-of its nodes (``redis+cluster://h1:7000,h2:7001``): the client is then redis-py's
-RedisCluster (made on first use, ``LazyRedisCluster``; ``AsyncRedisCluster`` for asyncio),
-which learns the slot map and follows MOVED/ASK, with pipelines that keep what pdqueue
-uses of a plain one (MULTI/EXEC in one slot, EVAL, ``command_stack``) and transient
-cluster errors (CLUSTERDOWN while a replica takes over, no reachable node, a slot on the
-move) raised as ``ClusterUnavailable``, a ``redis.ConnectionError``: callers retry them as
-they retry a Redis restart. ``client_from_url`` / ``async_client_from_url`` choose by the
-scheme for the Client (``RedisConfig.redis_kwargs``) too. The scheme, not a probe: the
-kind of client is known before any I/O (the async client and a worker's publisher make
-theirs without a round trip), a URL says the same in every process and in ``ps``, and a
-plain URL of a cluster node is caught by ``check_mode`` (INFO) in the CLI's checks.
+The RESP parser: hiredis when importable, else redis-py's Python parser;
+``PDQ_REDIS_PARSER=python|hiredis|auto`` forces one for the plain clients made from then
+on (``pdqueue bench gateway --variants`` compares them); ``redis_parser()`` says which.
 
-``classify_error(exc)`` says what a Redis error means for the one who met it (``ErrorKind``:
-the server wants a password, refused the credentials, refused a command or key to this
-ACL user, could not be reached, or something else), so that messages say that and not
-"cannot reach" for a server that answered; ``error_text(exc)`` is the server's words.
-
-The RESP parser: redis-py parses replies with hiredis (C) when ``hiredis`` >= 3.2 is
-importable (``redis.utils.HIREDIS_AVAILABLE``), sync and asyncio clients alike, else with its
-pure-Python RESP parser. ``PDQ_REDIS_PARSER=python`` makes every plain client this process
-makes from then on use the Python parser all the same (``parser_class``: how ``pdqueue bench
-gateway --variants`` compares the two in one run); ``hiredis`` requires it (ValueError
-without it); ``auto`` (the default) leaves redis-py's choice. ``redis_parser()`` says which
-is in force. Cluster clients keep redis-py's choice (RedisCluster takes no
-``parser_class``). Only replies: a sync client with hiredis installed packs commands
-with it either way; the asyncio client packs them in Python either way.
-
-``raise_dropped_cancellation()`` works around a redis.asyncio trait on Python 3.11: a
-task's cancellation can be dropped inside a command (see its docstring); loops that read
-until an answer ends call it after each read.
+``raise_dropped_cancellation()`` works around redis.asyncio on Python 3.11 dropping a
+task's cancellation inside a command; loops that read until an answer ends call it.
 
 Imports redis only.
 """
@@ -82,11 +54,13 @@ class Timeouts(NamedTuple):
 
 
 TIMEOUTS: dict[str, Timeouts] = {
+    # A worker's reads block at most 100 ms, so 30 s fires only on a dead connection; the
+    # health check reconnects one that went stale while idle (RedisConfig's defaults too).
     "worker": Timeouts(socket_s=30.0, connect_s=5.0, health_check_s=30),
-    "check": Timeouts(socket_s=3.0, connect_s=3.0),
-    "admin": Timeouts(socket_s=10.0, connect_s=3.0),
-    "supervisor": Timeouts(socket_s=5.0, connect_s=3.0),
-    "poll": Timeouts(socket_s=5.0, connect_s=5.0),
+    "check": Timeouts(socket_s=3.0, connect_s=3.0),        # is Redis there at all (the CLI)
+    "admin": Timeouts(socket_s=10.0, connect_s=3.0),       # status, submit: fail, not hang
+    "supervisor": Timeouts(socket_s=5.0, connect_s=3.0),   # pdqueue up watching its workers
+    "poll": Timeouts(socket_s=5.0, connect_s=5.0),         # the gateway's ClusterView
 }
 
 

@@ -9,23 +9,18 @@ Three parts, none of which imports torch:
   decode, colocated: the role that observed it; a switch changes it). What only pdqueue
   has is ``pdqueue:*``. prometheus_client appends ``_total`` to counters in the exposition,
   as vLLM's exposition shows (``vllm:prompt_tokens_total``).
-- ``StreamCollector(redis, keys)``: a custom collector that reads XINFO GROUPS of the request
-  and handoff streams when scraped (``pdqueue:stream_backlog``, ``pdqueue:stream_lag``,
-  ``pdqueue:stream_pending``, by stream and group; ``pdqueue:stream_length``;
-  ``pdqueue:workers`` by role, from the heartbeats). Cluster-wide, so one process should
-  expose it (the gateway, or ``pdqueue metrics-sd``), not every worker::
+- ``StreamCollector(redis, keys)``: the streams' backlog, read when scraped. Cluster-wide,
+  so one process should expose it (the gateway, or ``pdqueue metrics-sd``), not every
+  worker::
 
       registry = CollectorRegistry()
       registry.register(StreamCollector(redis_client, Keys("default")))
       port = serve_metrics(registry, "0.0.0.0", 9464)
 
-- ``serve_metrics(registry, host, port, app=None) -> port``: a threaded HTTP server in a
-  daemon thread (port 0: any free port) answering with ``registry`` in Prometheus's text
-  format (``text_app``; never OpenMetrics, which prometheus_client writes with ``:``
-  escaped), or with ``app`` (a WSGI app). ``cluster_app(redis, keys)`` is the one
-  ``pdqueue metrics-sd`` serves: ``/metrics`` (a ``StreamCollector``) and ``/targets``,
-  Prometheus HTTP service discovery (``http_sd``) of every worker that advertises a
-  ``metrics`` endpoint in its heartbeat (``sd_targets``).
+- ``serve_metrics(registry, host, port, app=None) -> port``: an HTTP server in a daemon
+  thread, in Prometheus's text format (``text_app``: why not OpenMetrics);
+  ``cluster_app(redis, keys)`` is what ``pdqueue metrics-sd`` serves: ``/metrics`` and
+  ``/targets`` (Prometheus ``http_sd`` of the workers' ``metrics`` endpoints).
 
 Who observes what (each number counted once, by the worker where it happens):
 
