@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-PREFILL = "prefill"
-DECODE = "decode"
-COLOCATED = "colocated"
-ROLES = (PREFILL, DECODE, COLOCATED)
+from pdqueue.protocol import ROLES, Role
+
+PREFILL, DECODE, COLOCATED = Role.PREFILL.value, Role.DECODE.value, Role.COLOCATED.value
 
 
 def count_roles(roles: Iterable[str]) -> dict[str, int]:

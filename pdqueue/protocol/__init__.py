@@ -8,7 +8,8 @@ Validation that needs the model (prompt longer than the context, more KV blocks 
 pool, token ids beyond the vocabulary) is the worker's job; everything else is checked
 here and reported as a ``RequestError`` with a reason a human can act on.
 
-Imports the standard library and msgpack only (a producer must not need torch).
+Imports the standard library only (msgpack when a handoff is encoded or decoded): a
+producer needs no torch, the planner nothing but the standard library.
 
 One module per message: ``wire`` (version, enums, errors), ``requests``, ``limits``,
 ``results``, ``handoff``. The names below are re-exported so that

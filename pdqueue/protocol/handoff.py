@@ -6,8 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
-import msgpack
-
 from .requests import Request, parse_request, request_to_fields
 from .wire import PROTOCOL_VERSION, HandoffError, RequestError
 
@@ -43,6 +41,7 @@ _HANDOFF_TIMES = ("enqueued_ms", "prefill_start_ms", "prefill_end_ms", "first_to
 def encode_handoff(h: Handoff) -> dict[str, bytes]:
     """Fields of a handoff stream entry: ``id`` (the request id, for operators) and
     ``data`` (msgpack)."""
+    import msgpack   # here, so that the planner can import the contract's roles without it
     body = {
         "version": PROTOCOL_VERSION,
         "request": request_to_fields(h.request),
@@ -62,6 +61,7 @@ def encode_handoff(h: Handoff) -> dict[str, bytes]:
 
 def decode_handoff(fields: Mapping) -> Handoff:
     """Inverse of ``encode_handoff``; ``HandoffError`` if malformed or of another version."""
+    import msgpack
     raw = fields.get(b"data", fields.get("data"))
     if raw is None:
         raise HandoffError("handoff entry has no 'data' field")
