@@ -165,3 +165,21 @@ def test_observe_reads_what_the_levers_need_from_the_heartbeats(r):
     assert (w["c-2"].tbt_budget_ms, w["c-2"].budgetable) == (None, True)
     assert (w["c-3"].tbt_budget_ms, w["c-3"].budgetable) == (None, False)
     assert w["d-1"].draining and w["d-2"].draining and not w["c-1"].draining
+
+
+def test_the_adapter_sends_the_budgets_and_migrations_as_commands(r):
+    from pdqueue.control.adapter import Adapter
+    from pdqueue.keys import Keys
+    from pdqueue.queue.registry import Heartbeat
+
+    keys = Keys("elastic-act")
+    Heartbeat(r, keys, "c-1", role=COLOCATED, load={"running": 4, "waiting": 3, "tbt_budget_ms": 0}).beat()
+    Heartbeat(r, keys, "d-1", role=DECODE, load={"running": 0}).beat()
+    decision = Adapter(r, keys, PlannerConfig(elastic=True, tbt_slo_ms=90.0), name="t").tick()
+    assert decision.budgets and decision.migrations, decision.reason
+    sent = [commands.parse_command(f) for _id, f in commands.take_commands(r, keys, "c-1")]
+    assert [type(c) for c in sent] == [commands.BudgetCommand, commands.MigrateCommand]
+    assert sent[0].tbt_slo_ms == 90.0 and sent[1].count == 4 and sent[0].by == "t"
+    assert commands.take_commands(r, keys, "d-1") == []
+    dry = Adapter(r, keys, PlannerConfig(elastic=True, tbt_slo_ms=90.0), dry_run=True).tick()
+    assert dry.migrations and commands.take_commands(r, keys, "c-1") == []   # recommends, sends nothing
