@@ -33,7 +33,11 @@ A worker started with ``--switchable`` reads ``control:<id>`` every ``CONTROL_EV
 ``SwitchControl`` is this protocol in a worker (``WorkerShell.switches``): it reads the
 commands, refuses or accepts them, asks the shell to switch (``WorkerShell.switch_role``)
 and writes the events; the shell tells it when the old role has drained (``drained``), when
-the new one serves (``done``) and when a switch failed (``failed``).
+the new one serves (``done``) and when a switch failed (``failed``). The elastic planner's
+budget and migrate commands (no epoch, no backlog rule: the role keeps serving) go to the
+role (``set_tbt_budget``, ``migrate_some``), refused while the worker stops or switches, or
+by a role that has no such lever, and are answered with ``type=budget`` / ``type=migrate``
+events (``answer``).
 
 Imports redis and pdqueue only (no torch).
 """
