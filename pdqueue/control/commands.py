@@ -47,7 +47,7 @@ The plan: a planner writes its desired counts per role to the ``plan`` hash (``p
 ``decode``, ``colocated``, ``reason``, ``mode``, ``action``, ``time_ms``), so an external
 actuator (compose ``--scale``, a Kubernetes autoscaler) can follow them.
 
-Imports redis (by the caller's client) and pdqueue.keys only; never torch.
+Imports redis (by the caller's client), pdqueue.keys and pdqueue.protocol only; never torch.
 """
 
 from __future__ import annotations

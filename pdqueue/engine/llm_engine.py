@@ -23,7 +23,7 @@ KV dtype and the block size, so blocks are never shared across anything that cha
 In the decode role ``reserve`` takes the blocks a ticket names that this engine caches (the
 sender's chain), so only the others are copied in.
 
-Imports torch, models, and the engine modules; never redis or zmq.
+Imports torch, models, the engine modules and pdqueue.protocol (``FinishReason``); never redis or zmq.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The random draw for output token ``index`` of a request comes from a generator s
 worker resuming after recompute and the colocated engine all draw the same token whatever
 else shares the batch.
 
-Imports torch only.
+Imports torch, and pdqueue.protocol for the request defaults.
 """
 
 from __future__ import annotations

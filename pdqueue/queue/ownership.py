@@ -13,7 +13,7 @@ generations) without stealing entries that another worker has meanwhile claimed;
 returns the ids this worker lost, so it can abort them.
 
 All keys of a pdqueue cluster share one hash slot, so the scripts run on Redis Cluster too.
-Imports redis only.
+Imports redis and pdqueue.protocol (``as_str``) only.
 """
 
 from __future__ import annotations
