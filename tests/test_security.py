@@ -401,6 +401,23 @@ def test_the_gateway_user_serves_the_openai_api(acl_env):
         status, again = call("GET", "/v1/requests/acl-resume-1")
         assert status == 200 and again["choices"][0]["text"] == first["choices"][0]["text"], again
         assert call("GET", "/metrics")[0] == 200
+        # The Batch API runs as the gateway user too: upload, run, output, every line once.
+        import io
+
+        import openai
+
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        lines = [{"custom_id": f"acl-{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 3, "temperature": 0}}
+                 for i in range(3)]
+        upload = oa.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                                 purpose="batch")
+        batch = oa.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        batch = wait_for(lambda: (b := oa.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+                         120, what="the batch's end")
+        assert batch.status == "completed", batch
+        answers = [json.loads(x) for x in oa.files.content(batch.output_file_id).content.splitlines() if x.strip()]
+        assert sorted(a["custom_id"] for a in answers) == ["acl-0", "acl-1", "acl-2"], answers
         # What `pdqueue metrics-sd` reads (the streams' backlog, the workers' endpoints) is a gateway's too.
         from pdqueue.telemetry.metrics import StreamCollector, sd_targets
 

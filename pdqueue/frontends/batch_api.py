@@ -72,9 +72,10 @@ class BatchAPI:
                 response = await handler(request, tenant.name)
             except OpenAIError as exc:
                 response = errs.error(exc)
-            except redis.ResponseError as exc:   # NOPERM: the gateway's ACL user (pdqueue acl) has no batch keys
-                response = errs.error(errs.unavailable(f"Redis refused the Batch API's command ({exc}): it needs the "
-                                                       f"cluster's admin user, as `pdqueue batch` does"))
+            except redis.ResponseError as exc:   # NOPERM: an ACL user made before the Batch API had its keys
+                response = errs.error(errs.unavailable(f"Redis refused the Batch API's command ({exc}): give the "
+                                                       f"gateway the `gateway` user of a current `pdqueue acl` (or "
+                                                       f"the admin user)"))
             except (redis.RedisError, OSError) as exc:
                 response = errs.error(errs.unavailable(f"cannot reach the cluster's Redis: {exc}"))
             return self.gw.count(endpoint, response)

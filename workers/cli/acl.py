@@ -8,7 +8,8 @@ Roles (docs/security.md has the table and why):
 - ``gateway``: a producer, plus what ``pdqueue serve`` reads to route and report: the
   heartbeats (SCAN, HGETALL ``worker:*``) and the backlog (XINFO GROUPS, XLEN, XRANGE of the
   request and handoff streams, XLEN of ``done``/``dead``), and GET/SET of ``gw:*`` (the
-  records of resumable requests: ``Idempotency-Key``, ``GET /v1/requests/{id}``).
+  records of resumable requests: ``Idempotency-Key``, ``GET /v1/requests/{id}``), and the
+  Batch API's keys (``batch_api_rules``).
 - ``worker``: the commands prefill, decode and colocated workers run (streams, consumer
   groups, heartbeats, idempotency and cancel keys, the Lua scripts, MULTI/EXEC), on the
   cluster's keys only.
@@ -97,7 +98,7 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
     """The ACL rules of ``role`` (after ``reset on #<hash>``), key patterns from ``keys``;
     ``setinfo``: the server knows CLIENT SETINFO (Redis >= 7.2, Valkey)."""
     connection = connection_rules(setinfo)
-    requests = [f"~{keys.requests}", f"~{keys.requests_high}"]
+    requests = [f"~{keys.requests}", f"~{keys.requests_high}", f"~{keys.requests_batch}"]
     producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
                 _selector("+set", f"~{keys.cancel('*')}")]
@@ -110,12 +111,32 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                           f"~{keys.handoff_node('*')}", f"~{keys.requests_for('*')}"),
                 _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}"),
-                _selector("+get", "+set", f"~{keys.gateway_record('*')}")]   # resumable requests' records
+                _selector("+get", "+set", f"~{keys.gateway_record('*')}"),   # resumable requests' records
+                *batch_api_rules(keys, requests)]
     if role == "worker":
         return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]
     if role == "admin":
         return [f"~{keys.prefix}*", *ADMIN_COMMANDS, *connection]
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def batch_api_rules(keys: Keys, requests: list[str]) -> list[str]:
+    """What the gateway's Batch API runs (pdqueue/frontends/batch_store.py has the keys): its
+    files, batch records, output lists and runner leases (the lease and output writes are Lua
+    scripts, a batch's status a MULTI/EXEC); and placing a batch's requests as `pdqueue batch`
+    does (one script: XADD and SET ``seen:<id>``; GET ``seen:*`` and EXISTS ``out:*`` to
+    re-attach)."""
+    from pdqueue.frontends.batch_store import BatchKeys
+
+    bkeys = BatchKeys(keys)
+    stored = [f"~{bkeys.file('*')}", f"~{bkeys.batch('*')}", f"~{bkeys.batches}", f"~{bkeys.active}"]
+    return ["+multi", "+exec", "+discard",
+            _selector("+get", "+set", "+getrange", "+hset", "+hget", "+hgetall", "+expire", "+pexpire", "+del",
+                      "+llen", "+lrange", "+rpush", "+sadd", "+srem", "+smembers", "+zadd", "+zrevrange",
+                      "+eval", "+evalsha", *stored),
+            _selector("+eval", "+evalsha", *requests, f"~{keys.seen('*')}"),
+            _selector("+get", "+set", f"~{keys.seen('*')}"),
+            _selector("+exists", f"~{keys.out('*')}")]
 
 
 def password_hash(password: str) -> str:
