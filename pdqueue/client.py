@@ -127,8 +127,9 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                   chat: bool = False, ignore_eos: bool = False, id: str | None = None,
-                  messages: Sequence[dict] | None = None) -> Request:
-    """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given."""
+                  messages: Sequence[dict] | None = None, service_class: str | None = None) -> Request:
+    """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given.
+    ``service_class``: interactive, standard or batch (None: from ``priority``)."""
     request_id = id if id is not None else uuid.uuid4().hex
     try:
         priority = Priority(priority)
@@ -139,7 +140,8 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                   seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
                   deadline_ms=deadline_ms, priority=priority, chat=chat, ignore_eos=ignore_eos,
-                  messages=tuple(dict(m) for m in messages) if messages is not None else None)
+                  messages=tuple(dict(m) for m in messages) if messages is not None else None,
+                  service_class=service_class)
     validate_request(req)
     return req
 
@@ -307,7 +309,7 @@ class _Settled:
         self.cancel_ttl_s = cancel_ttl_s
 
     def _stream_of(self, req: Request) -> str:
-        return self.keys.requests_high if req.priority is Priority.HIGH else self.keys.requests
+        return self.keys.request_stream_for(req.cls)
 
 
 class Client(_Settled):
@@ -325,13 +327,14 @@ class Client(_Settled):
                top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                chat: bool = False, ignore_eos: bool = False, id: str | None = None,
-               messages: Sequence[dict] | None = None) -> RequestHandle:
+               messages: Sequence[dict] | None = None, service_class: str | None = None) -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
         ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
-                            ignore_eos=ignore_eos, id=id, messages=messages)
+                            ignore_eos=ignore_eos, id=id, messages=messages,
+                            service_class=service_class)
         entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return RequestHandle(self, req.id, as_str(entry_id))
 
@@ -439,12 +442,14 @@ class AsyncClient(_Settled):
                      top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                      chat: bool = False, ignore_eos: bool = False,
-                     id: str | None = None, messages: Sequence[dict] | None = None) -> AsyncRequestHandle:
+                     id: str | None = None, messages: Sequence[dict] | None = None,
+                     service_class: str | None = None) -> AsyncRequestHandle:
         """See ``Client.submit``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
-                            ignore_eos=ignore_eos, id=id, messages=messages)
+                            ignore_eos=ignore_eos, id=id, messages=messages,
+                            service_class=service_class)
         entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
         return AsyncRequestHandle(self, req.id, as_str(entry_id))
 

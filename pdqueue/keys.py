@@ -77,9 +77,21 @@ class Keys:
         return self.prefix + "requests:high"
 
     @property
-    def request_streams(self) -> tuple[str, str]:
-        """The request streams in the order a prefill worker reads them (high first)."""
-        return (self.requests_high, self.requests)
+    def requests_batch(self) -> str:
+        """The batch class's stream: read only into the capacity the others leave
+        (workers/admission.py)."""
+        return self.prefix + "requests:batch"
+
+    @property
+    def request_streams(self) -> tuple[str, str, str]:
+        """The request streams in the order a prefill worker reads them (high first, batch last)."""
+        return (self.requests_high, self.requests, self.requests_batch)
+
+    def request_stream_for(self, service_class: str) -> str:
+        """The stream a producer writes a request of ``service_class`` to (the protocol's
+        ``Request.cls``: interactive, standard or batch)."""
+        return {"interactive": self.requests_high, "standard": self.requests,
+                "batch": self.requests_batch}[str(getattr(service_class, "value", service_class))]
 
     def requests_for(self, worker_id: str) -> str:
         """One prefill (or colocated) worker's own request stream: requests routed to it

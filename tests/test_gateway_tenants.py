@@ -94,7 +94,8 @@ def test_over_the_backlog_a_tenant_under_its_share_is_still_admitted():
 
 
 def test_a_service_class_becomes_request_fields():
-    assert class_fields("interactive") == {"priority": "high"}
-    assert class_fields("standard") == {} and class_fields("batch") == {}
+    assert class_fields("interactive") == {"service_class": "interactive", "priority": "high"}
+    assert class_fields("standard") == {"service_class": "standard"}
+    assert class_fields("batch") == {"service_class": "batch"}
     with pytest.raises(ValueError, match="expected one of interactive, standard, batch"):
         class_fields("gold")

@@ -53,7 +53,7 @@ def test_keys_share_one_hash_tag():
     assert all(name.startswith("pdq:{default}:") for name in names)
     assert keys.requests_high == "pdq:{default}:requests:high"
     assert keys.handoff_node("n1") == "pdq:{default}:handoff:n1"
-    assert keys.request_streams == (keys.requests_high, keys.requests)
+    assert keys.request_streams == (keys.requests_high, keys.requests, keys.requests_batch)
     assert keys.worker_id_of(keys.worker("w:1").encode()) == "w:1"
     assert Keys("blue").out("x") == "pdq:{blue}:out:x"
     with pytest.raises(ValueError):

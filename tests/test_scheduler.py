@@ -235,3 +235,54 @@ def test_without_a_tbt_target_chunks_fill_the_token_budget():
     decoding(sch, "a", max_tokens=8)
     sch.add(seq("doc", 400))
     assert dict((s.request_id, n) for s, n in sch.schedule())["doc"] == 400
+
+
+# ---- background sequences (the batch service class) -------------------------------------------
+def bg(rid, n):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), background=True)
+
+
+def test_a_foreground_prompt_waits_ahead_of_every_background_one():
+    sch, _ = make(policy="chunked")
+    for s in (bg("b1", 4), seq("f1", 4), bg("b2", 4), seq("f2", 4)):
+        sch.add(s)
+    assert [s.request_id for s in sch.waiting] == ["f1", "f2", "b1", "b2"]
+
+
+def test_background_decodes_pause_while_foreground_prompts_wait_but_never_starve():
+    from pdqueue.engine.scheduler import BACKGROUND_EVERY
+
+    sch, _ = make(policy="chunked", num_blocks=64, budget=4)
+    b = bg("b", 4)
+    sch.add(b)
+    run_step(sch.schedule())                  # b prefilled: it now decodes
+    assert b.num_uncomputed_tokens == 1
+    sch.add(seq("f", 40))                      # a long foreground prompt: 10 chunked steps
+    ran = []
+    for _ in range(2 * BACKGROUND_EVERY):
+        batch = sch.schedule()
+        ran.append(any(s is b for s, _ in batch))
+        run_step(batch)
+    # paused BACKGROUND_EVERY - 1 steps in a row, then one step with it, and again
+    assert ran == ([False] * (BACKGROUND_EVERY - 1) + [True]) * 2
+    assert b.num_preemptions == 0              # paused, not recomputed
+
+
+def test_background_decodes_run_beside_foreground_decodes():
+    sch, _ = make(policy="chunked", num_blocks=64)
+    b, f = bg("b", 4), seq("f", 4)
+    sch.add(b)
+    sch.add(f)
+    run_step(sch.schedule())
+    assert {s.request_id for s, n in sch.schedule()} == {"b", "f"}   # nothing waits: nobody pauses
+
+
+def test_the_newest_background_sequence_is_preempted_first():
+    sch, bm = make(policy="prefill_first", num_blocks=4, block_size=4, budget=64)
+    f1, b1, f2 = seq("f1", 4), bg("b1", 4), seq("f2", 4)
+    for s in (f1, f2, b1):
+        sch.add(s)
+    run_step(sch.schedule())                   # three prompts, three full blocks; one block free
+    batch = sch.schedule()                     # each needs a second block: one must go
+    assert b1.num_preemptions == 1 and f1.num_preemptions == f2.num_preemptions == 0
+    assert {s.request_id for s, _ in batch} == {"f1", "f2"}

@@ -41,7 +41,8 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, ServiceClass, decode_handoff,
+                              encode_handoff)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -232,7 +233,8 @@ class DecodeRole(Role):
             else:
                 job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
                                               block_hashes=h.ticket.get("block_hashes") or (),
-                                              hash_root=h.ticket.get("hash_root") or b"")
+                                              hash_root=h.ticket.get("hash_root") or b"",
+                                              background=h.request.cls is ServiceClass.BATCH)
                 job.state = JobState.FETCHING
                 # Blocks whose KV this engine already caches (an earlier turn, a shared system
                 # prompt) stay; only the rest travel.
@@ -289,7 +291,8 @@ class DecodeRole(Role):
                                       len(h.prompt_ids) + len(h.output_ids))
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
-        self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids)
+        self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids,
+                                background=h.request.cls is ServiceClass.BATCH)
 
     # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:

@@ -8,8 +8,9 @@ In this order (prefill and colocated workers):
 2. one pipelined round trip (``streams.claim_request``): ``seen:<id>`` is set to the entry
    id unless another entry holds the id (then this one is a duplicate: dead-lettered, and
    nothing on ``out:<id>``, which belongs to the first), and ``cancel:<id>`` is read;
-3. an expired deadline finishes the request as ``done``/``expired``, a cancel as
-   ``done``/``cancelled``;
+3. an expired deadline answers an error ``deadline_exceeded`` when the request names a
+   service class (field ``class``), else (old producers) finishes it as ``done``/``expired``;
+   a cancel finishes it as ``done``/``cancelled``;
 4. the request's limits (``Limits``: prompt characters, max_tokens, stop strings), then
    the prompt is tokenized (with the chat template when asked) and its tokens counted
    against ``max_prompt_tokens``;
@@ -34,7 +35,8 @@ import redis
 
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Limits, Request, RequestError, parse_request
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Limits, Request, RequestError, ServiceClass,
+                              parse_request)
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms
@@ -85,6 +87,10 @@ class Intake:
                 unit.reject(stream, entry_id, fields, None,
                             f"request id {req.id!r} was already taken by another entry", ErrorCode.DUPLICATE)
                 return None
+            if req.expired(read_ms) and req.service_class is not None:
+                # A producer that names a class is told plainly that it came too late.
+                raise RequestError(f"deadline passed {read_ms - req.deadline_at_ms:.0f} ms before it could start",
+                                   req.id, ErrorCode.DEADLINE_EXCEEDED)
             if req.expired(read_ms):
                 self.finish_early(unit, stream, entry_id, req, FinishReason.EXPIRED)
                 return None
@@ -103,7 +109,7 @@ class Intake:
                     return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             params = SamplingParams.for_request(req, seed)
-            engine.add_request(req.id, prompt_ids, params)
+            engine.add_request(req.id, prompt_ids, params, background=req.cls is ServiceClass.BATCH)
             return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)
         except RequestError as exc:
             unit.reject(stream, entry_id, fields, exc.request_id, exc.reason, exc.code)

@@ -27,6 +27,8 @@ import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
+from pdqueue.protocol import ServiceClass
+from workers.admission import BatchGate
 from workers.intake import Admitted, Intake
 from workers.routing import Router
 
@@ -97,6 +99,9 @@ class RequestRole(Role):
         self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits,
                              router=self.router)
         self.inflight: dict[str, Admitted] = {}
+        # Batch only into the capacity the higher classes leave (workers/admission.py).
+        self.batch_gate = BatchGate()
+        self._batch_turn = False
         self.step_s = 0.0   # moving average of an engine step
 
     def streams(self) -> list[str]:
@@ -105,7 +110,26 @@ class RequestRole(Role):
         return self.router.all_streams()
 
     def read_streams(self) -> list[str]:
-        return self.router.read_streams()
+        return [self.shell.keys.requests_batch] if self._batch_turn else self.router.read_streams()
+
+    def take_batch(self) -> None:
+        """Batch entries, as many as the gate lets in after the higher classes' turn: no more
+        than the batch slots free now, so none waits in the engine (a request waiting there
+        would stop this worker reading the higher classes' streams)."""
+        free_slots = self.engine.config.max_num_seqs - self.engine.scheduler.num_unfinished
+        n = self.batch_gate.limit(waiting=self.engine.num_waiting, kv_free=self.engine.block_manager.num_free_blocks,
+                                  kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
+                                  batch_running=sum(a.request.cls is ServiceClass.BATCH for a in self.inflight.values()),
+                                  now_s=time.monotonic())
+        if n <= 0:
+            return
+        self._batch_turn = True
+        try:
+            entries = self.shell.read(n, block_ms=0)
+        finally:
+            self._batch_turn = False
+        if entries:
+            self.accept(entries, resumed=False)
 
     def step(self) -> bool:
         self.housekeeping()
@@ -118,6 +142,8 @@ class RequestRole(Role):
                 taken = self.router.take_over(self.read_limit(), idle=not self.engine.has_unfinished)
                 if taken:
                     self.accept(taken, resumed=False)
+            if self.shell.accepting:
+                self.take_batch()
         elif not busy:
             return False
         if self.engine.has_unfinished:

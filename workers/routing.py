@@ -125,7 +125,7 @@ class Router:
 
     def all_streams(self) -> list[str]:
         """Every request stream it may hold entries of (Recovery scans these)."""
-        return [*self.read_streams(), *self.others]
+        return [*self.read_streams(), self.keys.requests_batch, *self.others]
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -149,14 +149,15 @@ class LLMEngine:
         return None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] | None = None) -> Sequence:
-        """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute)."""
+                    output_ids: list[int] | None = None, background: bool = False) -> Sequence:
+        """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute);
+        ``background``: the batch class, which yields to the others (scheduler.py)."""
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in the engine")
         reason = self.check_prompt(len(prompt_ids) + len(output_ids or ()))
         if reason:
             raise ValueError(reason)
-        seq = Sequence(request_id, prompt_ids, params, output_ids)
+        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background)
         self._track(seq, output_ids or [])
         self.scheduler.add(seq)
         return seq
@@ -166,7 +167,8 @@ class LLMEngine:
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                output_ids: list[int], block_hashes=(), hash_root: bytes = b"") -> Sequence:
+                output_ids: list[int], block_hashes=(), hash_root: bytes = b"",
+                background: bool = False) -> Sequence:
         """Decode role: allocate blocks for a sequence whose KV (all tokens but the last)
         will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``). With
         the sender's prefix-cache names of its full blocks (``block_hashes``, chained from
@@ -174,7 +176,7 @@ class LLMEngine:
         and ``seq.num_cached_tokens`` says how many leading tokens' KV is in place already:
         the caller copies KV into the blocks after those only (fresh ones; a cached block
         is never rewritten)."""
-        seq = Sequence(request_id, prompt_ids, params, output_ids)
+        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background)
         if not self.can_reserve(seq.num_tokens):
             raise RuntimeError("reserve without can_reserve")
         hits = self.block_manager.allocate_known(seq, list(block_hashes),

@@ -25,6 +25,12 @@ When the pool runs out of blocks the newest running sequence is preempted by rec
 blocks are freed and it goes back to the front of the waiting queue with its generated
 tokens, to be prefilled again (from its own blocks, if the prefix cache still has them).
 
+**Background sequences** (the batch service class, ``Sequence.background``) yield to the
+others: a foreground prompt waits ahead of every background one; while foreground prompt
+tokens wait to be computed, background decodes are paused (their KV stays: nothing is
+recomputed), except every ``BACKGROUND_EVERY``-th step, so they never starve; and the
+newest background sequence is preempted before any foreground one.
+
 Admission asks the block manager how much of a waiting sequence's prefix is cached: only
 the rest counts against the token budget and is computed.
 
@@ -44,6 +50,7 @@ ScheduledBatch = list[tuple[Sequence, int]]
 
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
+BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -73,6 +80,7 @@ class Scheduler:
         self.tbt_percentile = config.tbt_percentile
         self.cost = StepCostModel()
         self.num_budgeted_steps = 0   # steps whose prompt chunks the TBT budget cut
+        self.num_paused_steps = 0     # steps in a row that paused the background decodes
 
     @property
     def num_unfinished(self) -> int:
@@ -80,6 +88,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if not seq.background:   # ahead of every background prompt
+            for i, other in enumerate(self.waiting):
+                if other.background:
+                    self.waiting.insert(i, seq)
+                    return
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -155,13 +168,34 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _pause_background(self) -> bool:
+        """Whether this step leaves the background decodes out: foreground prompt tokens wait,
+        and fewer than ``BACKGROUND_EVERY - 1`` steps in a row paused them."""
+        pending = any(not s.background for s in self.waiting) or any(
+            not s.background and s.num_uncomputed_tokens > 1 for s in self.running)
+        if pending and self.num_paused_steps < BACKGROUND_EVERY - 1 and any(s.background for s in self.running):
+            self.num_paused_steps += 1
+            return True
+        self.num_paused_steps = 0
+        return False
+
+    def _victim(self) -> Sequence:
+        """The sequence to preempt: the newest background one, else the newest."""
+        for seq in reversed(self.running):
+            if seq.background:
+                return seq
+        return self.running[-1]
+
     def _decode_all(self) -> ScheduledBatch:
         batch: ScheduledBatch = []
+        pause = self._pause_background()
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below, or still prefilling in chunks
+            if pause and seq.background:
+                continue  # paused: its KV stays, it decodes in a later step
             while not self.block_manager.can_append(seq):
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is seq:
                     break

@@ -23,7 +23,7 @@ class SequenceStatus(str, Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 output_ids: list[int] | None = None):
+                 output_ids: list[int] | None = None, background: bool = False):
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.request_id = request_id
@@ -44,6 +44,7 @@ class Sequence:
         self.max_hashed_blocks: int | None = None   # cap on blocks named (KV from an engine with another chain root)
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
         self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (scheduler.py)
+        self.background = background   # the batch class: yields to the others (scheduler.py)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -18,7 +18,7 @@ import redis
 
 from pdqueue.frontends.batch_input import request_id
 from pdqueue.keys import SEEN_TTL_S, Keys
-from pdqueue.protocol import Priority, request_to_fields
+from pdqueue.protocol import request_to_fields
 
 __all__ = ["MAX_ATTEMPTS", "place"]
 
@@ -65,7 +65,7 @@ def place(r: redis.Redis, keys: Keys, batch_id: str, jobs: list) -> tuple[list, 
             pipe = r.pipeline(transaction=False)
             for job in fresh:
                 req = job.request
-                stream = keys.requests_high if req.priority is Priority.HIGH else keys.requests
+                stream = keys.request_stream_for(req.cls)
                 args = [SEEN_TTL_S]
                 for name, value in request_to_fields(req).items():
                     args += [name, value]
@@ -86,10 +86,11 @@ def place(r: redis.Redis, keys: Keys, batch_id: str, jobs: list) -> tuple[list, 
                 entry = entry if _ENTRY_ID.match(entry) else "0-0"
                 pipe.xrange(keys.requests, entry, entry, count=1)
                 pipe.xrange(keys.requests_high, entry, entry, count=1)
+                pipe.xrange(keys.requests_batch, entry, entry, count=1)
                 pipe.exists(keys.out(job.request.id))
             state = pipe.execute()
             for i, (job, entry) in enumerate(queued):
-                if _ENTRY_ID.match(entry) and (state[3 * i] or state[3 * i + 1]) or state[3 * i + 2]:
+                if _ENTRY_ID.match(entry) and any(state[4 * i:4 * i + 3]) or state[4 * i + 3]:
                     placed.append((job, "reattached"))
                 elif job.attempt < MAX_ATTEMPTS:   # answered, but the answer expired unread
                     job.attempt += 1

@@ -39,7 +39,10 @@ class ClusterView:
     def poll(self) -> None:
         """One refresh (blocking: call it in a thread)."""
         workers = list_workers(self._r, self.keys)
-        backlog = streams_backlog(self._r, request_streams_of(self._r, self.keys), PREFILL_GROUP).total
+        # The batch class waits for spare capacity by design: its backlog is no reason to
+        # refuse an online request (429).
+        online = [s for s in request_streams_of(self._r, self.keys) if s != self.keys.requests_batch]
+        backlog = streams_backlog(self._r, online, PREFILL_GROUP).total
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()
 
     async def refresh(self) -> None:

@@ -1,8 +1,9 @@
 """Service classes of the front ends' requests: ``interactive``, ``standard``, ``batch``.
 
-``class_fields`` is the one place a class becomes request fields. Until the request carries
-a class of its own (issue 27's worker side), ``interactive`` is today's high priority
-(``requests:high``, read first at intake) and the other two the normal stream."""
+``class_fields`` is the one place a class becomes request fields: the request's ``class``,
+which also picks its stream (``Keys.request_stream_for``: ``requests:high``, ``requests``,
+``requests:batch``); ``interactive`` keeps ``priority=high`` too, which is what a worker older
+than the field reads. workers/admission.py says how each class is admitted."""
 
 from __future__ import annotations
 
@@ -16,4 +17,7 @@ def class_fields(service_class: str) -> dict:
     """``build_request``/``submit`` arguments that put a request in ``service_class``."""
     if service_class not in SERVICE_CLASSES:
         raise ValueError(f"service class {service_class!r}: expected one of {', '.join(SERVICE_CLASSES)}")
-    return {"priority": "high"} if service_class == INTERACTIVE else {}
+    fields = {"service_class": service_class}
+    if service_class == INTERACTIVE:
+        fields["priority"] = "high"
+    return fields

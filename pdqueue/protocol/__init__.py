@@ -23,11 +23,11 @@ from .requests import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, D
                        REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms, entry_request_id, parse_request,
                        request_to_fields, validate_request)
 from .results import Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry
-from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority,
+from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority, ServiceClass,
                    ProtocolError, RequestError, ResultType, Role, as_str)
 
 __all__ = [
-    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ErrorCode",
+    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ServiceClass", "ErrorCode",
     "ProtocolError", "RequestError", "HandoffError", "as_str",
     "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
     "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",

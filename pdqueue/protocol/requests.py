@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .wire import Priority, RequestError, _short
+from .wire import Priority, RequestError, ServiceClass, _short
 
 # A request's defaults, the one place they are written (the client, the CLI and the
 # engine's SamplingParams take them from here).
@@ -34,6 +34,7 @@ class Request:
     ignore_eos: bool = False         # generate max_tokens even past end-of-sequence (benchmarks)
     messages: tuple[dict, ...] | None = None  # [{"role", "content"}]: the chat template is applied to them
     enqueued_ms: int = 0             # unix ms, from the stream entry id (0 if unknown)
+    service_class: ServiceClass | None = None  # wire field ``class``; None: from ``priority``
 
     def __post_init__(self) -> None:
         # Accept lists and plain strings from Python callers; validate_request judges values.
@@ -46,6 +47,16 @@ class Request:
         if isinstance(self.priority, str) and not isinstance(self.priority, Priority) \
                 and self.priority in ("normal", "high"):
             object.__setattr__(self, "priority", Priority(self.priority))
+        if isinstance(self.service_class, str) and not isinstance(self.service_class, ServiceClass) \
+                and self.service_class in tuple(c.value for c in ServiceClass):
+            object.__setattr__(self, "service_class", ServiceClass(self.service_class))
+
+    @property
+    def cls(self) -> ServiceClass:
+        """The class it is admitted in: its own, else today's priority (high: interactive)."""
+        if self.service_class is not None:
+            return self.service_class
+        return ServiceClass.INTERACTIVE if self.priority is Priority.HIGH else ServiceClass.STANDARD
 
     @property
     def deadline_at_ms(self) -> int | None:
@@ -60,7 +71,7 @@ class Request:
 
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
-                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages")
+                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages", "class")
 # Set by a worker that routes a request to a peer (workers/routing.py): who moved it, and
 # when the producer enqueued it (the id of the moved entry is newer; deadlines and TTFT
 # count from the original enqueue).
@@ -123,6 +134,8 @@ def validate_request(req: Request) -> None:
         fail(f"deadline_ms must be an integer >= 1, got {_short(req.deadline_ms)}")
     if not isinstance(req.priority, Priority):
         fail(f"priority must be 'normal' or 'high', got {_short(req.priority)}")
+    if req.service_class is not None and not isinstance(req.service_class, ServiceClass):
+        fail(f"class must be one of {', '.join(c.value for c in ServiceClass)}, got {_short(req.service_class)}")
     if not isinstance(req.chat, bool):
         fail(f"chat must be a boolean, got {_short(req.chat)}")
     if not isinstance(req.ignore_eos, bool):
@@ -166,6 +179,8 @@ def request_to_fields(req: Request) -> dict[str, str]:
         fields["deadline_ms"] = str(req.deadline_ms)
     if req.priority != Priority.NORMAL:
         fields["priority"] = Priority(req.priority).value
+    if req.service_class is not None:
+        fields["class"] = ServiceClass(req.service_class).value
     if req.chat:
         fields["chat"] = "1"
     if req.ignore_eos:
@@ -270,6 +285,13 @@ def parse_request(entry_id: str | bytes | None,
             priority = Priority(text["priority"].strip().lower())
         except ValueError:
             fail(f"priority must be 'normal' or 'high', got {_short(text['priority'])}")
+    service_class = None
+    if "class" in text:
+        try:
+            service_class = ServiceClass(text["class"].strip().lower())
+        except ValueError:
+            fail(f"class must be one of {', '.join(c.value for c in ServiceClass)}, got {_short(text['class'])}")
+
     def flag(name: str) -> bool:
         if name not in text:
             return False
@@ -299,6 +321,7 @@ def parse_request(entry_id: str | bytes | None,
         ignore_eos=ignore_eos,
         messages=tuple(messages) if messages is not None else None,
         enqueued_ms=integer("enqueued_ms") if "enqueued_ms" in text else entry_id_ms(eid),
+        service_class=service_class,
     )
     validate_request(req)
     return req

@@ -16,7 +16,9 @@ PROTOCOL_VERSION = 1
 #      request field ignore_eos; done fields handoff_ms, first_step_ms, ttst_ms;
 #      request field messages (a conversation, the chat template applied to it);
 #      done field cached_tokens (prompt tokens served from the prefix cache; 0 if absent);
-#      handoff key cached_tokens (the same, carried to the decode worker; 0 if absent).
+#      handoff key cached_tokens (the same, carried to the decode worker; 0 if absent);
+#      request field class (interactive/standard/batch, issue 27; absent: from priority) and
+#      error code deadline_exceeded (a request with a class whose deadline passed unstarted).
 
 
 class ResultType(str, Enum):
@@ -55,11 +57,20 @@ class Priority(str, Enum):
     HIGH = "high"
 
 
+class ServiceClass(str, Enum):
+    """A request's service class (field ``class``, issue 27): admission order, then deadline.
+    Without the field, ``priority=high`` is interactive and ``normal`` standard."""
+    INTERACTIVE = "interactive"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+
 class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"  # malformed fields
     TOO_LONG = "too_long"        # prompt (+ max_tokens) does not fit the model or the KV pool
     DUPLICATE = "duplicate"      # a request with this id was already taken
     INTERNAL = "internal"        # a worker bug or an unrecoverable failure
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # a request with a class whose deadline passed before it ran
     UNAVAILABLE = "unavailable"  # the cluster stopped before answering (`pdqueue up` with its own server)
 
 

@@ -33,14 +33,18 @@ from workers.cli.common import REQUEST_DEFAULTS, UserError, connect, redis_failu
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True)
+@click.option("--class", "service_class", type=click.Choice(["interactive", "standard", "batch"]), default=None,
+              help="Service class: the order workers admit requests in (batch only into spare capacity) "
+                   "[default: from --priority: high is interactive, normal standard].")
 @click.option("--deadline-ms", type=click.IntRange(min=1), default=None,
-              help="Give up (finish_reason expired) if not done this long after submission.")
+              help="Give up if not done this long after submission (finish_reason expired; with --class, an "
+                   "error deadline_exceeded when it passes before the request starts).")
 @click.option("--id", "request_id", default=None, help="Request id (idempotent: a repeated id is not run twice).")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion with its timings as one JSON object.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for the answer.")
 def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, seed, stop, chat, priority,
-           deadline_ms, request_id, as_json, timeout):
+           service_class, deadline_ms, request_id, as_json, timeout):
     """Submit PROMPT ('-' reads stdin) and stream the answer as it arrives."""
     import redis
 
@@ -71,7 +75,7 @@ def submit(prompt, redis_url, cluster, max_tokens, temperature, top_p, top_k, se
                         fg="yellow", err=True)
         handle = client.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                seed=seed, stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
-                               id=request_id)
+                               id=request_id, service_class=service_class)
         if as_json:
             completion = handle.result(timeout=timeout)
         else:

@@ -110,7 +110,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
     converted models are cached) and PDQ_NODE_ID.
     """
     from pdqueue.keys import Keys
-    from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state, state_path
+    from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed, read_state
 
     try:
         Keys(cluster)
