@@ -3,7 +3,7 @@
 
 Roles (docs/security.md has the table and why):
 
-- ``producer``: XADD to ``requests`` and ``requests:high``, XREAD of ``out:*``, SET of
+- ``producer``: XADD to ``requests``, ``requests:high`` and ``requests:batch``, XREAD of ``out:*``, SET of
   ``cancel:*``; nothing else (no SCAN, no other key, not even read of the request streams).
 - ``gateway``: a producer, plus what ``pdqueue serve`` reads to route and report: the
   heartbeats (SCAN, HGETALL ``worker:*``) and the backlog (XINFO GROUPS, XLEN, XRANGE of the
