@@ -4,8 +4,11 @@ place. The whole worker processes are tested in test_pipeline/test_faults/test_c
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+
+import pytest
 
 from pdqueue.client import Client
 from pdqueue.keys import PREFILL_GROUP, Keys
@@ -162,3 +165,26 @@ def test_a_worker_switches_its_role_in_place(redis_url, tiny):
         for t in threads:
             t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_worker_config_refuses_bad_values_and_the_cli_shows_its_defaults():
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from workers.cli.worker import worker
+    from workers.common import WorkerConfig
+
+    for bad, field_name in ((dict(routing="nearest"), "routing"), (dict(transfer="rdma"), "transfer"),
+                            (dict(lease_s=0), "lease_s"), (dict(reclaim_idle_ms=10), "reclaim_idle_ms"),
+                            (dict(data_port=70000), "data_port"), (dict(max_attempts=0), "max_attempts"),
+                            (dict(redis_gone_exit_s=-1), "redis_gone_exit_s"), (dict(cluster=""), "cluster")):
+        with pytest.raises(ValueError, match=f"WorkerConfig.{field_name}"):
+            WorkerConfig(**bad)
+    with pytest.raises(ValueError, match="WorkerConfig.lease_s"):
+        dataclasses.replace(WorkerConfig(), lease_s=-1.0)
+    shown = CliRunner().invoke(worker, ["--help"], terminal_width=200).output
+    defaults = WorkerConfig()
+    for option, value in (("--lease-s", defaults.lease_s), ("--reclaim-idle-ms", defaults.reclaim_idle_ms),
+                          ("--heartbeat-ttl-s", defaults.heartbeat_ttl_s), ("--max-num-seqs", defaults.engine.max_num_seqs)):
+        assert re.search(rf"{option}\b[^\[]*\[default: {value}[;\]]", shown), (option, shown)

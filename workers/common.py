@@ -15,12 +15,15 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import Limits
 
 log = logging.getLogger("pdqueue.worker")
+
+TRANSFERS = ("auto", "shm", "tcp", "zmq", "nixl")   # --transfer: how KV reaches the decode side
+ROUTING_MODES = ("cache", "off")                      # --routing (workers/routing.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,47 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"  # ... bound on this host (0.0.0.0: every interface)
     metrics_advertise: str | None = None  # the host put in the heartbeat when bound to 0.0.0.0 (None: resolved)
     limits: Limits = field(default_factory=Limits)  # what intake takes from one request (--max-* options)
+
+    def __post_init__(self) -> None:
+        """A bad value is a ValueError naming the field, here rather than deep in a role."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"WorkerConfig.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.engine, EngineConfig):
+            bad("engine", "must be an EngineConfig")
+        if not isinstance(self.limits, Limits):
+            bad("limits", "must be a Limits")
+        if not self.cluster:
+            bad("cluster", "must not be empty")
+        if self.routing not in ROUTING_MODES:
+            bad("routing", f"must be one of {', '.join(ROUTING_MODES)}")
+        if self.transfer not in TRANSFERS:
+            bad("transfer", f"must be one of {', '.join(TRANSFERS)}")
+        for name in ("data_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
+                bad(name, "must be None or a port in 0-65535")
+        for name in ("lease_s", "fetch_timeout_s", "max_step_s", "heartbeat_ttl_s"):
+            if not getattr(self, name) > 0:
+                bad(name, "must be > 0 seconds")
+        if not self.redis_gone_exit_s >= 0:
+            bad("redis_gone_exit_s", "must be >= 0 seconds (0: never)")
+        if not (isinstance(self.reclaim_idle_ms, int) and self.reclaim_idle_ms >= 100):
+            bad("reclaim_idle_ms", "must be an integer >= 100")
+        for name in ("max_batch_requests", "max_attempts"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                bad(name, "must be an integer >= 1")
+
+
+def config_default(name: str, config: type = WorkerConfig):
+    """The default of a field of ``config`` (a dataclass): what the CLI's options show, so
+    that a default is written once."""
+    for f in fields(config):
+        if f.name == name:
+            if f.default is MISSING:
+                raise ValueError(f"{config.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{config.__name__} has no field {name!r}")
 
 
 KV_SECRET_ENV = "PDQ_KV_SECRET"

@@ -42,6 +42,7 @@ from pdqueue.protocol import REQUEST_ROLES, as_str
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
 from pdqueue.queue.registry import list_workers
+from workers.common import ROUTING_MODES
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -53,7 +54,6 @@ REFRESH_S = 1.0             # peers (heartbeats) and the set of own streams are 
 MIN_REFRESH_S = 0.25        # ... and sooner when an advertisement names a worker not seen yet
 TAKEOVER_EVERY_S = 0.2      # an idle worker looks at the others' own streams this often
 TAKEOVER_AFTER_MS = 1500    # an entry waiting this long in a live owner's stream may be taken over
-ROUTING_MODES = ("cache", "off")
 
 # KEYS[1] = a dead owner's stream, KEYS[2] = the set of own streams; ARGV[1] = group.
 _DROP_IF_EMPTY = """

@@ -9,7 +9,9 @@ import sys
 
 import click
 
+from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import ROLES
+from workers.common import ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
 from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
                                 check_model, engine_options, load, model_option, redis_security_options)
 
@@ -51,11 +53,11 @@ def limit_options(f):
 
 @click.command()
 @click.argument("role", type=click.Choice(ROLES))
-@click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default="redis://127.0.0.1:6379/0",
+@click.option("--redis-url", envvar="PDQ_REDIS_URL", show_envvar=True, default=config_default("redis_url"),
               show_default=True, help="redis://[USER:PASSWORD@]HOST:PORT/DB (rediss:// for TLS); a password is "
                                       "better kept out of `ps`: --redis-password-file or PDQ_REDIS_PASSWORD.")
 @redis_security_options
-@click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default="default", show_default=True)
+@click.option("--cluster", envvar="PDQ_CLUSTER", show_envvar=True, default=config_default("cluster"), show_default=True)
 @model_option
 @engine_options
 @click.option("--policy", type=click.Choice(["prefill_first", "chunked"]), default="prefill_first",
@@ -65,18 +67,20 @@ def limit_options(f):
                    "are prefilled beside running decodes; a step then takes only the prompt tokens that fit, "
                    "except while every running request can still afford a slow gap (the engine's scheduler). "
                    "Default: none (chunks fill --max-batched-tokens).")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--max-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--transfer", type=click.Choice(["auto", "shm", "tcp", "zmq", "nixl"]), default="auto",
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=config_default("max_num_seqs", EngineConfig),
+              show_default=True)
+@click.option("--max-batched-tokens", type=click.IntRange(min=1),
+              default=config_default("max_num_batched_tokens", EngineConfig), show_default=True)
+@click.option("--transfer", type=click.Choice(TRANSFERS), default=config_default("transfer"),
               show_default=True,
               help="How KV reaches the decode side (auto: shm on the same node, else the TCP data wire, "
                    "else zmq; nixl: one-sided reads over NIXL/UCX, RDMA where the hardware has it, on "
                    "prefill and decode workers alike; needs pdqueue[rdma]).")
-@click.option("--routing", type=click.Choice(["cache", "off"]), envvar="PDQ_ROUTING", show_envvar=True,
-              default="cache", show_default=True,
+@click.option("--routing", type=click.Choice(ROUTING_MODES), envvar="PDQ_ROUTING", show_envvar=True,
+              default=config_default("routing"), show_default=True,
               help="Prefill, colocated: cache-aware routing (cache: a request goes to the worker that caches the "
                    "longest part of its prompt unless that worker is much busier; off: first come, first served).")
-@click.option("--bind", default="tcp://127.0.0.1:*", show_default=True,
+@click.option("--bind", default=config_default("bind"), show_default=True,
               help="Prefill: KV server (ZeroMQ) bind address.")
 @click.option("--data-port", type=click.IntRange(min=-1, max=65535), default=0, show_default=True,
               help="Prefill: port of the TCP data server for KV on the --bind host (0: any free port; "
@@ -85,22 +89,27 @@ def limit_options(f):
               help="Prefill: the host decode workers reach the KV server at (tickets carry it with the "
                    "bound port); 'auto' is the address this machine's hostname resolves to (a container's "
                    "own IP). Default: the bound host, or 'auto' when binding 0.0.0.0 or *.")
-@click.option("--lease-s", type=click.FloatRange(min=0.1), default=30.0, show_default=True)
-@click.option("--fetch-timeout-s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+@click.option("--lease-s", type=click.FloatRange(min=0.1), default=config_default("lease_s"), show_default=True)
+@click.option("--fetch-timeout-s", type=click.FloatRange(min=0.1), default=config_default("fetch_timeout_s"),
+              show_default=True,
               help="Decode: give up on a silent prefill peer after this long (then recompute).")
-@click.option("--heartbeat-ttl-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+@click.option("--heartbeat-ttl-s", type=click.FloatRange(min=0.5), default=config_default("heartbeat_ttl_s"),
+              show_default=True,
               help="A worker silent this long is dead; its work is taken over at once.")
-@click.option("--reclaim-idle-ms", type=click.IntRange(min=100), default=15000, show_default=True,
+@click.option("--reclaim-idle-ms", type=click.IntRange(min=100), default=config_default("reclaim_idle_ms"),
+              show_default=True,
               help="Work of a live but hung worker is taken over after this idle time.")
-@click.option("--max-step-s", type=click.FloatRange(min=0.1), default=120.0, show_default=True,
+@click.option("--max-step-s", type=click.FloatRange(min=0.1), default=config_default("max_step_s"),
+              show_default=True,
               help="A worker loop iteration (an engine step) running longer than this is taken for stuck: its "
                    "work is then taken over --reclaim-idle-ms later. Shorter steps keep their work however long "
                    "they take.")
-@click.option("--redis-gone-exit-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
+@click.option("--redis-gone-exit-s", type=click.FloatRange(min=0), default=config_default("redis_gone_exit_s"),
+              show_default=True,
               help="Exit (status 75) once Redis has been unreachable this long, freeing the KV pool and its "
                    "shared memory; what the worker held stays pending in Redis for the next worker. Outages shorter "
                    "than this (a Redis restart, a failover) are ridden out. 0: retry for ever.")
-@click.option("--migrate/--no-migrate", default=True, show_default=True,
+@click.option("--migrate/--no-migrate", default=config_default("migrate"), show_default=True,
               help="Decode, colocated: on a warm stop or a role switch, hand the running requests to a decode worker "
                    "with their KV and tokens so far (they go on token for token), instead of finishing them here. "
                    "Only while such a worker takes work; otherwise they finish here.")
@@ -133,7 +142,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
            fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, worker_id, burst,
            switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
-    from workers.common import WorkerConfig, setup_logging
+    from workers.common import setup_logging
 
     setup_logging(log_level)
     check_model(model)
