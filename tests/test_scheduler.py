@@ -286,3 +286,45 @@ def test_the_newest_background_sequence_is_preempted_first():
     batch = sch.schedule()                     # each needs a second block: one must go
     assert b1.num_preemptions == 1 and f1.num_preemptions == f2.num_preemptions == 0
     assert {s.request_id for s, _ in batch} == {"f1", "f2"}
+
+
+def test_background_sequences_take_at_most_their_slots_and_prompt_tokens_per_step():
+    from pdqueue.engine.scheduler import BACKGROUND_PROMPT_TOKENS
+
+    config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=1024, max_num_seqs=8,
+                          max_background_seqs=3)
+    sch = Scheduler(config, BlockManager(512, 4))
+    for i in range(5):
+        sch.add(bg(f"b{i}", 100))
+    batch = sch.schedule()
+    assert sum(n for _, n in batch) == BACKGROUND_PROMPT_TOKENS      # 2 of 3 prompts started, 128 tokens in all
+    assert sch.num_background <= 3
+    for _ in range(10):
+        run_step(sch.schedule())
+    assert sch.num_background == 3 and len(sch.waiting) == 2       # never more than its 3 slots
+    sch.add(seq("f", 8))
+    run_step(sch.schedule())
+    assert any(s.request_id == "f" for s in sch.running)            # a foreground request finds a slot
+
+
+def test_beside_foreground_work_background_decodes_take_turns():
+    from pdqueue.engine.scheduler import BACKGROUND_ROWS
+
+    sch, _ = make(policy="chunked", num_blocks=256, budget=512, max_seqs=16)
+    bgs = [bg(f"b{i}", 4) for i in range(2 * BACKGROUND_ROWS)]
+    for s in bgs:
+        sch.add(s)
+    for _ in range(4):
+        run_step(sch.schedule())                   # prefilled, then decoding together (nothing else runs)
+    assert all(s.num_output_tokens >= 1 for s in bgs)
+    f = seq("f", 4)
+    sch.add(f)
+    while f.num_uncomputed_tokens > 1 or f.status.value == "waiting":
+        run_step(sch.schedule())
+    counts = {s.request_id: s.num_output_tokens for s in bgs}
+    for _ in range(8):
+        batch = sch.schedule()
+        assert sum(s.background for s, _ in batch) == BACKGROUND_ROWS
+        run_step(batch)
+    grown = {s.request_id: s.num_output_tokens - counts[s.request_id] for s in bgs}
+    assert set(grown.values()) == {4}, grown        # 8 steps x 4 rows over 8 sequences: 4 tokens each

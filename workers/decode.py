@@ -126,11 +126,18 @@ class DecodeRole(Role):
             self.migrator.free_released()
             if not self.shell.accepting and self.jobs:
                 self.migrate_out()
-        started = len(self.jobs) - len(self.in_state(JobState.BACKLOG))
+        backlog = self.in_state(JobState.BACKLOG)
+        started = len(self.jobs) - len(backlog)
         idle = not self.engine.has_unfinished and not started
         if self.shell.accepting:
             room = min(READ_LIMIT, self.shell.config.engine.max_num_seqs - started)
-            if started == len(self.jobs) and room > 0 and self.engine.block_manager.num_free_blocks > 0:
+            # Read while nothing online waits in the backlog: batch jobs waiting for a batch
+            # slot (scheduler.py) do not stop online handoffs from being read, up to
+            # READ_LIMIT of them held (the rest stays in the stream for other workers).
+            batch_waiting = sum(j.handoff.request.cls is ServiceClass.BATCH for j in backlog)
+            online_waiting = len(backlog) - batch_waiting
+            if not online_waiting and batch_waiting < READ_LIMIT and room > 0 \
+                    and self.engine.block_manager.num_free_blocks > 0:
                 self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0)
         elif not self.engine.has_unfinished and not self.jobs and not self.fetcher.in_flight:
             # (a fetch of a dropped job still writes into its reserved blocks: the pool
@@ -222,7 +229,10 @@ class DecodeRole(Role):
         fetches = 0
         for job in self.in_state(JobState.BACKLOG):
             h = job.handoff
-            if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1):
+            background = h.request.cls is ServiceClass.BATCH
+            if background and not self.engine.scheduler.can_run_background():
+                continue   # batch waits for one of its own slots; the online jobs behind it go on
+            if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1, background):
                 break
             if h.request.expired(now_ms()):
                 self.answer_done(job, h.output_ids, FinishReason.EXPIRED)
@@ -234,7 +244,7 @@ class DecodeRole(Role):
                 job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
                                               block_hashes=h.ticket.get("block_hashes") or (),
                                               hash_root=h.ticket.get("hash_root") or b"",
-                                              background=h.request.cls is ServiceClass.BATCH)
+                                              background=background)
                 job.state = JobState.FETCHING
                 # Blocks whose KV this engine already caches (an earlier turn, a shared system
                 # prompt) stay; only the rest travel.

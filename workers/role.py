@@ -116,7 +116,9 @@ class RequestRole(Role):
         """Batch entries, as many as the gate lets in after the higher classes' turn: no more
         than the batch slots free now, so none waits in the engine (a request waiting there
         would stop this worker reading the higher classes' streams)."""
-        free_slots = self.engine.config.max_num_seqs - self.engine.scheduler.num_unfinished
+        scheduler = self.engine.scheduler
+        free_slots = min(self.engine.config.max_num_seqs - scheduler.num_unfinished,
+                         scheduler.max_background - scheduler.num_background)
         n = self.batch_gate.limit(waiting=self.engine.num_waiting, kv_free=self.engine.block_manager.num_free_blocks,
                                   kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
                                   batch_running=sum(a.request.cls is ServiceClass.BATCH for a in self.inflight.values()),
@@ -135,9 +137,11 @@ class RequestRole(Role):
         self.housekeeping()
         self.router.refresh()
         busy = self.engine.has_unfinished
-        if self.shell.accepting and self.engine.num_waiting == 0:
+        # Online streams are read while no online request waits in the engine (batch ones
+        # waiting there queue behind whatever this brings).
+        if self.shell.accepting and self.engine.scheduler.num_waiting_foreground == 0:
             self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS)
-            if self.engine.num_waiting == 0 and self.shell.accepting:
+            if self.engine.scheduler.num_waiting_foreground == 0 and self.shell.accepting:
                 # Entries routed to a dead worker (or, when idle, to one that lags)
                 taken = self.router.take_over(self.read_limit(), idle=not self.engine.has_unfinished)
                 if taken:

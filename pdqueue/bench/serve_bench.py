@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from pdqueue.bench.serve_batch import BatchBeside
 from pdqueue.bench.serve_client import OpenAIClient, Record, run_requests, send_one
 from pdqueue.bench.serve_load import Planned, Settings, plan_phases, plan_prefix_requests, plan_requests, warmup_requests
 from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
@@ -161,10 +162,23 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 planner = plan_prefix_requests if settings.workload_kind == "prefix" else plan_requests
                 plan = planner(settings, rate, settings.requests_at(rate))
                 task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
+                batch = None
+                if settings.batch_lines and mode != "openai":
+                    batch = BatchBeside(url, cluster, settings, rate)
+                    await batch.start(client)
+                    progress(f"{mode} @ {rate:g} req/s: {settings.batch_lines} batch-class requests queued")
+                started = time.time()
                 records = await run_requests(client, plan, settings.drain_timeout_s,
                                              on_done=lambda: bar.advance(task), log=progress)
                 by_rate[rate_key(rate)], raw[rate_key(rate)] = metrics(records, rate, settings)
                 by_rate[rate_key(rate)]["records"] = records
+                if batch is not None:
+                    ended = max([r.finished for r in records if r.finished is not None] or [time.perf_counter()])
+                    # Record times are perf_counter; the batch's are unix: the window's end in unix time.
+                    window_end = time.time() - (time.perf_counter() - ended)
+                    online_tok_s = sum(len(r.token_times) for r in records) / max(1e-3, window_end - started)
+                    by_rate[rate_key(rate)]["batch"] = await batch.finish(started, window_end, online_tok_s,
+                                                                           settings.drain_timeout_s * 3)
     return by_rate, raw
 
 

@@ -88,6 +88,8 @@ class Settings:
     openai_url: str | None = None      # drive this OpenAI-compatible server instead of starting workers
     openai_model: str | None = None    # its model (default: the first of GET /v1/models)
     api_key: str | None = None
+    batch_lines: int = 0               # batch-class requests queued at each rate's start (serve_batch.py)
+    batch_max_tokens: int = 32
 
     @classmethod
     def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,

@@ -10,7 +10,7 @@ from pdqueue.bench.serve_client import Record
 from pdqueue.bench.serve_load import (ASSISTANT_LEN, CONVERSATIONS, MAX_TURNS, SYSTEM_LEN, SYSTEM_PROMPTS,
                                       USER_LEN, Settings)
 from pdqueue.bench.serve_modes import PREFIX_MODES
-from pdqueue.bench.stats import gaps, meets_slo, summary
+from pdqueue.bench.stats import gaps, meets_slo, percentile, summary
 
 
 def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dict, dict]:
@@ -49,7 +49,9 @@ def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dic
     figures["prefix_cache_hit_rate"] = cached / prompt_tokens if prompt_tokens else 0.0      # prefill side
     figures["decode_kv_reuse_rate"] = reused / prompt_tokens if prompt_tokens else 0.0      # KV not fetched
     figures["tbt_p99_over_p50"] = figures["tbt_ms"]["p99"] / figures["tbt_ms"]["p50"] if tbt else None
-    return figures, {"ttft_ms": ttft, "tbt_ms": tbt}
+    # per request (aligned with ttft_ms): the p90 of its gaps, so another SLO set can be judged later
+    p90_gap = [percentile(g, 90) if g else 0.0 for g in per_request_gaps]
+    return figures, {"ttft_ms": ttft, "tbt_ms": tbt, "p90_gap_ms": p90_gap, "requests": len(records)}
 
 
 

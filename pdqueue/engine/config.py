@@ -49,6 +49,9 @@ class EngineConfig:
     # should keep at its ``tbt_percentile``-th percentile; None: chunks fill the token budget.
     tbt_slo_ms: float | None = None
     tbt_percentile: int = 90
+    # Background (batch-class) sequences admitted at once (scheduler.py); None: 3/4 of
+    # max_num_seqs, so that online requests always find a slot.
+    max_background_seqs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))
@@ -66,6 +69,8 @@ class EngineConfig:
             raise ValueError("a TBT target (tbt_slo_ms, --tbt-slo-ms) needs the chunked policy (--policy chunked)")
         if not 0 < self.tbt_percentile <= 100:
             raise ValueError(f"tbt_percentile must be in (0, 100], got {self.tbt_percentile}")
+        if self.max_background_seqs is not None and not 0 <= self.max_background_seqs <= self.max_num_seqs:
+            raise ValueError(f"max_background_seqs must be in [0, max_num_seqs], got {self.max_background_seqs}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and self.kv_cache_mb < 1:
@@ -104,6 +109,13 @@ class EngineConfig:
         return (f"the KV pool ({self.kv_cache_mb} MiB) holds {tokens} tokens of {model_config.name} in "
                 f"{self.dtype}, less than its {context}-token context: longer requests are refused "
                 f"(>= {self.kv_mb_for(model_config, context)} MiB holds one full-length sequence)")
+
+    @property
+    def background_seqs(self) -> int:
+        """How many background (batch-class) sequences may hold a batch slot at once."""
+        if self.max_background_seqs is not None:
+            return self.max_background_seqs
+        return max(1, self.max_num_seqs * 3 // 4)
 
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)

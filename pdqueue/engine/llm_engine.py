@@ -162,8 +162,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def can_reserve(self, num_tokens: int) -> bool:
+    def can_reserve(self, num_tokens: int, background: bool = False) -> bool:
+        """Whether ``reserve`` has a slot and the blocks (a background sequence, one of its
+        own slots: scheduler.py)."""
         return (len(self.scheduler.running) < self.config.max_num_seqs
+                and (not background or self.scheduler.can_run_background())
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -177,7 +180,7 @@ class LLMEngine:
         the caller copies KV into the blocks after those only (fresh ones; a cached block
         is never rewritten)."""
         seq = Sequence(request_id, prompt_ids, params, output_ids, background=background)
-        if not self.can_reserve(seq.num_tokens):
+        if not self.can_reserve(seq.num_tokens, background):
             raise RuntimeError("reserve without can_reserve")
         hits = self.block_manager.allocate_known(seq, list(block_hashes),
                                                  same_root=bool(hash_root) and hash_root == self.block_manager.root)

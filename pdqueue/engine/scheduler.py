@@ -25,11 +25,19 @@ When the pool runs out of blocks the newest running sequence is preempted by rec
 blocks are freed and it goes back to the front of the waiting queue with its generated
 tokens, to be prefilled again (from its own blocks, if the prefix cache still has them).
 
-**Background sequences** (the batch service class, ``Sequence.background``) yield to the
-others: a foreground prompt waits ahead of every background one; while foreground prompt
-tokens wait to be computed, background decodes are paused (their KV stays: nothing is
-recomputed), except every ``BACKGROUND_EVERY``-th step, so they never starve; and the
-newest background sequence is preempted before any foreground one.
+**Background sequences** (the batch service class, ``Sequence.background``) take only what
+the others leave, and give it back at the next step:
+
+- slots: at most ``EngineConfig.background_seqs`` of them run at once (3/4 of the slots by
+  default), so an online request always finds one; a foreground prompt waits ahead of every
+  background one;
+- prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's (a step of batch prompts
+  is short, so an online request that arrives during it waits little);
+- decode rows: while foreground sequences run or wait, at most ``BACKGROUND_ROWS`` background
+  decodes per step, in turn; while foreground prompt tokens wait to be computed, none,
+  except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode keeps its
+  KV: nothing is recomputed;
+- preemption: the newest background sequence goes before any foreground one.
 
 Admission asks the block manager how much of a waiting sequence's prefix is cached: only
 the rest counts against the token budget and is computed.
@@ -51,6 +59,8 @@ ScheduledBatch = list[tuple[Sequence, int]]
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
 BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
+BACKGROUND_ROWS = 4   # background decodes per step beside foreground sequences
+BACKGROUND_PROMPT_TOKENS = 128   # background prompt tokens per step
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -81,6 +91,9 @@ class Scheduler:
         self.cost = StepCostModel()
         self.num_budgeted_steps = 0   # steps whose prompt chunks the TBT budget cut
         self.num_paused_steps = 0     # steps in a row that paused the background decodes
+        self.max_background = config.background_seqs
+        self._background_turn = 0     # which background decodes run beside foreground ones (in turn)
+        self._background_tokens = 0   # background prompt tokens left in the step being scheduled
 
     @property
     def num_unfinished(self) -> int:
@@ -107,7 +120,21 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    @property
+    def num_background(self) -> int:
+        """Background sequences holding a slot (running, preempted ones not counted)."""
+        return sum(s.background for s in self.running)
+
+    @property
+    def num_waiting_foreground(self) -> int:
+        return sum(not s.background for s in self.waiting)
+
+    def can_run_background(self) -> bool:
+        """Whether one more background sequence may take a slot now."""
+        return self.num_background < self.max_background
+
     def schedule(self) -> ScheduledBatch:
+        self._background_tokens = BACKGROUND_PROMPT_TOKENS
         if self.policy == PrefillPolicy.PREFILL_FIRST:
             return self._admit(self.max_num_batched_tokens, whole_prompts=True) or self._decode_all()
         batch = self._decode_all()
@@ -117,6 +144,11 @@ class Scheduler:
                 break
             if seq.num_uncomputed_tokens > 1:
                 num_new = min(seq.num_uncomputed_tokens, budget)
+                if seq.background:
+                    num_new = min(num_new, self._background_tokens)
+                    if num_new <= 0:
+                        continue
+                    self._background_tokens -= num_new
                 batch.append((seq, num_new))
                 budget -= num_new
         return batch + self._admit(budget, whole_prompts=False)
@@ -155,6 +187,11 @@ class Scheduler:
             num_new = seq.num_uncomputed_tokens - self.block_manager.num_hit_tokens(seq)
             if whole_prompts and batch and num_new > budget:
                 break  # the first prompt may exceed the budget; later ones wait
+            # Background prompts queue behind every foreground one, so from here on the
+            # queue is background: each takes a slot of its own and BACKGROUND_PROMPT_TOKENS.
+            if seq.background and (not self.can_run_background() or self._background_tokens <= 0
+                                   or whole_prompts and batch and num_new > self._background_tokens):
+                break
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
@@ -163,21 +200,29 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if not whole_prompts:
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, self._background_tokens if seq.background else budget)
+            if seq.background:
+                self._background_tokens -= num_new
             batch.append((seq, num_new))
             budget -= num_new
         return batch
 
-    def _pause_background(self) -> bool:
-        """Whether this step leaves the background decodes out: foreground prompt tokens wait,
-        and fewer than ``BACKGROUND_EVERY - 1`` steps in a row paused them."""
-        pending = any(not s.background for s in self.waiting) or any(
+    def _background_rows(self) -> int | None:
+        """How many background decodes this step takes: 0 while foreground prompt tokens
+        wait to be computed (but every ``BACKGROUND_EVERY``-th step), ``BACKGROUND_ROWS``
+        while foreground sequences run or wait, else all (None)."""
+        if not any(s.background for s in self.running):
+            return None
+        foreground_waiting = any(not s.background for s in self.waiting)
+        prompt_pending = foreground_waiting or any(
             not s.background and s.num_uncomputed_tokens > 1 for s in self.running)
-        if pending and self.num_paused_steps < BACKGROUND_EVERY - 1 and any(s.background for s in self.running):
+        if prompt_pending and self.num_paused_steps < BACKGROUND_EVERY - 1:
             self.num_paused_steps += 1
-            return True
+            return 0
         self.num_paused_steps = 0
-        return False
+        if foreground_waiting or any(not s.background for s in self.running):
+            return BACKGROUND_ROWS
+        return None
 
     def _victim(self) -> Sequence:
         """The sequence to preempt: the newest background one, else the newest."""
@@ -188,11 +233,18 @@ class Scheduler:
 
     def _decode_all(self) -> ScheduledBatch:
         batch: ScheduledBatch = []
-        pause = self._pause_background()
+        rows = self._background_rows()
+        chosen = None
+        if rows is not None:   # which background decodes run: ``rows`` of them, in turn
+            ready = [s for s in self.running if s.background and s.num_uncomputed_tokens == 1]
+            if ready:
+                start = self._background_turn % len(ready)
+                chosen = {id(s) for s in (ready[start:] + ready[:start])[:rows]}
+                self._background_turn = start + rows
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below, or still prefilling in chunks
-            if pause and seq.background:
+            if seq.background and chosen is not None and id(seq) not in chosen:
                 continue  # paused: its KV stays, it decodes in a later step
             while not self.block_manager.can_append(seq):
                 victim = self._victim()

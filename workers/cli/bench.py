@@ -331,6 +331,12 @@ def _write_partial(out: str, partial: dict) -> None:
               help="Requests sent (and not counted) before each mode's first rate.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
+@click.option("--batch-lines", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Batch-class requests queued at the start of each rate, beside the online load; the figures "
+                   "say how many were answered during the online load and what share of the capacity it left "
+                   "they used (pdqueue/bench/serve_batch.py).")
+@click.option("--batch-max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Output tokens of each --batch-lines request.")
 @click.option("--openai-url", default=None,
               help="Send the load to this OpenAI-compatible server (e.g. http://127.0.0.1:8000, pdqueue's gateway "
                    "or another engine) instead of starting workers; --modes is then ignored.")
@@ -339,8 +345,8 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
-                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, openai_url, openai_model, api_key,
-                as_json, out):
+                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, batch_lines, batch_max_tokens,
+                openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
     with --openai-url, the same load against any OpenAI-compatible server."""
@@ -365,7 +371,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
-        openai_model=openai_model, api_key=api_key, workload_kind=workload,
+        openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
+        batch_max_tokens=batch_max_tokens,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
