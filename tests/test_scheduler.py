@@ -272,17 +272,39 @@ def test_background_decodes_run_beside_foreground_decodes():
     sch, _ = make(policy="chunked", num_blocks=64)
     b, f = bg("b", 4), seq("f", 4)
     sch.add(b)
-    sch.add(f)
     run_step(sch.schedule())
-    assert {s.request_id for s, n in sch.schedule()} == {"b", "f"}   # nothing waits: nobody pauses
+    sch.add(f)
+    run_step(sch.schedule())                  # f's prompt (b sits it out)
+    assert {s.request_id for s, n in sch.schedule()} == {"b", "f"}   # no prompt waits: both decode
+
+
+def test_background_prompts_beside_foreground_work_get_a_small_share():
+    from pdqueue.engine.scheduler import BACKGROUND_EVERY, BACKGROUND_PROMPT_TOKENS_BESIDE
+
+    sch, _ = make(policy="chunked", num_blocks=256, budget=512)
+    f = seq("f", 4)
+    sch.add(f)
+    run_step(sch.schedule())                  # f decodes from now on
+    sch.add(bg("b", 200))
+    taken = []
+    for _ in range(2 * BACKGROUND_EVERY):
+        batch = sch.schedule()
+        taken.append(sum(n for s, n in batch if s.background))
+        run_step(batch)
+    # one step in BACKGROUND_EVERY takes a small share, the others none
+    given = [i for i, t in enumerate(taken) if t]
+    assert len(given) == 2 and given[1] - given[0] == BACKGROUND_EVERY, taken
+    assert all(taken[i] == BACKGROUND_PROMPT_TOKENS_BESIDE for i in given), taken
 
 
 def test_the_newest_background_sequence_is_preempted_first():
-    sch, bm = make(policy="prefill_first", num_blocks=4, block_size=4, budget=64)
+    sch, bm = make(policy="prefill_first", num_blocks=5, block_size=4, budget=64)
     f1, b1, f2 = seq("f1", 4), bg("b1", 4), seq("f2", 4)
-    for s in (f1, f2, b1):
-        sch.add(s)
-    run_step(sch.schedule())                   # three prompts, three full blocks; one block free
+    sch.add(b1)
+    run_step(sch.schedule())                   # b1 alone
+    sch.add(f1)
+    sch.add(f2)
+    run_step(sch.schedule())                   # f1, f2: three full blocks in all, two free
     batch = sch.schedule()                     # each needs a second block: one must go
     assert b1.num_preemptions == 1 and f1.num_preemptions == f2.num_preemptions == 0
     assert {s.request_id for s, _ in batch} == {"f1", "f2"}

@@ -31,8 +31,12 @@ the others leave, and give it back at the next step:
 - slots: at most ``EngineConfig.background_seqs`` of them run at once (3/4 of the slots by
   default), so an online request always finds one; a foreground prompt waits ahead of every
   background one;
-- prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's (a step of batch prompts
-  is short, so an online request that arrives during it waits little);
+- prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's while no foreground
+  sequence runs or waits (a step of batch prompts is short, so an online request that
+  arrives during it waits little); beside foreground sequences, only in every
+  ``BACKGROUND_EVERY``-th step and at most ``BACKGROUND_PROMPT_TOKENS_BESIDE`` (a prompt
+  token costs about as much as a decode row: 128 of them beside running decodes would
+  stretch their gap several times);
 - decode rows: while foreground sequences run or wait, at most ``BACKGROUND_ROWS`` background
   decodes per step, in turn; while foreground prompt tokens wait to be computed, none,
   except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode keeps its
@@ -60,7 +64,8 @@ MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT bu
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
 BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
 BACKGROUND_ROWS = 4   # background decodes per step beside foreground sequences
-BACKGROUND_PROMPT_TOKENS = 128   # background prompt tokens per step
+BACKGROUND_PROMPT_TOKENS = 128   # background prompt tokens per step, nothing else running
+BACKGROUND_PROMPT_TOKENS_BESIDE = 32   # ... beside foreground sequences (every BACKGROUND_EVERY-th step)
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -94,6 +99,7 @@ class Scheduler:
         self.max_background = config.background_seqs
         self._background_turn = 0     # which background decodes run beside foreground ones (in turn)
         self._background_tokens = 0   # background prompt tokens left in the step being scheduled
+        self._beside_steps = 0        # steps in a row with foreground sequences in the engine
 
     @property
     def num_unfinished(self) -> int:
@@ -134,7 +140,7 @@ class Scheduler:
         return self.num_background < self.max_background
 
     def schedule(self) -> ScheduledBatch:
-        self._background_tokens = BACKGROUND_PROMPT_TOKENS
+        self._background_tokens = self._background_prompt_tokens()
         if self.policy == PrefillPolicy.PREFILL_FIRST:
             return self._admit(self.max_num_batched_tokens, whole_prompts=True) or self._decode_all()
         batch = self._decode_all()
@@ -207,6 +213,14 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _background_prompt_tokens(self) -> int:
+        """Background prompt tokens this step may take (see the module docstring)."""
+        if not any(not s.background for s in self.running) and not any(not s.background for s in self.waiting):
+            self._beside_steps = 0
+            return BACKGROUND_PROMPT_TOKENS
+        self._beside_steps += 1
+        return BACKGROUND_PROMPT_TOKENS_BESIDE if self._beside_steps % BACKGROUND_EVERY == 0 else 0
+
     def _background_rows(self) -> int | None:
         """How many background decodes this step takes: 0 while foreground prompt tokens
         wait to be computed (but every ``BACKGROUND_EVERY``-th step), ``BACKGROUND_ROWS``
@@ -249,6 +263,8 @@ class Scheduler:
             while not self.block_manager.can_append(seq):
                 victim = self._victim()
                 self._preempt(victim)
+                # (a background victim may already be in this step: it leaves it)
+                batch = [(s, n) for s, n in batch if s is not victim]
                 if victim is seq:
                     break
             else:
