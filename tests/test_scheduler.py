@@ -344,9 +344,10 @@ def test_beside_foreground_work_background_decodes_take_turns():
     while f.num_uncomputed_tokens > 1 or f.status.value == "waiting":
         run_step(sch.schedule())
     counts = {s.request_id: s.num_output_tokens for s in bgs}
-    for _ in range(8):
+    steps = 2 * len(bgs)
+    for _ in range(steps):
         batch = sch.schedule()
         assert sum(s.background for s, _ in batch) == BACKGROUND_ROWS
         run_step(batch)
     grown = {s.request_id: s.num_output_tokens - counts[s.request_id] for s in bgs}
-    assert set(grown.values()) == {4}, grown        # 8 steps x 4 rows over 8 sequences: 4 tokens each
+    assert set(grown.values()) == {steps * BACKGROUND_ROWS // len(bgs)}, grown   # in turn: as many each

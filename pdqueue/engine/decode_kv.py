@@ -16,7 +16,9 @@ A copy is used only while it follows its sequence step by step: it is built for 
 whose copy is missing or does not hold exactly the tokens before this step's, and dropped
 when the sequence finishes or is aborted (``release``, from the engine), or is in a step
 that is not a pure decode step (a prefill, a recompute after preemption, a chunk beside
-prefills) or in no step at all (preempted).
+prefills) or in no step at all (preempted), unless the engine names it ``paused``: a
+background decode that sits steps out (scheduler.py) keeps its copy, which still holds
+exactly its context, since nothing wrote its KV meanwhile.
 Copies take at most ``budget_bytes`` (the pool's size by default: they never hold more
 tokens than the pool does, plus growth room); a step whose copies would not fit gathers.
 
@@ -50,11 +52,13 @@ class DecodeKV:
         return sum(t.numel() * t.element_size() for _, t, _ in self._copies.values())
 
     def prepare(self, seqs: list, context_lens: list[int], block_tables: list[torch.Tensor],
-                is_decode: bool) -> list[torch.Tensor] | None:
+                is_decode: bool, paused: tuple = ()) -> list[torch.Tensor] | None:
         """Before a step's forward: each sequence's copy, holding its ``context_len - 1``
         tokens before this step's one, or None (gather) when this is not a pure decode step
-        or the copies would not fit the budget."""
+        or the copies would not fit the budget. ``paused``: running sequences not in this
+        step whose copies stay."""
         keep = {id(s) for s in seqs} if is_decode else set()
+        keep.update(id(s) for s in paused)
         for key in [k for k in self._copies if k not in keep]:
             del self._copies[key]
         if not is_decode:

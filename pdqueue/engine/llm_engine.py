@@ -246,7 +246,7 @@ class LLMEngine:
         if not batch:
             return []
         started = time.perf_counter()
-        logits, sample_seqs = self.runner.run(batch)
+        logits, sample_seqs = self.runner.run(batch, self.scheduler.paused(batch))
         for seq, num_new in batch:
             seq.num_cached_tokens += num_new
             self.block_manager.cache_computed(seq)

@@ -32,8 +32,10 @@ class ModelRunner:
         self.decode_kv = DecodeKV(kv_cache, block_size) if decode_kv else None
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run one step; returns (float32 logits [R, vocab] on CPU, the R sequences they belong to)."""
+    def run(self, batch: list[tuple[Sequence, int]],
+            paused: tuple = ()) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run one step; returns (float32 logits [R, vocab] on CPU, the R sequences they belong to).
+        ``paused``: decodes that sit this step out and keep their K/V copies (decode_kv.py)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -65,7 +67,7 @@ class ModelRunner:
         )
         seqs = [seq for seq, _ in batch]
         if self.decode_kv is not None:
-            attn.decode_kv = self.decode_kv.prepare(seqs, context_lens, attn.block_tables, attn.is_decode)
+            attn.decode_kv = self.decode_kv.prepare(seqs, context_lens, attn.block_tables, attn.is_decode, paused)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

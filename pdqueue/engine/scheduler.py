@@ -34,9 +34,8 @@ the others leave, and give it back at the next step:
 - prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's while no foreground
   sequence runs or waits (a step of batch prompts is short, so an online request that
   arrives during it waits little); beside foreground sequences, only in every
-  ``BACKGROUND_EVERY``-th step and at most ``BACKGROUND_PROMPT_TOKENS_BESIDE`` (a prompt
-  token costs about as much as a decode row: 128 of them beside running decodes would
-  stretch their gap several times);
+  ``BACKGROUND_EVERY``-th step and at most ``BACKGROUND_PROMPT_TOKENS_BESIDE`` (measured: 128 of
+  them beside running decodes stretched their gap several times);
 - decode rows: while foreground sequences run or wait, at most ``BACKGROUND_ROWS`` background
   decodes per step, in turn; while foreground prompt tokens wait to be computed, none,
   except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode keeps its
@@ -63,9 +62,13 @@ ScheduledBatch = list[tuple[Sequence, int]]
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
 BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
-BACKGROUND_ROWS = 4   # background decodes per step beside foreground sequences
-BACKGROUND_PROMPT_TOKENS = 128   # background prompt tokens per step, nothing else running
-BACKGROUND_PROMPT_TOKENS_BESIDE = 32   # ... beside foreground sequences (every BACKGROUND_EVERY-th step)
+# What background work may add to a step. Measured on SmolLM2 int4, one thread: a decode row
+# costs ~7 ms and a prompt token ~2 ms beside a ~31 ms step of one decode, so beside online
+# decodes background gets one row a step and a few prompt tokens every BACKGROUND_EVERY-th
+# step; alone, steps of at most ~150-200 ms (an online request arriving then waits half that).
+BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences
+BACKGROUND_PROMPT_TOKENS = 64   # background prompt tokens per step, nothing else running
+BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (every BACKGROUND_EVERY-th step)
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -212,6 +215,14 @@ class Scheduler:
             batch.append((seq, num_new))
             budget -= num_new
         return batch
+
+    def paused(self, batch: ScheduledBatch) -> tuple[Sequence, ...]:
+        """Background decodes that sit this step out (running, between two decode steps)."""
+        if not any(s.background for s in self.running):
+            return ()
+        stepping = {id(s) for s, _ in batch}
+        return tuple(s for s in self.running if s.background and s.status == SequenceStatus.RUNNING
+                     and s.num_uncomputed_tokens == 1 and id(s) not in stepping)
 
     def _background_prompt_tokens(self) -> int:
         """Background prompt tokens this step may take (see the module docstring)."""
