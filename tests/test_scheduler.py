@@ -310,6 +310,17 @@ def test_the_newest_background_sequence_is_preempted_first():
     assert {s.request_id for s, _ in batch} == {"f1", "f2"}
 
 
+def test_a_preempted_background_sequence_waits_behind_the_foreground_prompts():
+    sch, bm = make(policy="chunked", num_blocks=64, budget=64)
+    b = bg("b", 4)
+    sch.add(b)
+    run_step(sch.schedule())
+    f = seq("f", 4)
+    sch.add(f)
+    sch._preempt(b)                             # as the pool running out does
+    assert list(sch.waiting) == [f, b]          # a foreground prompt is never stuck behind it
+
+
 def test_background_sequences_take_at_most_their_slots_and_prompt_tokens_per_step():
     from pdqueue.engine.scheduler import BACKGROUND_PROMPT_TOKENS
 

@@ -289,4 +289,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if seq.background:   # first of the background ones, still behind every foreground prompt
+            i = next((i for i, other in enumerate(self.waiting) if other.background), len(self.waiting))
+            self.waiting.insert(i, seq)
+        else:
+            self.waiting.appendleft(seq)
