@@ -72,6 +72,13 @@ class DecodeKV:
                     del self._copies[id(seq)]
                 missing.append(i)
                 need += self._capacity(ctx) * self.bytes_per_token
+        if need > self.budget_bytes:   # paused sequences' copies go first (rebuilt when they run)
+            stepping = {id(s) for s in seqs}
+            for key in [k for k in self._copies if k not in stepping]:
+                need -= self._copies[key][1].numel() * self._copies[key][1].element_size()
+                del self._copies[key]
+                if need <= self.budget_bytes:
+                    break
         if need > self.budget_bytes:
             self._copies.clear()
             return None
