@@ -33,9 +33,10 @@ the others leave, and give it back at the next step:
   background one;
 - prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's while no foreground
   sequence runs or waits (a step of batch prompts is short, so an online request that
-  arrives during it waits little); beside foreground sequences, only in every
-  ``BACKGROUND_EVERY``-th step and at most ``BACKGROUND_PROMPT_TOKENS_BESIDE`` (measured: 128 of
-  them beside running decodes stretched their gap several times);
+  arrives during it waits little); beside foreground sequences, at most
+  ``BACKGROUND_PROMPT_TOKENS_BESIDE``, and only in steps that compute foreground prompt
+  tokens anyway: any prompt token in a step of decodes makes it a mixed step, which gathers
+  every row's K/V (decode_kv.py);
 - decode rows: while foreground sequences run or wait, at most ``BACKGROUND_ROWS`` background
   decodes per step, in turn; while foreground prompt tokens wait to be computed, none,
   except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode keeps its
@@ -64,11 +65,11 @@ STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and 
 BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
 # What background work may add to a step. Measured on SmolLM2 int4, one thread: a decode row
 # costs ~7 ms and a prompt token ~2 ms beside a ~31 ms step of one decode, so beside online
-# decodes background gets one row a step and a few prompt tokens every BACKGROUND_EVERY-th
-# step; alone, steps of at most ~150-200 ms (an online request arriving then waits half that).
+# decodes background gets one row a step and a few prompt tokens in the steps that prefill
+# online prompts; alone, steps of at most ~150-200 ms (an online request then waits half that).
 BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences
 BACKGROUND_PROMPT_TOKENS = 64   # background prompt tokens per step, nothing else running
-BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (every BACKGROUND_EVERY-th step)
+BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (in steps with foreground prompt tokens)
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -102,7 +103,6 @@ class Scheduler:
         self.max_background = config.background_seqs
         self._background_turn = 0     # which background decodes run beside foreground ones (in turn)
         self._background_tokens = 0   # background prompt tokens left in the step being scheduled
-        self._beside_steps = 0        # steps in a row with foreground sequences in the engine
 
     @property
     def num_unfinished(self) -> int:
@@ -143,12 +143,36 @@ class Scheduler:
         return self.num_background < self.max_background
 
     def schedule(self) -> ScheduledBatch:
-        self._background_tokens = self._background_prompt_tokens()
+        alone = not any(not s.background for s in self.running) and not any(not s.background for s in self.waiting)
+        self._background_tokens = BACKGROUND_PROMPT_TOKENS if alone else 0
         if self.policy == PrefillPolicy.PREFILL_FIRST:
-            return self._admit(self.max_num_batched_tokens, whole_prompts=True) or self._decode_all()
+            batch = self._admit(self.max_num_batched_tokens, whole_prompts=True)
+            if batch and not alone and self.waiting and self.waiting[0].background:
+                # a prefill step anyway: background prompts may ride along
+                self._background_tokens = BACKGROUND_PROMPT_TOKENS_BESIDE
+                batch += self._admit(self.max_num_batched_tokens - sum(n for _, n in batch), whole_prompts=True)
+            return batch or self._decode_all()
         batch = self._decode_all()
-        budget = self._prompt_budget(batch)
-        for seq in self.running:  # continue prompts already being prefilled in chunks
+        budget = self._continue_prompts(batch, self._prompt_budget(batch))
+        admitted = self._admit(budget, whole_prompts=False)
+        batch += admitted
+        budget -= sum(n for _, n in admitted)
+        if not alone and budget > 0 and any(not s.background and n > 1 for s, n in batch):
+            # Foreground prompt tokens make this a mixed step anyway (no DecodeKV copies, see
+            # decode_kv.py): background prompts may ride along. In a pure decode step they
+            # would not: that step would gather every row's K/V instead (measured: 16 batch
+            # prompt tokens took a step of 5 chat decodes from ~60 to ~140 ms).
+            self._background_tokens = BACKGROUND_PROMPT_TOKENS_BESIDE
+            stepping = {id(s) for s, _ in batch}
+            extra: ScheduledBatch = []
+            budget = self._continue_prompts(extra, budget, only=[s for s in self.running if id(s) not in stepping])
+            batch += extra + self._admit(budget, whole_prompts=False)
+        return batch
+
+    def _continue_prompts(self, batch: ScheduledBatch, budget: int, only=None) -> int:
+        """Continue prompts already being prefilled in chunks (of ``only``, else every
+        running sequence); returns the budget left."""
+        for seq in self.running if only is None else only:
             if budget <= 0:
                 break
             if seq.num_uncomputed_tokens > 1:
@@ -160,7 +184,7 @@ class Scheduler:
                     self._background_tokens -= num_new
                 batch.append((seq, num_new))
                 budget -= num_new
-        return batch + self._admit(budget, whole_prompts=False)
+        return budget
 
     def _prompt_budget(self, decodes: ScheduledBatch) -> int:
         """Prompt tokens this step may take beside ``decodes`` (see the TBT budget above)."""
@@ -223,14 +247,6 @@ class Scheduler:
         stepping = {id(s) for s, _ in batch}
         return tuple(s for s in self.running if s.background and s.status == SequenceStatus.RUNNING
                      and s.num_uncomputed_tokens == 1 and id(s) not in stepping)
-
-    def _background_prompt_tokens(self) -> int:
-        """Background prompt tokens this step may take (see the module docstring)."""
-        if not any(not s.background for s in self.running) and not any(not s.background for s in self.waiting):
-            self._beside_steps = 0
-            return BACKGROUND_PROMPT_TOKENS
-        self._beside_steps += 1
-        return BACKGROUND_PROMPT_TOKENS_BESIDE if self._beside_steps % BACKGROUND_EVERY == 0 else 0
 
     def _background_rows(self) -> int | None:
         """How many background decodes this step takes: 0 while foreground prompt tokens
