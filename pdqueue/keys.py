@@ -91,7 +91,7 @@ class Keys:
         """The stream a producer writes a request of ``service_class`` to (the protocol's
         ``Request.cls``: interactive, standard or batch)."""
         return {"interactive": self.requests_high, "standard": self.requests,
-                "batch": self.requests_batch}[str(getattr(service_class, "value", service_class))]
+                "batch": self.requests_batch}[service_class]
 
     def requests_for(self, worker_id: str) -> str:
         """One prefill (or colocated) worker's own request stream: requests routed to it

@@ -4,6 +4,7 @@ class goes to, the batch gate's policy (pure), and a real cluster where batch yi
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
@@ -112,3 +113,20 @@ def test_interactive_requests_start_before_batch_work_queued_ahead_of_them(clust
     assert max(started[NUM_BATCH:]) <= batch_starts[SLOTS], (started[NUM_BATCH:], batch_starts)
     done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(Keys().done))
     assert all(done[h.request_id] == 1 for h in handles), done
+
+
+def test_a_classed_request_past_its_deadline_is_refused_and_an_old_one_expires(cluster):
+    """Both wait past their deadline with no worker; a worker then reads them: the one that
+    names a class gets the error deadline_exceeded, the one without (an old producer) the
+    done entry with finish_reason expired, as before."""
+    from pdqueue.client import RequestFailed
+
+    client = Client(cluster.redis_url)
+    classed = client.submit("too late", max_tokens=4, deadline_ms=50, service_class="standard")
+    old = client.submit("too late", max_tokens=4, deadline_ms=50)
+    time.sleep(0.2)
+    cluster.start("colocated", *FAST, worker_id="c0")
+    with pytest.raises(RequestFailed) as failed:
+        classed.result(timeout=120)
+    assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
+    assert old.result(timeout=120).finish_reason == "expired"

@@ -1,7 +1,8 @@
 """Admission of the batch class: only into the capacity the higher classes leave.
 
 A request role reads ``requests:high`` (interactive), its own stream and ``requests``
-(standard) every turn; ``requests:batch`` only when ``BatchGate.open`` says so:
+(standard) every turn; ``requests:batch`` only as many entries as ``BatchGate.limit`` gives
+(the role asks for no more than the engine's free batch slots, ``EngineConfig.background_seqs``):
 
 - no higher-class work waiting in the engine (a waiting request is one not yet admitted to
   a step: batch must not take the slot or the KV it would get);

@@ -41,8 +41,7 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, ServiceClass, decode_handoff,
-                              encode_handoff)
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -134,7 +133,7 @@ class DecodeRole(Role):
             # Read while nothing online waits in the backlog: batch jobs waiting for a batch
             # slot (scheduler.py) do not stop online handoffs from being read, up to
             # READ_LIMIT of them held (the rest stays in the stream for other workers).
-            batch_waiting = sum(j.handoff.request.cls is ServiceClass.BATCH for j in backlog)
+            batch_waiting = sum(j.handoff.request.background for j in backlog)
             online_waiting = len(backlog) - batch_waiting
             if not online_waiting and batch_waiting < READ_LIMIT and room > 0 \
                     and self.engine.block_manager.num_free_blocks > 0:
@@ -229,7 +228,7 @@ class DecodeRole(Role):
         fetches = 0
         for job in self.in_state(JobState.BACKLOG):
             h = job.handoff
-            background = h.request.cls is ServiceClass.BATCH
+            background = h.request.background
             if background and not self.engine.scheduler.can_run_background():
                 continue   # batch waits for one of its own slots; the online jobs behind it go on
             if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1, background):
@@ -302,7 +301,7 @@ class DecodeRole(Role):
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids,
-                                background=h.request.cls is ServiceClass.BATCH)
+                                background=h.request.background)
 
     # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:

@@ -35,8 +35,7 @@ import redis
 
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Limits, Request, RequestError, ServiceClass,
-                              parse_request)
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Limits, Request, RequestError, parse_request
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms
@@ -87,11 +86,10 @@ class Intake:
                 unit.reject(stream, entry_id, fields, None,
                             f"request id {req.id!r} was already taken by another entry", ErrorCode.DUPLICATE)
                 return None
-            if req.expired(read_ms) and req.service_class is not None:
-                # A producer that names a class is told plainly that it came too late.
-                raise RequestError(f"deadline passed {read_ms - req.deadline_at_ms:.0f} ms before it could start",
-                                   req.id, ErrorCode.DEADLINE_EXCEEDED)
             if req.expired(read_ms):
+                if req.service_class is not None:   # a producer that names a class is told it came too late
+                    raise RequestError(f"deadline passed {read_ms - req.deadline_at_ms:.0f} ms before it could start",
+                                       req.id, ErrorCode.DEADLINE_EXCEEDED)
                 self.finish_early(unit, stream, entry_id, req, FinishReason.EXPIRED)
                 return None
             if cancelled:
@@ -109,7 +107,7 @@ class Intake:
                     return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             params = SamplingParams.for_request(req, seed)
-            engine.add_request(req.id, prompt_ids, params, background=req.cls is ServiceClass.BATCH)
+            engine.add_request(req.id, prompt_ids, params, background=req.background)
             return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)
         except RequestError as exc:
             unit.reject(stream, entry_id, fields, exc.request_id, exc.reason, exc.code)

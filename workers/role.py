@@ -27,7 +27,6 @@ import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import ServiceClass
 from workers.admission import BatchGate
 from workers.intake import Admitted, Intake
 from workers.routing import Router
@@ -121,7 +120,7 @@ class RequestRole(Role):
                          scheduler.max_background - scheduler.num_background)
         n = self.batch_gate.limit(waiting=self.engine.num_waiting, kv_free=self.engine.block_manager.num_free_blocks,
                                   kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
-                                  batch_running=sum(a.request.cls is ServiceClass.BATCH for a in self.inflight.values()),
+                                  batch_running=sum(a.request.background for a in self.inflight.values()),
                                   now_s=time.monotonic())
         if n <= 0:
             return

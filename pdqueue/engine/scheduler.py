@@ -233,8 +233,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if not whole_prompts:
-                num_new = min(num_new, budget, self._background_tokens if seq.background else budget)
+                num_new = min(num_new, budget)
             if seq.background:
+                if not whole_prompts:
+                    num_new = min(num_new, self._background_tokens)
                 self._background_tokens -= num_new
             batch.append((seq, num_new))
             budget -= num_new

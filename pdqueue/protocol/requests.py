@@ -59,6 +59,11 @@ class Request:
         return ServiceClass.INTERACTIVE if self.priority is Priority.HIGH else ServiceClass.STANDARD
 
     @property
+    def background(self) -> bool:
+        """The batch class: it runs in the capacity the others leave (engine/scheduler.py)."""
+        return self.cls is ServiceClass.BATCH
+
+    @property
     def deadline_at_ms(self) -> int | None:
         """Unix ms after which the request expires, or None."""
         if self.deadline_ms is None:

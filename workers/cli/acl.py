@@ -98,7 +98,7 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
     """The ACL rules of ``role`` (after ``reset on #<hash>``), key patterns from ``keys``;
     ``setinfo``: the server knows CLIENT SETINFO (Redis >= 7.2, Valkey)."""
     connection = connection_rules(setinfo)
-    requests = [f"~{keys.requests}", f"~{keys.requests_high}", f"~{keys.requests_batch}"]
+    requests = [f"~{stream}" for stream in keys.request_streams]
     producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
                 _selector("+set", f"~{keys.cancel('*')}")]
