@@ -663,9 +663,16 @@ def test_a_prefill_worker_killed_while_its_cached_blocks_are_leased_loses_nothin
     keys = Keys(cluster.cluster)
     cluster.signal("decode0", signal.SIGSTOP)
     try:
-        handles = [client.submit(p, **kw) for p, kw in zip(prompts, params)]
-        wait_for(lambda: cluster.r.xlen(keys.handoff) + sum(cluster.r.xlen(k) for k in
-                 cluster.r.scan_iter(match=keys.handoff_node("*"))) >= 4, 30, "4 handoffs queued")
+        def handoffs() -> int:
+            return cluster.r.xlen(keys.handoff) + sum(cluster.r.xlen(k) for k in
+                                                      cluster.r.scan_iter(match=keys.handoff_node("*")))
+
+        # The first alone, so that its prefix is cached when the others come (sent together,
+        # all four could be read and prefilled in one step, none of them hitting the cache).
+        handles = [client.submit(prompts[0], **params[0])]
+        wait_for(lambda: handoffs() >= 1, 30, "the first handoff queued")
+        handles += [client.submit(p, **kw) for p, kw in zip(prompts[1:], params[1:])]
+        wait_for(lambda: handoffs() >= 4, 30, "4 handoffs queued")
         cluster.signal("prefill0", signal.SIGKILL)
         cluster.procs.pop("prefill0").wait()
     finally:
