@@ -239,8 +239,13 @@ class WorkerShell:
             if self._role_open:   # it started, and what came after failed
                 self.role.close()
                 self._role_open = False
-            self.switches.failed(f"{new.name} failed to start: {exc}", back_to=old_name)
-            self._start_role(role_for(old_name))   # the epoch stays: nothing changed for a sender
+            reason = f"{new.name} failed to start: {exc}"
+            try:   # the old role first, so that whoever reads ``failed`` finds it serving again
+                self._start_role(role_for(old_name))   # the epoch stays: nothing changed for a sender
+            except Exception:
+                self.switches.failed(reason)
+                raise
+            self.switches.failed(reason, back_to=old_name)
 
     def _start_role(self, role: Role, epoch: int | None = None) -> None:
         self.metrics.activate(role.name)   # what the role observes carries its name
