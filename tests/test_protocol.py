@@ -246,8 +246,14 @@ def test_handoff_rejects_other_versions_and_garbage():
             decode_handoff({b"data": data})
     with pytest.raises(HandoffError, match="no 'data'"):
         decode_handoff({b"id": b"r1"})
-    with pytest.raises(HandoffError, match="output_ids is empty"):
+    with pytest.raises(HandoffError, match="output_ids is empty"):   # a ticket names KV of computed tokens
         decode_handoff(encode_handoff(make_handoff(output_ids=[])))
+
+
+def test_a_prompt_handoff_has_no_ticket_and_no_output():
+    prompt = make_handoff(output_ids=[], ticket=None)
+    assert prompt.prompt_only and not make_handoff().prompt_only
+    assert decode_handoff(encode_handoff(prompt)) == prompt
 
 
 @pytest.mark.processes

@@ -24,6 +24,7 @@ log = logging.getLogger("pdqueue.worker")
 
 TRANSFERS = ("auto", "shm", "tcp", "zmq", "nixl")   # --transfer: how KV reaches the decode side
 ROUTING_MODES = ("cache", "off")                      # --routing (workers/routing.py)
+PLACEMENTS = ("auto", "always", "off")                # --placement (workers/placement.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,8 @@ class WorkerConfig:
     redis_gone_exit_s: float = 300.0  # Redis unreachable this long: the worker exits, freeing its memory (0: never)
     max_attempts: int = 3           # recompute attempts before a request is failed
     migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
+    take_prompts: bool = False      # decode: prefill the short prompts prefill workers place here (placement.py)
+    placement: str = "auto"         # prefill: auto | always | off: place short prompts on decode workers (placement.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
     switchable: bool = False        # takes role switches from control:<id> (pdqueue.control.commands)
@@ -71,6 +74,8 @@ class WorkerConfig:
             bad("routing", f"must be one of {', '.join(ROUTING_MODES)}")
         if self.transfer not in TRANSFERS:
             bad("transfer", f"must be one of {', '.join(TRANSFERS)}")
+        if self.placement not in PLACEMENTS:
+            bad("placement", f"must be one of {', '.join(PLACEMENTS)}")
         for name in ("data_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):

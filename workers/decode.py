@@ -10,6 +10,9 @@ request id), and its ``state`` says where it is:
                 sequence and a batch slot; the fetch thread copies the KV in (shm when the
                 ticket's node is ours, else the sender's TCP data wire, else ZeroMQ)
                 BACKLOG -> RUNNING by ``recompute`` when there is no ticket
+                BACKLOG -> RUNNING by ``prefill_here`` for a prompt handoff (no ticket, no
+                token: a prefill worker placed the prompt here, workers/placement.py); the
+                engine prefills it within its TBT budget and publishes from token 0
                 BACKLOG -> answered (done: expired, cancelled) before any work
     fetched     FETCHING -> RUNNING: the sequence joins the running batch at a step
                 boundary (the prompt's KV is in place; the first decode step computes the
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.scheduler import MIN_CHUNK
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
@@ -93,6 +97,7 @@ class DecodeRole(Role):
         self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
         self.jobs: dict[str, Job] = {}
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
+        self.takes_prompts = shell.config.take_prompts
         self._step_s = 0.05   # moving average of an engine step
         self._check = Every(CHECK_EVERY_S)
         log.info("decode: node %s, transfer %s", shell.node, shell.config.transfer)
@@ -110,7 +115,28 @@ class DecodeRole(Role):
                 "step_ms": round(self._step_s * 1000, 2), "auth_failures": self.receiver.auth_failures,
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
                 "draining": int(self.migrator is not None and self.migrator.announced_at is not None),
-                "migrated_out": self.migrator.moved if self.migrator is not None else 0}
+                "migrated_out": self.migrator.moved if self.migrator is not None else 0,
+                **(self.prompt_load() if self.takes_prompts else {})}
+
+    def prompt_load(self) -> dict:
+        """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
+        second this engine takes beside its decodes now, the prompt tokens it holds, and its
+        free batch slots."""
+        scheduler, cost = self.engine.scheduler, self.engine.scheduler.cost
+        rows = sum(1 for s in scheduler.running if s.num_uncomputed_tokens <= 1)
+        full = self.engine.config.max_num_batched_tokens
+        if cost.ready and cost.theta[2] > 0:
+            fit = full if scheduler.tbt_step_s is None else cost.prefill_tokens_within(scheduler.tbt_step_s, rows)
+            tokens = min(full, max(MIN_CHUNK, fit or 0))
+            tok_s = tokens / max(cost.predict(rows, tokens), 1e-3)
+        else:   # not learned yet: the smallest chunk in a step twice as long as a recent one
+            tok_s = MIN_CHUNK / max(2 * self._step_s, 0.02)
+        held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
+        held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
+        held += sum(len(j.handoff.prompt_ids) for j in self.jobs.values()
+                    if j.state is JobState.BACKLOG and j.handoff.prompt_only)
+        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "prompt_backlog": held,
+                "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs))}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -237,6 +263,8 @@ class DecodeRole(Role):
                 self.answer_done(job, h.output_ids, FinishReason.EXPIRED)
             elif self.shell.cancelled([h.request.id]):
                 self.answer_done(job, h.output_ids, FinishReason.CANCELLED)
+            elif h.prompt_only:
+                self.prefill_here(job)
             elif h.ticket is None:
                 self.recompute(job, "no KV ticket")
             else:
@@ -285,6 +313,15 @@ class DecodeRole(Role):
                 continue
             job.kv, job.admitted_ms, job.state = kv, now_ms(), JobState.RUNNING
             self.engine.add_prefilled(seq)
+
+    # ---- a prompt handoff: -> RUNNING ---------------------------------------------------------
+    def prefill_here(self, job: Job) -> None:
+        """A prompt a prefill worker placed here: the engine prefills it (chunks within the
+        TBT budget, beside the decodes) and samples from token 0, as a colocated worker would."""
+        h = job.handoff
+        t = now_ms()
+        job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t), t, JobState.RUNNING
+        self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background)
 
     # ---- recompute: -> RUNNING | answered ------------------------------------------------------
     def recompute(self, job: Job, why: str) -> None:
@@ -341,6 +378,8 @@ class DecodeRole(Role):
                 # (unknown when the request resumed after tokens published elsewhere).
                 if job.token_times_ms:
                     self.shell.metrics.token_gap(t - job.token_times_ms[-1])
+                elif out.index == 0:   # a prompt handoff's first token
+                    self.shell.metrics.first_token(t - job.handoff.request.enqueued_ms, len(job.handoff.prompt_ids))
                 elif out.index == 1 and job.handoff.first_token_ms:
                     self.shell.metrics.token_gap(t - job.handoff.first_token_ms)
                 job.token_times_ms.append(t)
@@ -353,6 +392,16 @@ class DecodeRole(Role):
     def completion(self, job: Job, output_ids, t: float, text: str, reason) -> Completion:
         h = job.handoff
         req = h.request
+        if h.prompt_only:   # prefilled here: its times are this worker's (job.read_ms: placed -> read)
+            first = job.token_times_ms[0] if job.token_times_ms else t
+            p50, pmax = tbt_stats(job.token_times_ms)
+            return Completion(
+                req.id, text, tuple(output_ids), reason, num_prompt_tokens=len(h.prompt_ids),
+                ttft_ms=first - req.enqueued_ms if job.token_times_ms else 0.0,
+                queue_ms=job.admitted_ms - req.enqueued_ms, prefill_ms=first - job.admitted_ms,
+                decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+                prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local",
+                handoff_ms=job.read_ms - h.prefill_start_ms)
         p50, pmax = tbt_stats([h.first_token_ms] + job.token_times_ms)
         second = job.token_times_ms[0] if job.token_times_ms else 0.0
         return Completion(

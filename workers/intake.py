@@ -18,6 +18,9 @@ In this order (prefill and colocated workers):
 5b. routing (workers/routing.py): a request from ``requests`` whose prefix a peer caches
    much more of moves to that peer's own stream (exactly once, by script) and ends here;
 6. the seed is the request's, or a random 63-bit one;
+6b. placement (workers/placement.py, prefill workers): a short online prompt that would get
+   its first token sooner on a decode worker taking prompts goes there as a prompt handoff
+   (the entry is finished with it, as with a prefill's handoff) and ends here;
 7. ``engine.add_request``.
 
 Anything that cannot run is answered (``error`` + ``dead``) in the caller's unit, and the
@@ -35,7 +38,8 @@ import redis
 
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Limits, Request, RequestError, parse_request
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, Limits, Request, RequestError,
+                              encode_handoff, parse_request)
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms
@@ -60,10 +64,11 @@ class Admitted:
 
 class Intake:
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None,
-                 router=None):
+                 router=None, placer=None):
         """``router``: a workers.routing.Router, asked after tokenizing whether a peer that
-        caches more of the prompt should run it instead."""
-        self.r, self.keys, self.worker_id, self.router = r, keys, worker_id, router
+        caches more of the prompt should run it instead; ``placer``: a workers.placement.
+        Placement, asked whether a decode worker should prefill it."""
+        self.r, self.keys, self.worker_id, self.router, self.placer = r, keys, worker_id, router, placer
         self.limits = limits or Limits()
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
@@ -106,6 +111,14 @@ class Intake:
                 if moved is not None:   # 1: a peer caching more of it runs it; -1: already finished elsewhere
                     return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
+            if self.placer is not None and not req.background:
+                target = self.placer.place(engine, len(prompt_ids))
+                if target is not None:
+                    handoff = Handoff(request=req, prompt_ids=prompt_ids, output_ids=[], seed=seed, ticket=None,
+                                      prefill_worker=self.worker_id, enqueued_ms=req.enqueued_ms,
+                                      prefill_start_ms=read_ms)
+                    unit.handoff(stream, entry_id, req.id, target, encode_handoff(handoff))
+                    return None
             params = SamplingParams.for_request(req, seed)
             engine.add_request(req.id, prompt_ids, params, background=req.background)
             return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)

@@ -38,6 +38,7 @@ from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.leases import LeaseState
 from workers.common import Every, now_ms
 from workers.kv_export import close_sender, make_sender, serve_leases
+from workers.placement import Placement
 from workers.role import RequestRole
 
 log = logging.getLogger("pdqueue.prefill")
@@ -51,6 +52,9 @@ class PrefillRole(RequestRole):
     def start(self, shell) -> None:
         super().start(shell)
         config = shell.config
+        # Short prompts go to a decode worker taking prompts when it would answer sooner.
+        if config.placement != "off":
+            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement)
         # The process's pool (the shell's: a switch allocates nothing), in shared memory on
         # CPU, so decode workers on this node copy from it.
         kv_cache = shell.kv_pool(shared=True)
@@ -71,6 +75,7 @@ class PrefillRole(RequestRole):
 
     def load(self) -> dict:
         return {**super().load(), "leases": len(self.sender.leases), "auth_failures": self.sender.auth_failures,
+                "placed_out": self.intake.placer.placed if self.intake.placer is not None else 0,
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def housekeeping(self) -> None:

@@ -53,6 +53,14 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
     return workers
 
 
+def _elastic_split(settings: "Settings") -> Workers:
+    """1 float32 prefill worker placing short prompts by cost + 1 int4 decode worker taking
+    them within the TBT budget of the bench's TBT SLO; both switchable."""
+    decode = ("--weights", "int4", "--take-prompts", "--policy", "chunked", "--max-batched-tokens",
+              str(settings.chunk_tokens), "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
+    return [("prefill", ("--placement", "auto", "--switchable")), ("decode", decode)]
+
+
 def _prefix(*extra: str) -> Callable[["Settings"], Workers]:
     """2 prefill + 1 decode workers (decode workers take --routing and ignore it)."""
     return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
@@ -95,10 +103,17 @@ MODES: dict[str, Mode] = {
     "colocated-chunked-int4": Mode(_colocated_chunked(weights="int4")),
     "colocated-slo": Mode(_colocated_chunked(slo=True)),
     "colocated-slo-int4": Mode(_colocated_chunked(slo=True, weights="int4")),
-    # Issue 25: 2 colocated int4 workers under the TBT budget, switchable, and the planner
-    # over roles, per-worker budgets and migrations of running decodes.
-    "elastic": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
-                    beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
+    # Issue 25: the split of disagg-int4 whose decode worker also prefills the short prompts
+    # the prefill worker places there when they would get their first token sooner
+    # (workers/placement.py), under the TBT budget of the bench's TBT SLO; switchable, with
+    # the planner over roles, budgets and migrations beside it.
+    "elastic": Mode(_elastic_split, beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
+                                                                                       elastic=True)),
+    # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
+    # with the same planner.
+    "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
+                              beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
+                                                                                   elastic=True)),
 }
 DEFAULT_MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
 PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")

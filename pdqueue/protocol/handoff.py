@@ -17,8 +17,10 @@ class Handoff:
 
     ``ticket`` (opaque here, see ``transfer/``) names where the KV lives and until when it
     is leased; None means no KV is offered and the receiver recomputes from
-    ``prompt_ids + output_ids``. ``output_ids`` holds every token generated so far (at
-    least the first), all already published on ``out:<id>`` at indexes 0..n-1.
+    ``prompt_ids + output_ids``. ``output_ids`` holds every token generated so far, all
+    already published on ``out:<id>`` at indexes 0..n-1: at least the first, except in a
+    *prompt handoff* (no ticket, no output): a prefill worker placed the whole prompt on a
+    decode worker that prefills it beside its decodes (``workers/placement.py``).
     """
 
     request: Request
@@ -33,6 +35,11 @@ class Handoff:
     first_token_ms: float = 0.0
     attempt: int = 0                 # how many times the request was recomputed
     cached_tokens: int = 0           # prompt tokens the prefill worker's prefix cache served
+
+    @property
+    def prompt_only(self) -> bool:
+        """A prompt handoff: nothing computed yet, the receiver prefills the prompt."""
+        return not self.output_ids
 
 
 _HANDOFF_TIMES = ("enqueued_ms", "prefill_start_ms", "prefill_end_ms", "first_token_ms")
@@ -104,6 +111,7 @@ def decode_handoff(fields: Mapping) -> Handoff:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise HandoffError(f"handoff {name} must be a number")
         times[name] = float(value)
+    # A ticket names KV computed for at least the first token; only a prompt handoff has none.
     return Handoff(request=request, prompt_ids=ids("prompt_ids", True),
-                   output_ids=ids("output_ids", True), seed=seed, ticket=ticket,
+                   output_ids=ids("output_ids", ticket is not None), seed=seed, ticket=ticket,
                    prefill_worker=worker, attempt=attempt, cached_tokens=cached, **times)

@@ -1,0 +1,152 @@
+"""Prompt placement (workers/placement.py): a prefill worker sends short prompts to a decode
+worker that takes prompts when it would answer sooner; that worker prefills them beside its
+decodes. With real worker processes and a real Redis: every answer is the colocated
+engine's, token for token, once, also when the decode worker dies holding placed prompts;
+and the rule itself on heartbeats written to Redis and a real engine's cost model."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import pytest
+
+from pdqueue.client import Client
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.keys import Keys
+from pdqueue.queue.registry import Heartbeat
+from tests.cluster import Cluster
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.oracle import assert_same_tokens
+from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, local_wait_s
+
+N = 8
+TAKES = ("--take-prompts", "--policy", "chunked", "--tbt-slo-ms", "200")
+
+
+@pytest.fixture
+def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    c.stop_and_check(killed_ok=True)
+
+
+def load(tiny, n: int, max_tokens: int, seed: int):
+    prompts = mixed_prompts(n, seed=seed)
+    params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i, "ignore_eos": True}
+              for i in range(n)]
+    return prompts, params, oracle(tiny, prompts, params)
+
+
+def check_answers(cluster, tiny, client, handles, runs):
+    """Every request answered once, the colocated engine's tokens, its stream gapless."""
+    ids, expected, sampling = runs
+    results = [h.result(timeout=120) for h in handles]
+    for pid, exp, res, sp in zip(ids, expected, results, sampling):
+        assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
+    done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(Keys().done))
+    assert all(done[h.request_id] == 1 for h in handles), done
+    for h, res in zip(handles, results):
+        streamed = [t for e in client.handle(h.request_id).stream(timeout=10) for t in e.token_ids]
+        assert streamed == list(res.token_ids)
+    return results
+
+
+def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(cluster, tiny):
+    cluster.start("prefill", *FAST, "--placement", "always", worker_id="p0")
+    cluster.start("decode", *FAST, *TAKES, worker_id="d0")
+    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    prompts, params, runs = load(tiny, N, 24, seed=3)
+    client = Client(cluster.redis_url)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+    results = check_answers(cluster, tiny, client, handles, runs)
+    placed = [res for res in results if res.prefill_worker == cluster.id("d0")]
+    lengths = [len(tiny.tokenizer.encode(p)) for p in prompts]
+    assert len(placed) == sum(n <= MAX_PROMPT_TOKENS for n in lengths) > 0, (lengths, results)
+    assert {res.transfer_path for res in placed} == {"local"}
+    assert all(res.ttft_ms > 0 and res.decode_worker == cluster.id("d0") for res in placed)
+    assert wait_for(lambda: cluster.workers()["p0"]["load"].get("placed_out")) == len(placed)
+    wait_pools_free(cluster)
+
+
+def test_a_decode_worker_killed_holding_placed_prompts_loses_nothing(cluster, tiny):
+    """d0 holds placed prompts, some prefilled and streaming; SIGKILL; d1 (started after,
+    so that d0 took them all) takes its entries over: prompts not started are prefilled
+    there, the others go on from what out:<id> shows (recompute). Each answer once, exact."""
+    cluster.start("prefill", *FAST, "--placement", "always", worker_id="p0")
+    cluster.start("decode", *FAST, *TAKES, worker_id="d0")
+    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    prompts, params, runs = load(tiny, N, 1500, seed=5)
+    short = [i for i, p in enumerate(prompts) if len(tiny.tokenizer.encode(p)) <= MAX_PROMPT_TOKENS]
+    client = Client(cluster.redis_url)
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+    d0_running = lambda: cluster.workers()["d0"]["load"].get("running", 0) >= len(short)   # noqa: E731
+    wait_for(d0_running, what="every placed prompt running on d0")
+    cluster.signal("d0", signal.SIGKILL)
+    cluster.procs["d0"].wait(timeout=10)
+    cluster.start("decode", *FAST, *TAKES, worker_id="d1")
+    results = check_answers(cluster, tiny, client, handles, runs)
+    assert {results[i].decode_worker for i in short} == {cluster.id("d1")}
+
+
+# ---- the rule, on heartbeats in Redis and a real engine's cost model ------------------------
+def decode_beat(r, worker_id: str, **load) -> Heartbeat:
+    base = {"takes_prompts": 1, "prompt_tok_s": 200.0, "prompt_backlog": 0, "free_slots": 8, "accepting": True}
+    hb = Heartbeat(r, Keys(), worker_id, role="decode", node="n1", load={**base, **load})
+    hb.beat()
+    return hb
+
+
+def prefill_engine(tiny, seconds_per_token: float) -> LLMEngine:
+    """A prefill engine whose step cost model has seen steps costing ``seconds_per_token``."""
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_mb=8), prefill_only=True)
+    for tokens in (50, 100, 200, 400, 100, 300):
+        engine.scheduler.cost.observe(0, tokens, 0.002 + seconds_per_token * tokens)
+    return engine
+
+
+def queue(engine, num_tokens: int) -> None:
+    engine.add_request(f"q{num_tokens}", list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=1))
+
+
+def test_an_unloaded_prefill_worker_keeps_its_prompts(r, tiny):
+    decode_beat(r, "d0")
+    engine = prefill_engine(tiny, 0.001)
+    assert local_wait_s(engine, 40) < MIN_WAIT_S
+    assert Placement(r, Keys(), "p0").place(engine, 40) is None
+
+
+def test_a_queued_prefill_worker_places_short_prompts_while_the_decode_worker_answers_sooner(r, tiny):
+    decode_beat(r, "d0", prompt_tok_s=400.0, free_slots=3)
+    engine = prefill_engine(tiny, 0.003)
+    queue(engine, 500)   # 1.5 s of prompt tokens ahead here
+    placer = Placement(r, Keys(), "p0")
+    assert placer.place(engine, MAX_PROMPT_TOKENS + 1) is None   # long prompts stay
+    assert placer.place(engine, 40) == Keys().handoff_node("n1")
+    assert placer.place(engine, 40) == Keys().handoff_node("n1")
+    assert placer.place(engine, 40) == Keys().handoff_node("n1")
+    assert placer.place(engine, 40) is None   # its 3 free slots are taken by what we sent
+    assert placer.placed == 3
+
+
+def test_a_decode_worker_with_a_prompt_backlog_or_not_taking_prompts_gets_none(r, tiny):
+    engine = prefill_engine(tiny, 0.003)
+    queue(engine, 200)   # 0.6 s here
+    hb = decode_beat(r, "d0", prompt_backlog=400)   # 2 s there
+    placer = Placement(r, Keys(), "p0")
+    assert placer.place(engine, 40) is None
+    hb.update(prompt_backlog=0, draining=1)
+    hb.beat()
+    time.sleep(0.6)   # the placer reads heartbeats every 0.5 s
+    assert placer.place(engine, 40) is None
+    hb.update(draining=0, takes_prompts=0)
+    hb.beat()
+    time.sleep(0.6)
+    assert placer.place(engine, 40) is None
+    hb.update(takes_prompts=1)
+    hb.beat()
+    time.sleep(0.6)
+    assert placer.place(engine, 40) == Keys().handoff_node("n1")

@@ -1,0 +1,127 @@
+"""Prompt placement: which worker prefills a prompt, decided per request from measured costs.
+
+A decode worker started with ``--take-prompts`` also prefills whole prompts beside its
+decodes, in the share of each step its TBT budget leaves (the chunked scheduler,
+engine/scheduler.py), and its heartbeat says how fast it takes prompt tokens now
+(``prompt_tok_s``, from its step cost model) and how many it holds (``prompt_backlog``).
+A prefill worker, at intake (workers/intake.py), sends a prompt there as a *prompt handoff*
+(no KV, no token: protocol/handoff.py) instead of prefilling it, when
+
+- it is online (not batch) and short (at most ``max_tokens``: a long prompt would take a
+  decode worker's spare share for many steps, while the prefill worker does it in one);
+- it would wait here at least ``MIN_WAIT_S``: an unloaded split stays a split, so the
+  placement can only matter where the prefill side queues;
+- and its first token comes sooner there: ``remote < local * MARGIN`` with
+
+      local  = seconds per step here (a) + seconds per prompt token here (c)
+               x (prompt tokens queued in this engine + the prompt)
+      remote = (its prompt_backlog at its last beat + what we sent since
+                - what it took since, at its prompt_tok_s + the prompt) / its prompt_tok_s
+
+The decode worker's heartbeat is seconds old (a beat every ttl/3), so the placer counts
+what it sent since that beat and lets the backlog drain at the advertised rate. Only
+estimates here; no I/O but the heartbeat reads (``refresh``, at most every
+``PEERS_EVERY_S``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdqueue.queue.registry import list_workers
+
+MIN_WAIT_S = 0.15    # a prompt that would wait less here stays here
+MARGIN = 0.7         # the remote estimate must beat the local one by this factor
+PEERS_EVERY_S = 0.5  # how often the decode workers' heartbeats are read
+MAX_PROMPT_TOKENS = 128
+
+
+@dataclass(slots=True)
+class Peer:
+    """A decode worker that takes prompts, as its last heartbeat showed it."""
+    worker_id: str
+    stream: str            # the handoff stream it reads first (its node's)
+    tok_s: float           # prompt tokens per second it can take beside its decodes
+    backlog: float         # prompt tokens it held at its beat
+    beat_s: float          # its beat, on this process's monotonic clock
+    free_slots: int
+    sent: list[tuple[float, int]] = field(default_factory=list)   # (when, tokens) sent since the beat
+
+    def wait_s(self, now: float, num_tokens: int) -> float:
+        sent = sum(n for _, n in self.sent)
+        queued = max(0.0, self.backlog + sent - self.tok_s * (now - self.beat_s))
+        return (queued + num_tokens) / self.tok_s
+
+
+class Placement:
+    """``mode``: ``auto`` (the rule above) or ``always`` (every short online prompt goes to a
+    decode worker taking prompts while it has a free slot: tests, decode-heavy setups)."""
+
+    def __init__(self, r, keys, worker_id: str, mode: str = "auto", max_tokens: int = MAX_PROMPT_TOKENS):
+        self.r, self.keys, self.worker_id, self.mode, self.max_tokens = r, keys, worker_id, mode, max_tokens
+        self.peers: dict[str, Peer] = {}
+        self._read_at = float("-inf")
+        self.placed = 0   # prompts sent to decode workers (the heartbeat's ``placed_out``)
+
+    def refresh(self, now: float) -> None:
+        """Read the decode workers' heartbeats (at most every PEERS_EVERY_S)."""
+        if now - self._read_at < PEERS_EVERY_S:
+            return
+        self._read_at = now
+        try:
+            workers = list_workers(self.r, self.keys, role="decode")
+        except Exception:
+            return   # the last view stands until the next read
+        wall_ms = time.time() * 1000
+        peers: dict[str, Peer] = {}
+        for w in workers:
+            load = w.get("load") or {}
+            tok_s = float(load.get("prompt_tok_s") or 0)
+            if (not load.get("takes_prompts") or tok_s <= 0 or w.get("switching_to") or load.get("draining")
+                    or not load.get("accepting", True)):
+                continue
+            beat_s = now - max(0.0, wall_ms - float(w.get("beat_ms") or wall_ms)) / 1000
+            old = self.peers.get(w["worker_id"])
+            sent = [(t, n) for t, n in old.sent if t > beat_s] if old else []
+            peers[w["worker_id"]] = Peer(w["worker_id"], self.keys.handoff_node(w.get("node") or ""), tok_s,
+                                         float(load.get("prompt_backlog") or 0), beat_s,
+                                         int(load.get("free_slots") or 0), sent)
+        self.peers = peers
+
+    def place(self, engine, num_tokens: int) -> str | None:
+        """The handoff stream of the decode worker that should prefill a prompt of
+        ``num_tokens`` (this worker's ``engine`` holding what it has queued), or None: here."""
+        if num_tokens > self.max_tokens:
+            return None
+        now = time.monotonic()
+        self.refresh(now)
+        if not self.peers:
+            return None
+        best = min((p for p in self.peers.values() if p.free_slots > len(p.sent)),
+                   key=lambda p: p.wait_s(now, num_tokens), default=None)
+        if best is None:
+            return None
+        if self.mode != "always":
+            local = local_wait_s(engine, num_tokens)
+            if local is None or local < MIN_WAIT_S or best.wait_s(now, num_tokens) >= local * MARGIN:
+                return None
+        best.sent.append((now, num_tokens))
+        self.placed += 1
+        return best.stream
+
+
+def local_wait_s(engine, num_tokens: int) -> float | None:
+    """Seconds until a prompt of ``num_tokens`` admitted now has its first token in
+    ``engine`` (a prefill engine: every queued prompt token first), from its step cost
+    model; None until the model has learned a positive cost per prompt token."""
+    cost = engine.scheduler.cost
+    if cost.steps < 4:
+        return None
+    a, _b, c = cost.theta
+    if c <= 0:
+        return None
+    scheduler = engine.scheduler
+    queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting)
+    queued += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
+    return max(a, 0.0) + c * (queued + num_tokens)
