@@ -75,6 +75,17 @@ def test_serve_tiny_json_has_the_figures_per_mode(tmp_path):
     assert (tmp_path / "serve.json").exists()
 
 
+def test_serve_runs_the_elastic_split_with_options_by_side(tmp_path):
+    """The elastic mode's workers differ by side (the decode worker takes prompts, int4):
+    both start with their own options, and every request is answered."""
+    result = pdqueue("bench", "serve", "--model", "tiny", "--modes", "elastic", "--rates", "4", "--num-requests", "4",
+                     "--warmup", "1", "--json", "--out", str(tmp_path))
+    assert result["modes"]["elastic"]["completed"] == 4, result["modes"]["elastic"]["errors"]
+    (decode_log,) = (tmp_path / "logs" / "elastic").glob("decode-*.log")
+    text = decode_log.read_text()
+    assert "weights int4" in text and "takes prompts" in text, text
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path, when):
     """The bench's workers run in their own sessions: a SIGTERM to the bench must stop them

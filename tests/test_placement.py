@@ -21,6 +21,7 @@ from pdqueue.queue.registry import Heartbeat
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
+from workers.decode import SpareTime
 from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, local_wait_s
 
 N = 8
@@ -150,3 +151,15 @@ def test_a_decode_worker_with_a_prompt_backlog_or_not_taking_prompts_gets_none(r
     hb.beat()
     time.sleep(0.6)
     assert placer.place(engine, 40) == Keys().handoff_node("n1")
+
+
+def test_spare_time_follows_what_the_decodes_leave_of_the_clock():
+    spare = SpareTime(tau_s=0.1)
+    for _ in range(40):   # decodes stepping half the time
+        time.sleep(0.01)
+        spare.add(0.005)
+    assert 0.3 < spare.share < 0.7, spare.share
+    for _ in range(60):   # stepping all the time
+        time.sleep(0.01)
+        spare.add(0.0101)
+    assert spare.share < 0.1, spare.share

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.engine.scheduler import MIN_CHUNK
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
@@ -57,6 +57,26 @@ log = logging.getLogger("pdqueue.decode")
 READ_LIMIT = 16        # handoffs taken per step boundary at most (each still needs room to start)
 CHECK_EVERY_S = 0.1    # cancel keys and deadlines of the running requests
 FETCH_WAIT_S = 0.05    # nothing to step: wait this long for a fetch to land
+SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
+TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost before this engine has measured one (int4 SmolLM2 ~2-5 ms)
+SPARE_TAU_S = 2.0      # the time constant of the spare-time average
+
+
+class SpareTime:
+    """The share of the wall clock a worker's decodes leave free, averaged over ~SPARE_TAU_S:
+    steps without prompt tokens count whole, steps with some count what the step cost model
+    gives their decode rows alone (the prompt tokens in them are the spare time's use)."""
+
+    def __init__(self, tau_s: float = SPARE_TAU_S):
+        self.share, self.tau_s, self._at = 1.0, tau_s, time.monotonic()
+
+    def add(self, decode_s: float) -> None:
+        now = time.monotonic()
+        wall, self._at = now - self._at, now
+        if wall <= 0:
+            return
+        keep = math.exp(-wall / self.tau_s)
+        self.share = keep * self.share + (1 - keep) * max(0.0, 1 - decode_s / wall)
 
 
 class JobState(Enum):
@@ -98,9 +118,11 @@ class DecodeRole(Role):
         self.jobs: dict[str, Job] = {}
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self.takes_prompts = shell.config.take_prompts
+        self.spare = SpareTime()   # what its decodes leave of the wall clock (prompt_load)
         self._step_s = 0.05   # moving average of an engine step
         self._check = Every(CHECK_EVERY_S)
-        log.info("decode: node %s, transfer %s", shell.node, shell.config.transfer)
+        log.info("decode: node %s, transfer %s%s", shell.node, shell.config.transfer,
+                 ", takes prompts" if self.takes_prompts else "")
 
     def streams(self) -> list[str]:
         return [self.shell.keys.handoff_node(self.shell.node), self.shell.keys.handoff]
@@ -120,22 +142,19 @@ class DecodeRole(Role):
 
     def prompt_load(self) -> dict:
         """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
-        second this engine takes beside its decodes now, the prompt tokens it holds, and its
-        free batch slots."""
-        scheduler, cost = self.engine.scheduler, self.engine.scheduler.cost
-        rows = sum(1 for s in scheduler.running if s.num_uncomputed_tokens <= 1)
-        full = self.engine.config.max_num_batched_tokens
-        if cost.ready and cost.theta[2] > 0:
-            fit = full if scheduler.tbt_step_s is None else cost.prefill_tokens_within(scheduler.tbt_step_s, rows)
-            tokens = min(full, max(MIN_CHUNK, fit or 0))
-            tok_s = tokens / max(cost.predict(rows, tokens), 1e-3)
-        else:   # not learned yet: the smallest chunk in a step twice as long as a recent one
-            tok_s = MIN_CHUNK / max(2 * self._step_s, 0.02)
+        second this worker can take in the time its decodes leave (0 below SPARE_MIN: placed
+        prompts would then lengthen every gap), the prompt tokens it holds, and its free
+        batch slots."""
+        cost = self.engine.scheduler.cost
+        token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
+        spare = self.spare.share
+        tok_s = spare / token_s if spare >= SPARE_MIN else 0.0
+        scheduler = self.engine.scheduler
         held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
         held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
         held += sum(len(j.handoff.prompt_ids) for j in self.jobs.values()
                     if j.state is JobState.BACKLOG and j.handoff.prompt_only)
-        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "prompt_backlog": held,
+        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(spare, 2), "prompt_backlog": held,
                 "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs))}
 
     def held(self) -> dict[str, tuple[str, str]]:
@@ -172,13 +191,20 @@ class DecodeRole(Role):
             self.admit_fetched(wait_s=self.admit_grace_s())
         self.housekeeping()
         if self.engine.has_unfinished:
+            scheduler = self.engine.scheduler
+            rows = sum(1 for s in scheduler.running if s.num_uncomputed_tokens <= 1)
+            prompts = bool(scheduler.waiting) or rows < len(scheduler.running)
             t0 = time.perf_counter()
             outputs = self.engine.step()
-            self._step_s = 0.8 * self._step_s + 0.2 * (time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            self._step_s = 0.8 * self._step_s + 0.2 * dt
+            self.spare.add(min(dt, max(0.0, scheduler.cost.predict(rows, 0))) if prompts and scheduler.cost.ready else dt)
             self.publish(outputs)
-        elif self.shell.config.burst and not self.jobs:
+            return True
+        self.spare.add(0.0)
+        if self.shell.config.burst and not self.jobs:
             return False
-        elif self.fetcher.in_flight:
+        if self.fetcher.in_flight:
             self.admit_fetched(wait_s=FETCH_WAIT_S)
         return True
 

@@ -34,7 +34,7 @@ from pdqueue.queue.registry import list_workers
 MIN_WAIT_S = 0.15    # a prompt that would wait less here stays here
 MARGIN = 0.7         # the remote estimate must beat the local one by this factor
 PEERS_EVERY_S = 0.5  # how often the decode workers' heartbeats are read
-MAX_PROMPT_TOKENS = 128
+MAX_PROMPT_TOKENS = 1024
 
 
 @dataclass(slots=True)

@@ -141,4 +141,6 @@ class PrefillRole(RequestRole):
         serve_leases(self.shell, self.sender, self.free_released)
 
     def close(self) -> None:
+        if self.intake.placer is not None and self.intake.placer.placed:
+            log.info("placement: %d prompts placed on decode workers", self.intake.placer.placed)
         close_sender(self.sender)

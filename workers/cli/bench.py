@@ -40,21 +40,24 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
     from pdqueue.bench.serve_modes import BenchError
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
-    weights = {"prefill": "fp32", "decode": "fp32"}   # --weights may differ by role (LocalCluster's own option)
-    args = set()
+    # Options by side, as LocalCluster takes them: the prefill workers', and the decode and
+    # colocated workers' (--weights apart: LocalCluster's own option).
+    weights = {"prefill": "fp32", "decode": "fp32"}
+    args: dict[str, set] = {"prefill": set(), "decode": set()}
     for role, extra in workers:
-        extra = list(extra)
+        side, extra = "prefill" if role == "prefill" else "decode", list(extra)
         if "--weights" in extra:
             at = extra.index("--weights")
-            weights["prefill" if role == "prefill" else "decode"] = extra[at + 1]
+            weights[side] = extra[at + 1]
             del extra[at:at + 2]
-        args.add(tuple(extra))
-    if len(args) != 1:
-        raise ValueError("workers of one mode must share their options (but --weights)")
+        args[side].add(tuple(extra))
+    if any(len(a) > 1 for a in args.values()):
+        raise ValueError("the workers of one side (prefill; decode and colocated) must share their options")
     roles = [role for role, _ in workers]
     cluster_ = LocalCluster(LocalClusterConfig(
         num_prefill=roles.count("prefill"), num_decode=roles.count("decode"), model=model, cluster=cluster,
-        redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir, worker_args=args.pop(),
+        redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir,
+        prefill_args=next(iter(args["prefill"]), ()), decode_args=next(iter(args["decode"]), ()),
         prefill_weights=weights["prefill"], decode_weights=weights["decode"]))
     stopper = _Stopper(cluster_)
     try:   # from the first spawn on, whatever ends this (a failed worker, SIGTERM: SystemExit) stops them

@@ -75,6 +75,8 @@ class LocalClusterConfig:
     gateway_port: int | None = None   # ``start_gateway``: None = 8000 if free, else a free one
     prefill_weights: str = "fp32"     # --weights of the prefill workers (pdqueue.models.quant)
     decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
+    prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
+    decode_args: tuple[str, ...] = field(default_factory=tuple)   # ... of the decode (and colocated) workers
 
 
 
@@ -188,7 +190,8 @@ class LocalCluster:
         c = self.config
         cmd = [sys.executable, "-m", "workers", "worker", role,   # the URL: in child_env
                "--cluster", c.cluster, "--model", c.model, "--kv-cache-mb", str(c.kv_cache_mb),
-               "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args]
+               "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args,
+               *(c.prefill_args if role == "prefill" else c.decode_args)]
         if c.switchable:
             cmd.append("--switchable")
         weights = self.weights_of(role)

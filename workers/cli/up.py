@@ -91,11 +91,15 @@ def check_port_free(port: int) -> None:
 @click.option("--decode-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
               help="--weights of the decode workers [default: --weights]; e.g. --decode-weights int8 with float32 "
                    "prefill.")
+@click.option("--take-prompts/--no-take-prompts", default=False, show_default=True,
+              help="The decode workers also prefill the short prompts a prefill worker places there when their "
+                   "first token comes sooner so (in the time their decodes leave, chunks under --tbt-slo-ms); "
+                   "see README 'Prompt placement'.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
-       weights, prefill_weights, decode_weights, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s,
-       elastic):
+       weights, prefill_weights, decode_weights, take_prompts, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
+       window_s, elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
     worker id, after 1 s, doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
@@ -156,7 +160,9 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 kv_cache_mb=kv_cache_mb, log_dir=Path(log_dir) if log_dir else None,
                                 log_level=log_level, switchable=adapt, gateway_port=gateway_port,
                                 redis_password=redis_password, prefill_weights=prefill_weights or weights,
-                                decode_weights=decode_weights or weights)
+                                decode_weights=decode_weights or weights,
+                                decode_args=("--take-prompts", "--policy", "chunked", "--tbt-slo-ms", f"{tbt_slo_ms:g}")
+                                if take_prompts else ())
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):
