@@ -53,12 +53,16 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
     return workers
 
 
-def _elastic_split(settings: "Settings") -> Workers:
-    """1 float32 prefill worker placing short prompts by cost + 1 int4 decode worker taking
-    them within the TBT budget of the bench's TBT SLO; both switchable."""
-    decode = ("--weights", "int4", "--take-prompts", "--policy", "chunked", "--max-batched-tokens",
-              str(settings.chunk_tokens), "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
-    return [("prefill", ("--placement", "auto", "--switchable")), ("decode", decode)]
+def _elastic_split(weights: str | None) -> Callable[["Settings"], Workers]:
+    """1 float32 prefill worker placing prompts by cost + 1 decode worker (``weights``)
+    taking them within the TBT budget of the bench's TBT SLO; both switchable."""
+    def workers(settings: "Settings") -> Workers:
+        decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens),
+                  "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
+        if weights:
+            decode = ("--weights", weights, *decode)
+        return [("prefill", ("--placement", "auto", "--switchable")), ("decode", decode)]
+    return workers
 
 
 def _prefix(*extra: str) -> Callable[["Settings"], Workers]:
@@ -107,8 +111,10 @@ MODES: dict[str, Mode] = {
     # the prefill worker places there when they would get their first token sooner
     # (workers/placement.py), under the TBT budget of the bench's TBT SLO; switchable, with
     # the planner over roles, budgets and migrations beside it.
-    "elastic": Mode(_elastic_split, beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
-                                                                                       elastic=True)),
+    "elastic": Mode(_elastic_split("int4"), beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
+                                                                                               elastic=True)),
+    "elastic-fp32": Mode(_elastic_split(None), beside=lambda settings, url, cluster: _start_planner(settings, url,
+                                                                                                  cluster, elastic=True)),
     # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
     # with the same planner.
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
