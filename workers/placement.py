@@ -1,14 +1,14 @@
 """Prompt placement: which worker prefills a prompt, decided per request from measured costs.
 
-A decode worker started with ``--take-prompts`` also prefills whole prompts beside its
-decodes, in the share of each step its TBT budget leaves (the chunked scheduler,
-engine/scheduler.py), and its heartbeat says how fast it takes prompt tokens now
-(``prompt_tok_s``, from its step cost model) and how many it holds (``prompt_backlog``).
-A prefill worker, at intake (workers/intake.py), sends a prompt there as a *prompt handoff*
-(no KV, no token: protocol/handoff.py) instead of prefilling it, when
+A decode worker started with ``--take-prompts`` also prefills prompts, in chunks under its
+TBT budget beside its decodes (the chunked scheduler, engine/scheduler.py). Its heartbeat
+says how fast it can take prompt tokens now: ``prompt_tok_s`` = the share of its clock its
+decodes left over the last ~2 s (``spare``, workers/decode.py ``SpareTime``) over its own
+cost of a prompt token, 0 below 20 % spare; and ``prompt_backlog``, the prompt tokens it
+holds. A prefill worker, at intake (workers/intake.py), sends a prompt there as a *prompt
+handoff* (no KV, no token: protocol/handoff.py) instead of prefilling it, when
 
-- it is online (not batch) and short (at most ``max_tokens``: a long prompt would take a
-  decode worker's spare share for many steps, while the prefill worker does it in one);
+- it is online (not batch) and at most ``max_tokens`` long;
 - it would wait here at least ``MIN_WAIT_S``: an unloaded split stays a split, so the
   placement can only matter where the prefill side queues;
 - and its first token comes sooner there: ``remote < local * MARGIN`` with
