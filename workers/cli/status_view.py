@@ -172,6 +172,14 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def _prompts(load: dict) -> str:
+    """Prompt placement (workers/placement.py): a decode worker taking prompts shows the
+    share of its time its decodes leave; a prefill worker, how many it placed."""
+    if load.get("takes_prompts"):
+        return f"takes, {load.get('spare', 0):.0%} spare"
+    return f"{load['placed_out']} placed" if load.get("placed_out") else "-"
+
+
 def render(snapshot: dict, title: str = "", processes: list[dict] | None = None, events: list[dict] | None = None):
     """A rich renderable of a snapshot; ``processes`` (from ``pdqueue up``) adds worker
     processes that are not running (``state``: e.g. "exited (-9); restart 1 in 1s"), and
@@ -183,8 +191,8 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None,
 
     workers = Table(title="workers", title_justify="left", expand=False, box=None, pad_edge=False)
     numbers = ("running", "waiting", "KV used", "cache hits", "leases", "beat")
-    for col in ("worker", "role", "weights", "node", "running", "waiting", "KV used", "cache hits", "leases", "beat",
-                "metrics"):
+    for col in ("worker", "role", "weights", "node", "running", "waiting", "KV used", "cache hits", "leases",
+                "prompts", "beat", "metrics"):
         workers.add_column(col, justify="right" if col in numbers else "left")
     switchable = any(w["load"].get("switchable") or w.get("switchable") for w in snapshot["workers"])
     for w in snapshot["workers"]:
@@ -201,17 +209,17 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None,
                         str(load.get("running", "-")),
                         str(load.get("waiting", "-")), kv,
                         "-" if w.get("prefix_hit_pct") is None else f"{w['prefix_hit_pct']:.0f}%",
-                        str(load.get("leases", "-")),
+                        str(load.get("leases", "-")), _prompts(load),
                         Text(f"{age:.1f}s", style="yellow" if age > 5 else ""), w.get("metrics") or "-")
     registered = {w["worker_id"] for w in snapshot["workers"]}
     for p in processes or []:
         if p.get("starting") and p["worker_id"] in registered:
             continue   # (registered meanwhile: its row is above)
-        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "", "",
+        workers.add_row(p["worker_id"], p["role"], "", "", "", "", "", "", "", "",
                         Text(p.get("state") or f"exited ({p['returncode']})",
                              style="yellow" if p.get("starting") else "red"), "")
     if not snapshot["workers"] and not processes:
-        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 9)
+        workers.add_row(Text("no worker registered", style="yellow"), *[""] * 10)
 
     streams = Table(title="streams", title_justify="left", box=None, pad_edge=False)
     for col in ("stream", "length", "group", "consumers", "pending", "lag", "oldest pending"):
