@@ -20,6 +20,7 @@ from pdqueue.keys import Keys
 from pdqueue.queue.registry import Heartbeat
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.test_metrics import endpoint, scrape, total
 from tests.oracle import assert_same_tokens
 from workers.decode import SpareTime
 from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, local_wait_s
@@ -70,6 +71,10 @@ def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(clust
     assert {res.transfer_path for res in placed} == {"local"}
     assert all(res.ttft_ms > 0 and res.decode_worker == cluster.id("d0") for res in placed)
     assert wait_for(lambda: cluster.workers()["p0"]["load"].get("placed_out")) == len(placed)
+    # ... and their metrics say so: prompts placed (prefill), their tokens prefilled (decode)
+    p0, d0 = endpoint(cluster, "p0"), endpoint(cluster, "d0")
+    assert total(scrape(p0), "pdqueue:prompts_placed_total") == len(placed)
+    assert total(scrape(d0), "pdqueue:placed_prompt_tokens_total") == sum(res.num_prompt_tokens for res in placed)
     wait_pools_free(cluster)
 
 

@@ -348,6 +348,7 @@ class DecodeRole(Role):
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background)
+        self.shell.metrics.prefilled_placed(len(h.prompt_ids))
 
     # ---- recompute: -> RUNNING | answered ------------------------------------------------------
     def recompute(self, job: Job, why: str) -> None:

@@ -64,11 +64,12 @@ class Admitted:
 
 class Intake:
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None,
-                 router=None, placer=None):
+                 router=None, placer=None, metrics=None):
         """``router``: a workers.routing.Router, asked after tokenizing whether a peer that
         caches more of the prompt should run it instead; ``placer``: a workers.placement.
         Placement, asked whether a decode worker should prefill it."""
         self.r, self.keys, self.worker_id, self.router, self.placer = r, keys, worker_id, router, placer
+        self.metrics = metrics
         self.limits = limits or Limits()
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.config.vocab_size
@@ -118,6 +119,8 @@ class Intake:
                                       prefill_worker=self.worker_id, enqueued_ms=req.enqueued_ms,
                                       prefill_start_ms=read_ms)
                     unit.handoff(stream, entry_id, req.id, target, encode_handoff(handoff))
+                    if self.metrics is not None:
+                        self.metrics.placed()
                     return None
             params = SamplingParams.for_request(req, seed)
             engine.add_request(req.id, prompt_ids, params, background=req.background)

@@ -96,7 +96,7 @@ class RequestRole(Role):
         self.router = Router(shell.r, shell.keys, shell.worker_id, self, shell.config.routing)
         self.router.start()
         self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits,
-                             router=self.router)
+                             router=self.router, metrics=shell.metrics)
         self.inflight: dict[str, Admitted] = {}
         # Batch only into the capacity the higher classes leave (workers/admission.py).
         self.batch_gate = BatchGate()

@@ -138,6 +138,11 @@ class WorkerMetrics:
                                   (*LABELS, "cause"), registry=r)
         self.recompute_tokens = Counter("pdqueue:recompute_tokens", "Tokens prefilled again by recomputes (decode).",
                                         LABELS, registry=r)
+        self.prompts_placed = Counter("pdqueue:prompts_placed",
+                                      "Prompts placed on a decode worker taking prompts (prefill; workers/placement.py).",
+                                      LABELS, registry=r)
+        self.placed_prompt_tokens = Counter("pdqueue:placed_prompt_tokens",
+                                            "Prompt tokens of placed prompts prefilled here (decode).", LABELS, registry=r)
         self.leases_expired = Counter("pdqueue:kv_leases_expired",
                                       "Exported KV leases handed back on expiry, never released (prefill).",
                                       LABELS, registry=r)
@@ -233,6 +238,12 @@ class WorkerMetrics:
         labels = self._l()
         self.recomputes.labels(*labels, cause).inc()
         self.recompute_tokens.labels(*labels).inc(tokens)
+
+    def placed(self, n: int = 1) -> None:
+        self.prompts_placed.labels(*self._l()).inc(n)
+
+    def prefilled_placed(self, tokens: int) -> None:
+        self.placed_prompt_tokens.labels(*self._l()).inc(tokens)
 
     def lease_expired(self, n: int = 1) -> None:
         self.leases_expired.labels(*self._l()).inc(n)
