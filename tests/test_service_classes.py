@@ -130,3 +130,21 @@ def test_a_classed_request_past_its_deadline_is_refused_and_an_old_one_expires(c
         classed.result(timeout=120)
     assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
     assert old.result(timeout=120).finish_reason == "expired"
+
+
+def test_routing_weighs_a_peer_by_its_online_work_only(tiny):
+    """Batch work yields to online work wherever it runs, so cache-aware routing compares
+    online requests (the heartbeat's ``online``; running + waiting from a worker without it)."""
+    from pdqueue.engine.config import EngineConfig as Config
+    from pdqueue.engine.llm_engine import LLMEngine as Engine
+    from pdqueue.engine.sampling import SamplingParams as Params
+    from workers.routing import _load_of, online_load
+
+    engine = Engine(tiny, Config(kv_cache_mb=8))
+    engine.add_request("batch", [3] * 20, Params(max_tokens=4), background=True)
+    engine.add_request("chat", [4] * 20, Params(max_tokens=4))
+    assert online_load(engine) == 1
+    engine.step()   # both admitted and running
+    assert engine.num_running == 2 and online_load(engine) == 1
+    assert _load_of({"load": {"running": 5, "waiting": 2, "online": 1}}) == 1
+    assert _load_of({"load": {"running": 5, "waiting": 2}}) == 7

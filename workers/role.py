@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from pdqueue.keys import PREFILL_GROUP
 from workers.admission import BatchGate
 from workers.intake import Admitted, Intake
-from workers.routing import Router
+from workers.routing import Router, online_load
 
 IDLE_BLOCK_MS = 100  # an idle role's read blocks this long (a busy one never blocks)
 
@@ -197,5 +197,6 @@ class RequestRole(Role):
 
     def load(self) -> dict:
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
+                "online": online_load(self.engine),
                 "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
                 "accepting": self.shell.accepting, **self.router.load()}

@@ -199,7 +199,7 @@ class Router:
             for wid in peers:
                 pipe.xlen(self.keys.requests_for(wid))
             queued = pipe.execute()
-        my_load = self.engine.num_waiting + self.engine.num_running
+        my_load = online_load(self.engine)
         best = None
         for wid, backlog in zip(peers, queued):
             d = depth.get(wid, 0)
@@ -291,7 +291,18 @@ class Router:
         return {"routed_out": self.forwarded, "taken_over": self.taken_over}
 
 
+def online_load(engine) -> int:
+    """The online (not batch-class) requests running or waiting in ``engine``: what routing
+    compares, since batch work yields to online work wherever it runs (admission.py)."""
+    scheduler = engine.scheduler
+    return engine.num_running - scheduler.num_background + scheduler.num_waiting_foreground
+
+
 def _load_of(worker: dict) -> int:
+    """A peer's online load from its heartbeat (``online``; running + waiting from a worker
+    that does not report it)."""
     load = worker.get("load") or {}
+    if "online" in load:
+        return int(load["online"] or 0)
     return int(load.get("running", 0) or 0) + int(load.get("waiting", 0) or 0)
 
