@@ -9,6 +9,9 @@ import time
 import pytest
 
 from pdqueue.client import Client
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
 from pdqueue.protocol import (ErrorCode, Priority, Request, RequestError, ServiceClass, entry_id_ms, parse_request,
                               request_to_fields)
@@ -16,6 +19,7 @@ from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle
 from tests.oracle import assert_same_tokens
 from workers.admission import STARVE_TAKE, BatchGate
+from workers.routing import _load_of, online_load
 
 KEYS = Keys()
 
@@ -135,14 +139,9 @@ def test_a_classed_request_past_its_deadline_is_refused_and_an_old_one_expires(c
 def test_routing_weighs_a_peer_by_its_online_work_only(tiny):
     """Batch work yields to online work wherever it runs, so cache-aware routing compares
     online requests (the heartbeat's ``online``; running + waiting from a worker without it)."""
-    from pdqueue.engine.config import EngineConfig as Config
-    from pdqueue.engine.llm_engine import LLMEngine as Engine
-    from pdqueue.engine.sampling import SamplingParams as Params
-    from workers.routing import _load_of, online_load
-
-    engine = Engine(tiny, Config(kv_cache_mb=8))
-    engine.add_request("batch", [3] * 20, Params(max_tokens=4), background=True)
-    engine.add_request("chat", [4] * 20, Params(max_tokens=4))
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_mb=8))
+    engine.add_request("batch", [3] * 20, SamplingParams(max_tokens=4), background=True)
+    engine.add_request("chat", [4] * 20, SamplingParams(max_tokens=4))
     assert online_load(engine) == 1
     engine.step()   # both admitted and running
     assert engine.num_running == 2 and online_load(engine) == 1
