@@ -34,6 +34,7 @@ is in hand (a switch to another role too).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -60,6 +61,8 @@ FETCH_WAIT_S = 0.05    # nothing to step: wait this long for a fetch to land
 SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
 TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost before this engine has measured one (int4 SmolLM2 ~2-5 ms)
 SPARE_TAU_S = 2.0      # the time constant of the spare-time average
+RECENT_STEPS = 32      # steps with decodes the gap guard looks at
+GAP_GUARD = 0.6        # of the TBT target: a step p90 past it stops placed prompts
 
 
 class SpareTime:
@@ -119,6 +122,7 @@ class DecodeRole(Role):
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self.takes_prompts = shell.config.take_prompts
         self.spare = SpareTime()   # what its decodes leave of the wall clock (prompt_load)
+        self.recent_steps: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)   # steps with decodes
         self._step_s = 0.05   # moving average of an engine step
         self._check = Every(CHECK_EVERY_S)
         log.info("decode: node %s, transfer %s%s", shell.node, shell.config.transfer,
@@ -149,6 +153,14 @@ class DecodeRole(Role):
         token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
         spare = self.spare.share
         tok_s = spare / token_s if spare >= SPARE_MIN else 0.0
+        target_ms = self.shell.config.engine.tbt_slo_ms
+        if target_ms is not None and len(self.recent_steps) >= 8:
+            # Its decodes' gaps are at risk already (a step p90 past GAP_GUARD of the target):
+            # no more prompts until they recover (measured: without this, past the split's
+            # capacity placed prompts kept coming and gaps reached seconds).
+            steps = sorted(self.recent_steps)
+            if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
+                tok_s = 0.0
         scheduler = self.engine.scheduler
         held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
         held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
@@ -199,6 +211,8 @@ class DecodeRole(Role):
             dt = time.perf_counter() - t0
             self._step_s = 0.8 * self._step_s + 0.2 * dt
             self.spare.add(min(dt, max(0.0, scheduler.cost.predict(rows, 0))) if prompts and scheduler.cost.ready else dt)
+            if rows:
+                self.recent_steps.append(dt)
             self.publish(outputs)
             return True
         self.spare.add(0.0)

@@ -35,6 +35,7 @@ MIN_WAIT_S = 0.15    # a prompt that would wait less here stays here
 MARGIN = 0.7         # the remote estimate must beat the local one by this factor
 PEERS_EVERY_S = 0.5  # how often the decode workers' heartbeats are read
 MAX_PROMPT_TOKENS = 1024
+MAX_REMOTE_WAIT_S = 1.0   # a decode worker with more than this ahead gets none (both sides overloaded)
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ class Placement:
             return None
         best = min((p for p in self.peers.values() if p.free_slots > len(p.sent)),
                    key=lambda p: p.wait_s(now, num_tokens), default=None)
-        if best is None:
+        if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > MAX_REMOTE_WAIT_S:
             return None
         if self.mode != "always":
             local = local_wait_s(engine, num_tokens)
