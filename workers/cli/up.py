@@ -31,6 +31,9 @@ from workers.cli.common import (Target, UserError, check_model, connect, planner
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
 DEMO_MAX_TOKENS = 64
+# A decode worker of `up --take-prompts`: placed prompts in chunks of at most 64 tokens a step
+# beside its decodes (pdqueue.bench.serve_modes.PLACED_CHUNK_TOKENS says why).
+TAKE_PROMPTS_ARGS = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", "64")
 
 
 def check_port_free(port: int) -> None:
@@ -161,7 +164,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 log_level=log_level, switchable=adapt, gateway_port=gateway_port,
                                 redis_password=redis_password, prefill_weights=prefill_weights or weights,
                                 decode_weights=decode_weights or weights,
-                                decode_args=("--take-prompts", "--policy", "chunked", "--tbt-slo-ms", f"{tbt_slo_ms:g}")
+                                decode_args=TAKE_PROMPTS_ARGS + ("--tbt-slo-ms", f"{tbt_slo_ms:g}")
                                 if take_prompts else ())
     stop, hurry = threading.Event(), threading.Event()
 
