@@ -146,8 +146,8 @@ def test_up_serves_submit_and_status_then_leaves_nothing_behind(tmp_path, env):
         assert sorted((w["role"], w["worker_id"]) for w in snap["workers"]) == sorted(
             (w["role"], w["worker_id"]) for w in state["workers"])
         assert all(w["heartbeat_age_s"] < 10 and w["load"]["kv_total"] > 0 for w in snap["workers"])
-        # a fixed split by default: up's decode workers take no placed prompts (README "Prompt placement")
-        assert [w["load"].get("takes_prompts") for w in snap["workers"] if w["role"] == "decode"] == [None]
+        # up's decode workers take the prompts a prefill worker places (README "Prompt placement")
+        assert [w["load"].get("takes_prompts") for w in snap["workers"] if w["role"] == "decode"] == [1]
         assert {"requests", "requests:high", "handoff"} <= set(snap["streams"])
         assert all(s["length"] == 0 for s in snap["streams"].values())
         assert snap["streams"]["requests"]["groups"][0]["name"] == PREFILL_GROUP

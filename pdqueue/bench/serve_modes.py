@@ -119,6 +119,8 @@ MODES: dict[str, Mode] = {
     # the planner over roles, budgets and migrations beside it.
     "elastic": Mode(_elastic_split("int4"), beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
                                                                                                elastic=True)),
+    # The same split with placement and no planner (what the placement does on its own).
+    "placement-int4": Mode(_elastic_split("int4")),
     "elastic-fp32": Mode(_elastic_split(None), beside=lambda settings, url, cluster: _start_planner(settings, url,
                                                                                                   cluster, elastic=True)),
     # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,

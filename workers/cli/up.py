@@ -94,10 +94,10 @@ def check_port_free(port: int) -> None:
 @click.option("--decode-weights", type=click.Choice(WEIGHT_FORMATS), default=None,
               help="--weights of the decode workers [default: --weights]; e.g. --decode-weights int8 with float32 "
                    "prefill.")
-@click.option("--take-prompts/--no-take-prompts", default=False, show_default=True,
+@click.option("--take-prompts/--no-take-prompts", default=True, show_default=True,
               help="The decode workers also prefill the prompts a prefill worker places there when their first "
                    "token comes sooner so (in the time their decodes leave, chunks under --tbt-slo-ms); see "
-                   "README 'Prompt placement' for where it helps and where it does not yet.")
+                   "README 'Prompt placement'. --no-take-prompts: a fixed split.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
