@@ -116,7 +116,14 @@ def upload(client: openai.OpenAI, data: bytes, name: str = "input.jsonl"):
 
 def wait_status(client: openai.OpenAI, batch_id: str, statuses: tuple, timeout: float = 240):
     def ended():
-        b = client.batches.retrieve(batch_id)
+        try:
+            b = client.batches.retrieve(batch_id)
+        except openai.InternalServerError as exc:
+            # 503 is the gateway's answer while the cluster's Redis is unreachable (a restart
+            # loading its append-only file): asked again, as a client told to retry would.
+            if exc.status_code != 503:
+                raise
+            return None
         return b if b.status in statuses else None
     return wait_for(ended, timeout, what=f"batch {batch_id} in {statuses}", interval=0.2)
 

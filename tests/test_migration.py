@@ -127,10 +127,11 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
     recomputing): every request still gives the colocated engine's tokens, once."""
     cluster.start("prefill", *FAST, worker_id="p0")
     cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
              and cluster.workers()["d0"]["load"].get("running", 0) > 0, what="tokens flowing, some on d0")
+    # d1 only now: started with d0, it could read the prefill worker's whole burst of handoffs
+    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
     cluster.signal("d1", signal.SIGSTOP)   # alive to d0 (its heartbeat lives 20 s), serving nothing
     cluster.signal("d0", signal.SIGTERM)
     assert cluster.procs["d0"].wait(timeout=60) == 0
