@@ -6,7 +6,6 @@ and the rule itself on heartbeats written to Redis and a real engine's cost mode
 
 from __future__ import annotations
 
-import collections
 import signal
 import time
 
@@ -20,8 +19,8 @@ from pdqueue.keys import Keys
 from pdqueue.queue.registry import Heartbeat
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.test_migration import check_answers
 from tests.test_metrics import endpoint, scrape, total
-from tests.oracle import assert_same_tokens
 from workers.decode import SpareTime
 from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, local_wait_s
 
@@ -41,20 +40,6 @@ def load(tiny, n: int, max_tokens: int, seed: int):
     params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.9, "seed": 10 + i, "ignore_eos": True}
               for i in range(n)]
     return prompts, params, oracle(tiny, prompts, params)
-
-
-def check_answers(cluster, tiny, client, handles, runs):
-    """Every request answered once, the colocated engine's tokens, its stream gapless."""
-    ids, expected, sampling = runs
-    results = [h.result(timeout=120) for h in handles]
-    for pid, exp, res, sp in zip(ids, expected, results, sampling):
-        assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
-    done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(Keys().done))
-    assert all(done[h.request_id] == 1 for h in handles), done
-    for h, res in zip(handles, results):
-        streamed = [t for e in client.handle(h.request_id).stream(timeout=10) for t in e.token_ids]
-        assert streamed == list(res.token_ids)
-    return results
 
 
 def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(cluster, tiny):
