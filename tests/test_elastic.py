@@ -157,6 +157,7 @@ def test_observe_reads_what_the_levers_need_from_the_heartbeats(r):
     Heartbeat(r, keys, "c-2", role=COLOCATED, load={"running": 1, "tbt_budget_ms": 0}).beat()   # chunked, no budget
     Heartbeat(r, keys, "c-3", role=COLOCATED, load={"running": 1}).beat()                        # prefill-first
     Heartbeat(r, keys, "d-1", role=DECODE, load={"running": 1, "draining": 1}).beat()
+    Heartbeat(r, keys, "d-3", role=DECODE, load={"running": 1, "takes_prompts": 1, "prompt_tok_s": 90.0}).beat()
     switching = Heartbeat(r, keys, "d-2", role=DECODE, load={"running": 0})
     switching.update(switching_to=PREFILL)
     switching.beat()
@@ -165,6 +166,7 @@ def test_observe_reads_what_the_levers_need_from_the_heartbeats(r):
     assert (w["c-2"].tbt_budget_ms, w["c-2"].budgetable) == (None, True)
     assert (w["c-3"].tbt_budget_ms, w["c-3"].budgetable) == (None, False)
     assert w["d-1"].draining and w["d-2"].draining and not w["c-1"].draining
+    assert w["d-3"].takes_prompts and not w["d-1"].takes_prompts
 
 
 def test_the_adapter_sends_the_budgets_and_migrations_as_commands(r):

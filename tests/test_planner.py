@@ -608,6 +608,22 @@ def test_no_colocated_route_in_bigger_clusters_or_when_disabled():
         assert "decode cannot spare one: only 1 decode worker(s)" in d.reason
 
 
+def test_no_colocated_route_while_the_decode_worker_takes_placed_prompts():
+    """Placement already gives the decode worker's spare time to prompts; the all-colocated
+    route beside it lost 0.69-0.82x goodput at 5-6 req/s (docs/performance.md, session 10)."""
+    planner = Planner(PlannerConfig(cooldown_s=10, min_dwell_s=30))
+    ws = [worker("p", PREFILL, 2, running=1), worker("d", DECODE, 4, running=2, takes_prompts=True)]
+    for i in range(4):
+        d = planner.decide(obs(T0 + 5 * i, ws, DOCS, request_lag=8))
+        assert d.moves == ()
+    assert "decode cannot spare one: only 1 decode worker(s)" in d.reason
+    # the same cluster whose decode worker takes none does go colocated (the rule above)
+    planner = Planner(PlannerConfig(cooldown_s=10, min_dwell_s=30))
+    ws = [worker("p", PREFILL, 2, running=1), worker("d", DECODE, 4, running=2)]
+    planner.decide(obs(T0, ws, DOCS, request_lag=6))
+    assert planner.decide(obs(T0 + 5, ws, DOCS, request_lag=7)).moves == (Move("p", PREFILL, COLOCATED, 2),)
+
+
 # ---- predictive ----------------------------------------------------------------------------
 
 def steady(t, prompt_tokens, output_tokens, prefill_ms=None, n=60, ttft=300, local=False):

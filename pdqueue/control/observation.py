@@ -47,6 +47,7 @@ class WorkerObs:
     tbt_budget_ms: float | None = None  # colocated: the TBT budget its engine runs with (None: none)
     budgetable: bool = False         # it reports a TBT budget: it takes budget commands (chunked policy)
     draining: bool = False           # stopping or switching: takes no migrated decodes
+    takes_prompts: bool = False      # decode: prefills prompts placed on it in its spare time
 
     @property
     def kv_used_frac(self) -> float | None:

@@ -88,6 +88,7 @@ def worker_obs(w: dict, now_ms: int) -> WorkerObs:
         step_ms=step_ms if step_ms and step_ms > 0 else None,
         role_since=None if since_ms is None else since_ms / 1000.0,
         tbt_budget_ms=(_float(load.get("tbt_budget_ms")) or None), budgetable="tbt_budget_ms" in load,
+        takes_prompts=_bool(load.get("takes_prompts") or False),
         draining=_bool(load.get("draining") or False) or bool(as_str(w.get("switching_to") or "", "replace")))
 
 

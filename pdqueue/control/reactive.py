@@ -18,7 +18,9 @@ Colocated. A single prefill worker can saturate on long prompts while the only d
 idles; a small cluster then does better all-colocated (docs/performance.md, "The planner's
 colocated rules"). So when prefill is short, the last decode worker cannot be spared, decode
 is within its SLO with nothing queued, and the cluster has at most ``colocated_max_workers``
-workers, the planner goes all-colocated. When colocated workers break TBT (a prefill-first
+workers, the planner goes all-colocated, unless a decode worker takes placed prompts
+(``--take-prompts``): its spare time already prefills, and going all-colocated there cost
+0.69-0.82x the fixed split's goodput at 5-6 req/s (docs/performance.md, session 10). When colocated workers break TBT (a prefill-first
 engine stalls its decodes for whole prompts) it goes back: with no decode worker, and if TTFT
 holds with one prefill-capable worker fewer, one colocated worker -> decode and the others ->
 prefill; with a decode worker that has nothing queued, the colocated workers -> prefill; with
@@ -137,6 +139,8 @@ class Reactive:
             return None
         if any(not w.switchable for w in turn.obs.workers if w.role in (PREFILL, DECODE)):
             return None
+        if any(w.takes_prompts for w in turn.obs.workers if w.role == DECODE):
+            return None      # placement gives the decode worker's spare time to prompts already
         if m.queued_handoffs >= max(1, d) or turn.streak(DECODE) or m.tbt_breach(cfg):
             return None
         tbt = fmt_ms(m.tbt_p90_ms if m.tbt_samples else None)
