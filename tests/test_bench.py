@@ -81,6 +81,11 @@ def test_serve_runs_the_elastic_split_with_options_by_side(tmp_path):
     result = pdqueue("bench", "serve", "--model", "tiny", "--modes", "elastic", "--rates", "4", "--num-requests", "4",
                      "--warmup", "1", "--json", "--out", str(tmp_path))
     assert result["modes"]["elastic"]["completed"] == 4, result["modes"]["elastic"]["errors"]
+    # the timeline of the run (what --out plots): each worker's role and levers from its heartbeat
+    timeline = result["raw"]["elastic"]["4"]["timeline"]
+    assert timeline and all({"t", "workers", "request_backlog", "handoff_backlog"} <= set(p) for p in timeline)
+    decode = [w for p in timeline for w in p["workers"].values() if w["role"] == "decode"]
+    assert decode and all("spare" in w and "prompt_tok_s" in w for w in decode), decode
     (decode_log,) = (tmp_path / "logs" / "elastic").glob("decode-*.log")
     text = decode_log.read_text()
     assert "weights int4" in text and "takes prompts" in text, text

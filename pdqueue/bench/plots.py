@@ -60,9 +60,9 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
     """TTFT and TBT CDFs per mode (one figure per rate), and goodput against rate; for a
     phased run, each mode's worker roles and stream backlogs over time instead."""
     if result.get("phases"):
-        return plot_phases(result, directory)
+        return plot_phases(result, directory) + plot_timelines(result, directory)
     plt = _pyplot()
-    written = []
+    written = plot_timelines(result, directory)
     rates = result["rates"]
     for rate in rates:
         fig, (ax_ttft, ax_tbt) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -133,3 +133,65 @@ def plot_phases(result: dict, directory: Path) -> list[Path]:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [path]
+
+
+def _timelines(result: dict) -> list[tuple[str, str, list[dict]]]:
+    """(mode, rate key or "phases", samples) for every run that kept a timeline."""
+    out = []
+    for mode, by_rate in result["raw"].items():
+        for key, raw in by_rate.items():
+            timeline = raw.get("timeline") if isinstance(raw, dict) else None
+            if timeline:
+                out.append((mode, key, timeline))
+    return out
+
+
+def plot_timelines(result: dict, directory: Path) -> list[Path]:
+    """One PNG per mode, one row per rate (or the phased run): the workers' roles and running
+    requests; the levers (each TBT budget, each decode worker's spare share); the request and
+    handoff backlogs beside the prompts placed on decode workers and the decodes migrated,
+    both cumulative. Samples come from the heartbeats every 0.5 s (serve_bench._sample_timeline)."""
+    plt = _pyplot()
+    written = []
+    runs = _timelines(result)
+    for mode in dict.fromkeys(m for m, _k, _t in runs):
+        rows = [(key, t) for m, key, t in runs if m == mode]
+        fig, axes = plt.subplots(len(rows), 3, figsize=(16, 3.2 * len(rows)), squeeze=False)
+        for (key, timeline), (ax_roles, ax_levers, ax_flow) in zip(rows, axes):
+            ts = [p["t"] for p in timeline]
+            ids = sorted({w for p in timeline for w in p.get("workers", p["roles"])})
+            for wid in ids:
+                states = [p.get("workers", {}).get(wid, {}) for p in timeline]
+                roles = [s.get("role") or p["roles"].get(wid) for s, p in zip(states, timeline)]
+                ax_roles.step(ts, [s.get("running", 0) for s in states], where="post", label=f"{wid} running")
+                changes = [(t, role) for i, (t, role) in enumerate(zip(ts, roles)) if role and (i == 0 or role != roles[i - 1])]
+                for t, role in changes:
+                    ax_roles.annotate(role[0].upper(), (t, 0), fontsize=8, xytext=(0, -10), textcoords="offset points")
+                budgets = [s.get("tbt_budget_ms") for s in states]
+                if any(b for b in budgets):
+                    ax_levers.step(ts, [b or float("nan") for b in budgets], where="post", label=f"{wid} TBT budget ms")
+                spare = [s.get("spare") for s in states]
+                if any(x is not None for x in spare):
+                    ax_levers.plot(ts, [100 * x if x is not None else float("nan") for x in spare],
+                                   label=f"{wid} spare %")
+            ax_flow.plot(ts, [p["request_backlog"] for p in timeline], label="requests waiting")
+            ax_flow.plot(ts, [p["handoff_backlog"] for p in timeline], label="handoffs waiting")
+            for field, label in (("placed_out", "prompts placed (cum.)"), ("migrated_out", "decodes migrated (cum.)")):
+                values = [sum(w.get(field, 0) for w in p.get("workers", {}).values()) for p in timeline]
+                if any(values):
+                    ax_flow.step(ts, values, where="post", label=label)
+            title = f"{mode}, {'phased load' if key == 'phases' else key + ' req/s'}"
+            for ax, what in ((ax_roles, "running (roles: P/D/C at changes)"), (ax_levers, "ms / %"),
+                             (ax_flow, "entries")):
+                ax.set_title(title, fontsize=9)
+                ax.set_ylabel(what)
+                ax.set_xlabel("seconds")
+                ax.grid(True, alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=7)
+        path = Path(directory) / f"serve_timeline_{mode}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written

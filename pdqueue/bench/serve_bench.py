@@ -122,6 +122,11 @@ async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progr
 
 
 
+# The heartbeat load fields a timeline keeps per worker (the levers of the elastic cluster).
+TIMELINE_LOAD = ("running", "waiting", "tbt_budget_ms", "spare", "prompt_tok_s", "prompt_backlog", "placed_out",
+                 "migrated_out")
+
+
 async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, progress, by_rate: dict,
                         raw: dict) -> tuple[dict, dict]:
     from rich.console import Console
@@ -168,9 +173,16 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                     await batch.start(client)
                     progress(f"{mode} @ {rate:g} req/s: {settings.batch_lines} batch-class requests queued")
                 started = time.time()
-                records = await run_requests(client, plan, settings.drain_timeout_s,
-                                             on_done=lambda: bar.advance(task), log=progress)
+                timeline = []
+                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
+                try:
+                    records = await run_requests(client, plan, settings.drain_timeout_s,
+                                                 on_done=lambda: bar.advance(task), log=progress)
+                finally:
+                    sampler.cancel()
+                    await asyncio.gather(sampler, return_exceptions=True)
                 by_rate[rate_key(rate)], raw[rate_key(rate)] = metrics(records, rate, settings)
+                raw[rate_key(rate)]["timeline"] = timeline
                 by_rate[rate_key(rate)]["records"] = records
                 if batch is not None:
                     ended = max([r.finished for r in records if r.finished is not None] or [time.perf_counter()])
@@ -184,9 +196,13 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
 
 
 async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s: float = 0.5) -> None:
-    """Every ``every_s``: each worker's role and the request and handoff backlogs (acked
-    entries are deleted, so a stream's length is what is still to be done), and the
-    planner's decision (``plan``) whenever its reason changed."""
+    """Every ``every_s``: each worker's role and what its heartbeat says of the levers
+    (running, TBT budget, spare share, prompts placed out, prompt backlog, decodes migrated
+    out), the request and handoff backlogs (acked entries are deleted, so a stream's length
+    is what is still to be done), and the planner's decision (``plan``) whenever its reason
+    changed. ``pdqueue bench serve --plot`` draws it (plots.plot_timelines)."""
+    import json
+
     import redis.asyncio
 
     from pdqueue.keys import Keys
@@ -199,15 +215,22 @@ async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s
         while True:
             try:
                 worker_keys = [k async for k in r.scan_iter(match=keys.worker("*"), count=200)]
-                roles = {}
+                roles, workers = {}, {}
                 for k in worker_keys:
-                    role = await r.hget(k, "role")
-                    if role:
-                        roles[k.rsplit(":", 1)[-1]] = role
+                    role, load = await r.hmget(k, "role", "load")
+                    if not role:
+                        continue
+                    wid = k.rsplit(":", 1)[-1]
+                    roles[wid] = role
+                    try:
+                        load = json.loads(load or "{}")
+                    except ValueError:
+                        load = {}
+                    workers[wid] = {"role": role, **{f: load[f] for f in TIMELINE_LOAD if f in load}}
                 requests = sum([await r.xlen(s) for s in keys.request_streams])
                 handoff_keys = [k async for k in r.scan_iter(match=keys.handoff + "*", count=200)]
                 handoffs = sum([await r.xlen(k) for k in handoff_keys])
-                sample = {"t": round(time.perf_counter() - start, 2), "roles": roles,
+                sample = {"t": round(time.perf_counter() - start, 2), "roles": roles, "workers": workers,
                           "request_backlog": requests, "handoff_backlog": handoffs}
                 plan = await r.hmget(keys.plan, "action", "reason")
                 gist = plan[1] and plan[1].split(":")[0]   # e.g. "hold 1P+1D, healthy" (no figures)
