@@ -26,8 +26,8 @@ from pdqueue.control.commands import MIGRATE
 from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.scheduler import STEP_SHARE
-from pdqueue.protocol import Completion, Handoff, encode_handoff
-from workers.common import Every, now_ms, tbt_stats
+from pdqueue.protocol import Handoff, encode_handoff
+from workers.common import Every
 from workers.migration import Migrator
 from workers.role import RequestRole
 
@@ -69,16 +69,7 @@ class ColocatedRole(RequestRole):
                 self._migrate_asked()
         if not self._check.due():
             return
-        stopped = self.shell.to_stop({rid: it.request for rid, it in self.inflight.items()})
-        t = now_ms()
-        with self.shell.unit() as unit:
-            for rid, reason in stopped.items():
-                it = self.inflight.pop(rid)
-                output = self.engine.abort(rid, reason.value).output_ids
-                unit.done(it.stream, it.entry_id, Completion(
-                    rid, self.shell.loaded.tokenizer.decode(output), tuple(output), reason,
-                    num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
-                    prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"))
+        self.end_stopped(self.inflight)
 
     # ---- the planner's levers (commands: workers/switching.py) -----------------------------
     def set_tbt_budget(self, tbt_slo_ms: float | None) -> str | None:
@@ -155,25 +146,4 @@ class ColocatedRole(RequestRole):
         t = now_ms()
         with self.shell.unit() as unit:
             for out in outputs:
-                it = self.inflight[out.request_id]
-                if it.token_times_ms:
-                    self.shell.metrics.token_gap(t - it.token_times_ms[-1])
-                else:
-                    self.shell.metrics.first_token(t - it.request.enqueued_ms, len(it.prompt_ids))
-                    self.router.advertise(unit, out.seq)
-                it.token_times_ms.append(t)
-                unit.token(out.request_id, out.index, out.token_id, out.text)
-                if out.finished:
-                    del self.inflight[out.request_id]
-                    self.router.advertise(unit, out.seq, whole=True)
-                    req = it.request
-                    p50, pmax = tbt_stats(it.token_times_ms)
-                    first = it.token_times_ms[0]
-                    unit.done(it.stream, it.entry_id, Completion(
-                        req.id, out.full_text or "", tuple(out.seq.output_ids), out.finish_reason,
-                        num_prompt_tokens=len(it.prompt_ids), ttft_ms=first - req.enqueued_ms,
-                        queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
-                        decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-                        prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id,
-                        transfer_path="local", cached_tokens=out.cached_tokens))
-
+                self.publish_local(unit, out, t)

@@ -25,6 +25,7 @@ log = logging.getLogger("pdqueue.worker")
 TRANSFERS = ("auto", "shm", "tcp", "zmq", "nixl")   # --transfer: how KV reaches the decode side
 ROUTING_MODES = ("cache", "off")                      # --routing (workers/routing.py)
 PLACEMENTS = ("auto", "always", "off")                # --placement (workers/placement.py)
+DECODE_HERE = ("auto", "off")                         # --decode-here (workers/prefill.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class WorkerConfig:
     migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
     take_prompts: bool = False      # decode: prefill the short prompts prefill workers place here (placement.py)
     placement: str = "auto"         # prefill: auto | always | off: place short prompts on decode workers (placement.py)
+    decode_here: str = "auto"       # prefill: auto: decode a request here when no decode worker has room (prefill.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
     switchable: bool = False        # takes role switches from control:<id> (pdqueue.control.commands)
@@ -76,6 +78,8 @@ class WorkerConfig:
             bad("transfer", f"must be one of {', '.join(TRANSFERS)}")
         if self.placement not in PLACEMENTS:
             bad("placement", f"must be one of {', '.join(PLACEMENTS)}")
+        if self.decode_here not in DECODE_HERE:
+            bad("decode_here", f"must be one of {', '.join(DECODE_HERE)}")
         for name in ("data_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):

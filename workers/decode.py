@@ -142,13 +142,15 @@ class DecodeRole(Role):
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
                 "draining": int(self.migrator is not None and self.migrator.announced_at is not None),
                 "migrated_out": self.migrator.moved if self.migrator is not None else 0,
+                # what a prefill worker decides by whether to hand a request over or decode it
+                # itself (workers/decode_peers.py), and where to place prompts
+                "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs)),
                 **(self.prompt_load() if self.takes_prompts else {})}
 
     def prompt_load(self) -> dict:
         """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
         second this worker can take in the time its decodes leave (0 below SPARE_MIN: placed
-        prompts would then lengthen every gap), the prompt tokens it holds, and its free
-        batch slots."""
+        prompts would then lengthen every gap) and the prompt tokens it holds."""
         cost = self.engine.scheduler.cost
         token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
         spare = self.spare.share
@@ -166,8 +168,7 @@ class DecodeRole(Role):
         held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
         held += sum(len(j.handoff.prompt_ids) for j in self.jobs.values()
                     if j.state is JobState.BACKLOG and j.handoff.prompt_only)
-        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(spare, 2), "prompt_backlog": held,
-                "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs))}
+        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(spare, 2), "prompt_backlog": held}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}

@@ -20,8 +20,8 @@ handoff* (no KV, no token: protocol/handoff.py) instead of prefilling it, when
 
 The decode worker's heartbeat is seconds old (a beat every ttl/3), so the placer counts
 what it sent since that beat and lets the backlog drain at the advertised rate. Only
-estimates here; no I/O but the heartbeat reads (``refresh``, at most every
-``PEERS_EVERY_S``).
+estimates here; no I/O but the heartbeat reads (``refresh``: the prefill worker's
+``DecodePeers``, read at most every 0.5 s).
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdqueue.queue.registry import list_workers
+from workers.decode_peers import DecodePeers, takes_work
 
 MIN_WAIT_S = 0.15    # a prompt that would wait less here stays here
 MARGIN = 0.7         # the remote estimate must beat the local one by this factor
-PEERS_EVERY_S = 0.5  # how often the decode workers' heartbeats are read
 MAX_PROMPT_TOKENS = 1024
 MAX_REMOTE_WAIT_S = 1.0   # a decode worker with more than this ahead gets none (both sides overloaded)
 
@@ -59,28 +58,28 @@ class Placement:
     """``mode``: ``auto`` (the rule above) or ``always`` (every short online prompt goes to a
     decode worker taking prompts while it has a free slot: tests, decode-heavy setups)."""
 
-    def __init__(self, r, keys, worker_id: str, mode: str = "auto", max_tokens: int = MAX_PROMPT_TOKENS):
-        self.r, self.keys, self.worker_id, self.mode, self.max_tokens = r, keys, worker_id, mode, max_tokens
+    def __init__(self, r, keys, worker_id: str, mode: str = "auto", max_tokens: int = MAX_PROMPT_TOKENS,
+                 peers: DecodePeers | None = None):
+        self.worker_id, self.mode, self.max_tokens = worker_id, mode, max_tokens
+        self.view = peers if peers is not None else DecodePeers(r, keys)
+        self.keys = keys
         self.peers: dict[str, Peer] = {}
         self._read_at = float("-inf")
         self.placed = 0   # prompts sent to decode workers (the heartbeat's ``placed_out``)
 
     def refresh(self, now: float) -> None:
-        """Read the decode workers' heartbeats (at most every PEERS_EVERY_S)."""
-        if now - self._read_at < PEERS_EVERY_S:
+        """The decode workers that take prompts, from the shared view's last read (read
+        again when older than its period)."""
+        self.view.refresh(now)
+        if self.view.read_at == self._read_at:
             return
-        self._read_at = now
-        try:
-            workers = list_workers(self.r, self.keys, role="decode")
-        except Exception:
-            return   # the last view stands until the next read
+        self._read_at = self.view.read_at
         wall_ms = time.time() * 1000
         peers: dict[str, Peer] = {}
-        for w in workers:
+        for w in self.view.workers:
             load = w.get("load") or {}
             tok_s = float(load.get("prompt_tok_s") or 0)
-            if (not load.get("takes_prompts") or tok_s <= 0 or w.get("switching_to") or load.get("draining")
-                    or not load.get("accepting", True)):
+            if not load.get("takes_prompts") or tok_s <= 0 or not takes_work(w):
                 continue
             beat_s = now - max(0.0, wall_ms - float(w.get("beat_ms") or wall_ms)) / 1000
             old = self.peers.get(w["worker_id"])
@@ -108,6 +107,7 @@ class Placement:
             if local is None or local < MIN_WAIT_S or best.wait_s(now, num_tokens) >= local * MARGIN:
                 return None
         best.sent.append((now, num_tokens))
+        self.view.handed_off()
         self.placed += 1
         return best.stream
 

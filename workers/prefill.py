@@ -17,6 +17,15 @@ A request here, from XADD to handoff:
       -> the blocks come back to the engine when the decode side releases the lease or it
          expires (``free_released``, before each step)
 
+Kept here (``--decode-here auto``): when every live decode worker is full (no free slot or
+no free KV, counting the handoffs sent since their beats: ``DecodePeers.room``), the online
+prompts prefilled in the next step stay in the engine after their first token and decode
+here, answered as a colocated worker answers (``publish_local``: done with ``transfer_path``
+local), cancelled or expired ones ended every ~100 ms. A handoff would only wait in the
+stream for a slot; the price is this worker's steps (its later prompts wait behind these
+decodes). Once room comes back, new requests are handed over again; the kept ones finish
+here (also on a warm stop or a switch, before the leases are served).
+
 Dropped (another worker took the entry over): aborted in the engine, no answer. A warm stop
 (or a switch to another role) takes nothing new, finishes the prefills in hand, then serves
 exported KV until every lease is gone (``drain``, at most lease + 1 s). The pool outlives
@@ -34,16 +43,16 @@ import time
 
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, encode_handoff
-from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.leases import LeaseState
 from workers.common import Every, now_ms
+from workers.decode_peers import DecodePeers
 from workers.kv_export import close_sender, make_sender, serve_leases
 from workers.placement import Placement
 from workers.role import RequestRole
 
 log = logging.getLogger("pdqueue.prefill")
 
-DECODE_NODES_EVERY_S = 1.0   # how often the registry is asked which nodes have a decode worker
+CHECK_EVERY_S = 0.1   # cancel keys and deadlines of the requests decoding here
 
 
 class PrefillRole(RequestRole):
@@ -52,9 +61,12 @@ class PrefillRole(RequestRole):
     def start(self, shell) -> None:
         super().start(shell)
         config = shell.config
+        # One read of the decode workers' heartbeats serves the handoff stream, the placement
+        # and decoding here.
+        self.peers = DecodePeers(shell.r, shell.keys)
         # Short prompts go to a decode worker taking prompts when it would answer sooner.
         if config.placement != "off":
-            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement)
+            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers)
         # The process's pool (the shell's: a switch allocates nothing), in shared memory on
         # CPU, so decode workers on this node copy from it.
         kv_cache = shell.kv_pool(shared=True)
@@ -64,8 +76,8 @@ class PrefillRole(RequestRole):
         self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True,
                                 on_rewrite=self.pool.bump_epochs if self.pool is not None else None)
         self.sender = make_sender(shell, kv_cache, self.engine.layout, nixl=config.transfer == "nixl")
-        self._decode_nodes: set[str] = set()
-        self._decode_nodes_every = Every(DECODE_NODES_EVERY_S)
+        self._check = Every(CHECK_EVERY_S)
+        self.kept = 0   # requests decoded here because no decode worker had room (heartbeat ``decoded_here``)
         log.info("prefill: node %s, kv %s, data %s, segment %s", shell.node, self.sender.endpoint,
                  self.sender.data_endpoint or "-", self.pool.name if self.pool else None)
 
@@ -76,10 +88,18 @@ class PrefillRole(RequestRole):
     def load(self) -> dict:
         return {**super().load(), "leases": len(self.sender.leases), "auth_failures": self.sender.auth_failures,
                 "placed_out": self.intake.placer.placed if self.intake.placer is not None else 0,
+                "decoded_here": self.kept,
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def housekeeping(self) -> None:
         self.free_released()
+        if self._check.due():
+            self.end_stopped({rid: it for rid, it in self.inflight.items() if it.token_times_ms})
+
+    def before_step(self) -> None:
+        """The online prompts this step may finish stay here when no decode worker has room."""
+        keep = self.shell.config.decode_here == "auto" and self.shell.accepting and self.peers.room() is False
+        self.engine.keep_decoding(keep)
 
     def free_released(self) -> None:
         """Blocks of released or expired leases go back to the engine."""
@@ -94,6 +114,10 @@ class PrefillRole(RequestRole):
         exported = False
         with self.shell.unit() as unit:
             for out in outputs:
+                if out.seq.decode_here:   # no decode worker had room: it decodes here
+                    self.kept += out.index == 0
+                    self.publish_local(unit, out, t)
+                    continue
                 it = self.inflight.pop(out.request_id)
                 req = it.request
                 unit.token(req.id, out.index, out.token_id, out.text)
@@ -116,6 +140,7 @@ class PrefillRole(RequestRole):
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
                                   prefill_end_ms=t, first_token_ms=t, cached_tokens=out.cached_tokens)
                 unit.handoff(it.stream, it.entry_id, req.id, self.handoff_stream(), encode_handoff(handoff))
+                self.peers.handed_off()
             if exported and self.pool:
                 # Before any of these tickets is out: should we die, the segment stays while
                 # their leases could still be live, for decode workers to copy from.
@@ -124,12 +149,8 @@ class PrefillRole(RequestRole):
     def handoff_stream(self) -> str:
         """This node's handoff stream when a decode worker lives on this node, else the global one."""
         shell = self.shell
-        if self._decode_nodes_every.due():
-            try:
-                self._decode_nodes = {w.get("node") for w in list_workers(shell.r, shell.keys, role="decode")}
-            except Exception:
-                pass   # the last answer stands until the next ask
-        if shell.config.transfer in ("auto", "shm") and shell.node in self._decode_nodes:
+        self.peers.refresh()
+        if shell.config.transfer in ("auto", "shm") and shell.node in self.peers.nodes:
             return shell.keys.handoff_node(shell.node)
         return shell.keys.handoff
 

@@ -27,7 +27,9 @@ import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
+from pdqueue.protocol import Completion
 from workers.admission import BatchGate
+from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake
 from workers.routing import Router, online_load
 
@@ -150,6 +152,7 @@ class RequestRole(Role):
         elif not busy:
             return False
         if self.engine.has_unfinished:
+            self.before_step()
             t0 = time.perf_counter()
             outputs = self.engine.step()
             dt = time.perf_counter() - t0
@@ -164,7 +167,49 @@ class RequestRole(Role):
         return self.shell.config.max_batch_requests
 
     def housekeeping(self) -> None:
-        """Chores before each step (none by default)."""
+        """Chores before each step's reads (none by default)."""
+
+    def before_step(self) -> None:
+        """Right before the engine steps, after the reads (nothing by default)."""
+
+    def end_stopped(self, among: dict[str, Admitted]) -> None:
+        """Requests among ``among`` that were cancelled or are past their deadline end at once
+        (blocks freed, done published with what they have so far)."""
+        stopped = self.shell.to_stop({rid: it.request for rid, it in among.items()})
+        t = now_ms()
+        with self.shell.unit() as unit:
+            for rid, reason in stopped.items():
+                it = self.inflight.pop(rid)
+                output = self.engine.abort(rid, reason.value).output_ids
+                unit.done(it.stream, it.entry_id, Completion(
+                    rid, self.shell.loaded.tokenizer.decode(output), tuple(output), reason,
+                    num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
+                    prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"))
+
+    def publish_local(self, unit, out, t: float) -> None:
+        """One token of a request decoded here, from its first to its last (the done, with
+        ``transfer_path`` local)."""
+        it = self.inflight[out.request_id]
+        if it.token_times_ms:
+            self.shell.metrics.token_gap(t - it.token_times_ms[-1])
+        else:
+            self.shell.metrics.first_token(t - it.request.enqueued_ms, len(it.prompt_ids))
+            self.router.advertise(unit, out.seq)
+        it.token_times_ms.append(t)
+        unit.token(out.request_id, out.index, out.token_id, out.text)
+        if out.finished:
+            del self.inflight[out.request_id]
+            self.router.advertise(unit, out.seq, whole=True)
+            req = it.request
+            p50, pmax = tbt_stats(it.token_times_ms)
+            first = it.token_times_ms[0]
+            unit.done(it.stream, it.entry_id, Completion(
+                req.id, out.full_text or "", tuple(out.seq.output_ids), out.finish_reason,
+                num_prompt_tokens=len(it.prompt_ids), ttft_ms=first - req.enqueued_ms,
+                queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
+                decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+                prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id,
+                transfer_path="local", cached_tokens=out.cached_tokens))
 
     @abstractmethod
     def publish(self, outputs) -> None:

@@ -5,7 +5,9 @@ disaggregated workers use the same engine in two roles:
 
 - prefill (``prefill_only=True``): a sequence whose step produces its first token leaves the
   engine at once; its blocks are *detached* (not freed) and handed to the caller, who
-  exports them under a lease and returns them with ``free_blocks`` when the lease ends.
+  exports them under a lease and returns them with ``free_blocks`` when the lease ends;
+  one marked ``decode_here`` (``keep_decoding``: no decode worker has room) stays and
+  decodes like a colocated engine's.
 - decode: ``add_prefilled`` admits a sequence whose prompt KV was copied into blocks that
   ``reserve`` allocated for it; from then on it decodes like any other.
 
@@ -162,6 +164,18 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def keep_decoding(self, keep: bool) -> list[str]:
+        """Prefill role: whether the online sequences still prefilling decode here after their
+        first token (True) or leave with it (False), as decided before each step; returns the
+        ids of those marked to stay."""
+        kept = []
+        for seq in self._seqs.values():
+            if seq.num_output_tokens == 0 and not seq.background:
+                seq.decode_here = keep
+                if keep:
+                    kept.append(seq.request_id)
+        return kept
+
     def can_reserve(self, num_tokens: int, background: bool = False) -> bool:
         """Whether ``reserve`` has a slot and the blocks (a background sequence, one of its
         own slots: scheduler.py)."""
@@ -283,7 +297,7 @@ class LLMEngine:
             out.text += text.flush()
             out.full_text = text.text
             self._finish(seq, reason)
-        elif self.prefill_only:
+        elif self.prefill_only and not seq.decode_here:
             # The first token is out: hand the sequence and its KV to the caller.
             out.detached_blocks = self.block_manager.detach(seq)
             self.scheduler.remove(seq)

@@ -45,6 +45,7 @@ class Sequence:
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
         self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (scheduler.py)
         self.background = background   # the batch class: yields to the others (scheduler.py)
+        self.decode_here = False       # prefill engine: keep decoding it after its first token
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -11,7 +11,7 @@ import click
 
 from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import ROLES
-from workers.common import PLACEMENTS, ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
+from workers.common import DECODE_HERE, PLACEMENTS, ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
 from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
                                 check_model, engine_options, load, model_option, redis_security_options)
 
@@ -121,6 +121,9 @@ def limit_options(f):
               help="Prefill: where short prompts are prefilled. auto: on a decode worker started with "
                    "--take-prompts when its first token would come sooner there (by both workers' measured step "
                    "costs); always: there whenever it has a free slot; off: here.")
+@click.option("--decode-here", type=click.Choice(DECODE_HERE), default=config_default("decode_here"), show_default=True,
+              help="Prefill: auto decodes a request in this worker, after its first token, when every live decode "
+                   "worker is full (no free slot or KV); off always hands it over (it waits for room).")
 @click.option("--worker-id", default=None, help="Consumer name (a restart with the same id resumes its work).")
 @click.option("--burst", is_flag=True, help="Exit when there is nothing left to do.")
 @click.option("--switchable", is_flag=True,
@@ -147,7 +150,7 @@ def limit_options(f):
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
            tbt_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement,
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement, decode_here,
            worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
@@ -168,7 +171,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
                           reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s,
-                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts, placement=placement,
+                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts, placement=placement, decode_here=decode_here,
                           worker_id=worker_id, burst=burst, switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
