@@ -225,6 +225,39 @@ def test_a_classed_request_whose_deadline_passes_while_it_waits_in_the_engine_is
     assert [f[b"code"] for f in dead] == [b"deadline_exceeded"]
 
 
+def test_a_prefill_worker_refuses_a_classed_request_whose_deadline_passes_in_its_engine(cluster):
+    """A prefill worker with a 1 MB pool (2048 tokens) and no decode worker: a 1500-token
+    prompt is prefilled and its KV stays held under its lease (10 s) for a decode worker;
+    a standard request with a 1000-token prompt then waits in the engine for blocks. Its 1 s
+    deadline passes there: it is answered deadline_exceeded within a second of it, with no
+    token, while the lease still holds the pool."""
+    from pdqueue.client import RequestFailed
+
+    cluster.start("prefill", *FAST, "--kv-cache-mb", "1", "--routing", "off", "--placement", "off", worker_id="p0")
+    client = Client(cluster.redis_url)
+    held = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(1500)], max_tokens=4, temperature=0.0,
+                         service_class="standard")
+    next(held.stream(timeout=60))   # prefilled: its blocks are now the lease's
+    deadline_ms = 1000
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(1000)], max_tokens=4, temperature=0.0,
+                         deadline_ms=deadline_ms, service_class="standard")
+    with pytest.raises(RequestFailed) as failed:
+        late.result(timeout=30)
+    waited = time.time() * 1000 - entry_id_ms(late.entry_id)
+    assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
+    assert "before the first token" in failed.value.reason, failed.value.reason
+    assert deadline_ms <= waited < deadline_ms + 1000, waited
+    assert all(f[b"type"] != b"token" for _, f in cluster.r.xrange(KEYS.out(late.request_id)))
+    assert cluster.workers()["p0"]["load"]["leases"] == 1   # the pool was still held: it waited in the engine
+
+
+def test_the_gateway_answers_deadline_exceeded_as_a_timeout():
+    from pdqueue.frontends.openai_compat import worker_error
+
+    error = worker_error("deadline_exceeded", "deadline passed before the first token (12 ms ago)")
+    assert error.status == 504 and error.code == "deadline_exceeded" and "12 ms ago" in error.message
+
+
 def test_routing_weighs_a_peer_by_its_online_work_only(tiny):
     """Batch work yields to online work wherever it runs, so cache-aware routing compares
     online requests (the heartbeat's ``online``; running + waiting from a worker without it)."""
