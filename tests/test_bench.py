@@ -158,3 +158,57 @@ def _log_in(pid: str, marker: str) -> bool:
         return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(marker) for fd in os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return False
+
+
+TWO_TENANTS = """
+[tenants.chat]
+api_keys = ["sk-chat"]
+requests_per_s = 50
+
+[tenants.flood]
+api_keys = ["sk-flood"]
+requests_per_s = 2
+burst_s = 1
+"""
+
+
+def test_serve_two_tenants_reports_each_tenants_figures_and_they_add_up(tmp_path):
+    """A tenants run on the tiny model: a gateway with two tenants in front of 1 prefill + 1
+    decode worker; chat sends 4 req/s within its limit, flood 20 req/s against its 2 req/s
+    limit, for 2 s. Per tenant: sent = answered + 429s + failed, each tenant sent what its
+    rate gives, flood's excess refused with 429 and none of chat's; TTFT figures for both."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TWO_TENANTS)
+    result = pdqueue("bench", "serve", "--model", "tiny", "--modes", "disagg", "--tenants", str(tenants),
+                     "--tenant-rates", "chat=4,flood=20", "--duration", "2", "--warmup", "1", "--json",
+                     "--out", str(tmp_path / "out"))
+    assert result["kind"] == "tenants" and result["tenant_rates"] == {"chat": 4, "flood": 20}
+    figures = result["modes"]["disagg"]["tenants"]
+    assert set(figures) == {"chat", "flood"}
+    for name, f in figures.items():
+        assert f["sent"] == f["answered"] + f["rate_limited"] + f["failed"], (name, f)
+        assert f["admitted"] == f["sent"] - f["rate_limited"], (name, f)
+        assert f["failed"] == 0, (name, f["errors"])
+        assert f["ttft_ms"]["n"] == f["answered"] > 0 and 0 < f["ttft_ms"]["p50"] <= f["ttft_ms"]["p99"], (name, f)
+        assert 0 <= f["slo_met"] <= f["admitted"] and f["slo_attainment"] == pytest.approx(f["slo_met"] / f["admitted"],
+                                                                                           abs=1e-3)
+        assert isinstance(f["ttft_p99_within_slo"], bool)
+    assert figures["chat"]["sent"] == 8 and figures["flood"]["sent"] == 40     # rate x duration each
+    assert figures["chat"]["rate_limited"] == 0 and figures["chat"]["answered"] == 8
+    # flood: its bucket (2 at once, then 2 a second) lets in about 2 + 2 x 2 s of its 40
+    assert figures["flood"]["rate_limited"] >= 25 and figures["flood"]["answered"] >= 2, figures["flood"]
+    assert (tmp_path / "out" / "serve.json").exists()
+
+
+def test_serve_tenant_options_are_checked(tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(TWO_TENANTS)
+    for args, says in ((("--tenant-rates", "chat=1,flood=5"), "needs --duration"),
+                       (("--tenant-rates", "chat=1,bob=5", "--duration", "2"), "'bob' is not a tenant of"),
+                       (("--tenant-rates", "chat=0", "--duration", "2"), "expected TENANT=RATE with a rate > 0"),
+                       (("--tenant-rates", "chat=1", "--duration", "2", "--num-requests", "4"),
+                        "cannot be combined with --num-requests")):
+        proc = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny",
+                               "--tenants", str(tenants), *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode != 0 and says in proc.stderr, (args, proc.stderr[-500:])

@@ -203,6 +203,31 @@ def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
     report_flips("tiny TBT budget", flips, len(prompts))
 
 
+def test_tiny_deadline_order_changes_which_step_starts_a_prompt_not_its_tokens(tiny):
+    """Requests added in the reverse order of their deadlines, under a budget that admits one
+    prompt a step: their first tokens come in deadline order, and every answer is the
+    colocated engine's (prefill_first, arrival order), token for token."""
+    prompts = tiny_prompts(lens=[40, 33, 47, 38, 45], seed=27)
+    params = [sampled(12, seed=70 + i, ignore_eos=True) for i in range(len(prompts))]
+    first = engine(tiny, policy="prefill_first").generate(prompts, params)
+    eng = engine(tiny, policy="prefill_first", max_num_batched_tokens=48, num_blocks=256)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    deadlines = {rid: 1000.0 * (len(ids) - i) for i, rid in enumerate(ids)}   # the last one comes first
+    for rid, p, q in zip(ids, prompts, params):
+        eng.add_request(rid, p, q, rank=1, deadline_ms=deadlines[rid])
+    results = {rid: [] for rid in ids}
+    first_tokens = []
+    while eng.has_unfinished:
+        for out in eng.step():
+            if out.index == 0:
+                first_tokens.append(out.request_id)
+            results[out.request_id].append(out.token_id)
+    assert first_tokens == sorted(ids, key=deadlines.get) == ids[::-1]
+    flips = assert_all_same(tiny, prompts, first, [results[rid] for rid in ids], params,
+                            label="tiny arrival order vs deadline order")
+    report_flips("tiny deadline order", flips, len(prompts))
+
+
 @pytest.mark.slow
 def test_smollm2_policies_agree(smollm2, smol_runs):
     prompts, params, first = smol_runs  # prefill_first

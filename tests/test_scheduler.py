@@ -361,3 +361,53 @@ def test_beside_foreground_work_background_decodes_take_turns():
         run_step(batch)
     grown = {s.request_id: s.num_output_tokens - counts[s.request_id] for s in bgs}
     assert set(grown.values()) == {steps * BACKGROUND_ROWS // len(bgs)}, grown   # in turn: as many each
+
+
+# ---- the waiting order: class, then deadline (issue 27) ---------------------------------------
+def classed(rid, n, deadline_ms=None, rank=1, background=False):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), background=background,
+                    rank=rank, deadline_ms=deadline_ms)
+
+
+def test_waiting_prompts_of_one_class_are_ordered_by_deadline_those_without_one_last():
+    sch, _ = make()
+    for s in (classed("none1", 4), classed("late", 4, 900.0), classed("early", 4, 100.0),
+              classed("none2", 4), classed("mid", 4, 500.0), classed("mid2", 4, 500.0)):
+        sch.add(s)
+    # earliest deadline first; equal deadlines and no deadline in arrival order
+    assert [s.request_id for s in sch.waiting] == ["early", "mid", "mid2", "late", "none1", "none2"]
+
+
+def test_class_comes_before_deadline_and_foreground_before_background():
+    sch, _ = make()
+    for s in (classed("batch-early", 4, 1.0, rank=2, background=True), classed("std-early", 4, 10.0, rank=1),
+              classed("inter-none", 4, None, rank=0), classed("inter-late", 4, 50.0, rank=0),
+              classed("batch-none", 4, None, rank=2, background=True), classed("std-none", 4, rank=1)):
+        sch.add(s)
+    assert [s.request_id for s in sch.waiting] == [
+        "inter-late", "inter-none", "std-early", "std-none", "batch-early", "batch-none"]
+
+
+def test_prompts_are_admitted_in_deadline_order_one_per_step_under_a_small_budget():
+    """prefill_first with a budget that holds one prompt: the prompts start one a step, the
+    earliest deadline first, whatever order they came in."""
+    sch, _ = make(budget=6, num_blocks=64)
+    for rid, deadline in (("c", 300.0), ("b", 200.0), ("a", 100.0)):
+        sch.add(classed(rid, 5, deadline))
+    started = []
+    for _ in range(3):
+        batch = sch.schedule()
+        assert len(batch) == 1 and batch[0][1] == 5
+        started.append(batch[0][0].request_id)
+        run_step(batch)
+    assert started == ["a", "b", "c"]
+
+
+def test_a_preempted_sequence_still_goes_ahead_of_new_prompts_with_earlier_deadlines():
+    sch, _ = make(policy="chunked", num_blocks=64, budget=64)
+    started = classed("started", 4, None)
+    sch.add(started)
+    run_step(sch.schedule())
+    sch._preempt(started)                       # its tokens are out: it resumes first
+    sch.add(classed("urgent", 4, 1.0))
+    assert [s.request_id for s in sch.waiting] == ["started", "urgent"]

@@ -16,7 +16,7 @@ from pdqueue.keys import Keys
 from pdqueue.protocol import (ErrorCode, Priority, Request, RequestError, ServiceClass, entry_id_ms, parse_request,
                               request_to_fields)
 from tests.cluster import Cluster
-from tests.helpers import FAST, mixed_prompts, oracle
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for
 from tests.oracle import assert_same_tokens
 from workers.admission import STARVE_TAKE, BatchGate
 from workers.routing import _load_of, online_load
@@ -134,6 +134,128 @@ def test_a_classed_request_past_its_deadline_is_refused_and_an_old_one_expires(c
         classed.result(timeout=120)
     assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
     assert old.result(timeout=120).finish_reason == "expired"
+
+
+# ---- deadlines inside a class: the engine's waiting order, and a deadline passed while waiting ------
+def submit_together(client, specs):
+    """XADD ``specs`` (build_request arguments) in one MULTI/EXEC, so that a worker's read
+    takes them all at once (then they wait in its engine together)."""
+    from pdqueue.client import RequestHandle, build_request
+
+    reqs = [build_request(**spec) for spec in specs]
+    with client.redis.pipeline(transaction=True) as pipe:
+        for req in reqs:
+            pipe.xadd(KEYS.request_stream_for(req.cls), request_to_fields(req))
+        entry_ids = pipe.execute()
+    return [RequestHandle(client, req.id, eid.decode()) for req, eid in zip(reqs, entry_ids)]
+
+
+def test_requests_of_one_class_start_in_deadline_order_not_arrival_order(cluster, tiny):
+    """A colocated worker busy with a long request and a prompt budget that admits one prompt
+    a step; five standard requests arrive together, their deadlines in the reverse order of
+    their arrival. They start (first token, done: max_tokens 1) earliest deadline first, each
+    answer the colocated engine's token for token, and the long one's too."""
+    cluster.start("colocated", *FAST, "--max-batched-tokens", "48", "--routing", "off", worker_id="c0")
+    client = Client(cluster.redis_url)
+    long_prompt = [(7 * i) % 250 + 3 for i in range(60)]
+    long_params = {"max_tokens": 150, "temperature": 0.8, "seed": 5, "ignore_eos": True}
+    long = client.submit(prompt_ids=long_prompt, **long_params)
+    next(long.stream(timeout=60))                      # it runs: its first token is out
+    n = 5
+    prompts = [[(13 * i + 5 * k) % 250 + 3 for i in range(40)] for k in range(n)]
+    deadlines = [60_000 - 10_000 * k for k in range(n)]   # arrival order: latest deadline first
+    specs = [{"prompt_ids": p, "max_tokens": 1, "temperature": 0.8, "seed": 40 + k, "deadline_ms": d,
+              "service_class": "standard"} for k, (p, d) in enumerate(zip(prompts, deadlines))]
+    handles = submit_together(client, specs)
+    results = [h.result(timeout=60) for h in handles]
+    long_result = long.result(timeout=120)
+    assert long_result.finish_reason == "length" and len(long_result.token_ids) == 150
+    by_deadline = [h.request_id for _, h in sorted(zip(deadlines, handles), key=lambda x: x[0])]
+    done_order = [f[b"id"].decode() for _, f in cluster.r.xrange(KEYS.done)]
+    assert [rid for rid in done_order if rid in set(by_deadline)] == by_deadline   # not arrival order
+    first_token_ms = {h.request_id: entry_id_ms(h.entry_id) + res.ttft_ms for h, res in zip(handles, results)}
+    assert [first_token_ms[rid] for rid in by_deadline] == sorted(first_token_ms.values()), first_token_ms
+    from pdqueue.engine.sampling import SamplingParams
+
+    for spec, res, h in zip(specs, results, handles):
+        sp = SamplingParams(max_tokens=1, temperature=0.8, seed=spec["seed"])
+        [expected] = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16)).generate([spec["prompt_ids"]], sp)
+        assert_same_tokens(tiny, spec["prompt_ids"], expected, list(res.token_ids), sp)
+    long_sp = SamplingParams(**long_params)
+    [expected] = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16)).generate([long_prompt], long_sp)
+    assert_same_tokens(tiny, long_prompt, expected, list(long_result.token_ids), long_sp)
+
+
+def test_a_classed_request_whose_deadline_passes_while_it_waits_in_the_engine_is_refused_at_once(cluster):
+    """A 1 MB pool (2048 tokens) held by a long request (600 prompt tokens, 1400 more to
+    come); a standard request whose 1500-token prompt cannot get its blocks waits in the
+    engine. Its 1 s deadline passes there: it is answered deadline_exceeded within about a
+    step of it, long before the long request ends, and leaves the engine (waiting back to 0
+    in the heartbeat); the long request runs on to its end, and a request without a deadline
+    queued behind the refused one then runs."""
+    from pdqueue.client import RequestFailed
+
+    cluster.start("colocated", *FAST, "--kv-cache-mb", "1", "--routing", "off", worker_id="c0")
+    client = Client(cluster.redis_url)
+    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(600)], max_tokens=1400, temperature=0.0,
+                         ignore_eos=True, service_class="interactive")
+    next(long.stream(timeout=60))
+    deadline_ms = 1000
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(1500)], max_tokens=4, temperature=0.0,
+                         deadline_ms=deadline_ms, service_class="standard")
+    after = client.submit(prompt_ids=[11] * 30, max_tokens=3, temperature=0.0, service_class="standard")
+    with pytest.raises(RequestFailed) as failed:
+        late.result(timeout=30)
+    refused_ms = time.time() * 1000
+    assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
+    assert "before the first token" in failed.value.reason, failed.value.reason
+    waited = refused_ms - entry_id_ms(late.entry_id)
+    assert deadline_ms <= waited < deadline_ms + 1000, waited   # promptly: not when the long one ends
+    assert all(f[b"type"] != b"done" for _, f in cluster.r.xrange(KEYS.out(long.request_id))), \
+        "the long request ended first: the refusal was not prompt"
+    assert all(f[b"type"] != b"token" for _, f in cluster.r.xrange(KEYS.out(late.request_id)))   # nothing computed
+    # It left the engine: the request queued behind it is read and answered while the long one still runs.
+    assert after.result(timeout=60).finish_reason == "length"
+    assert long.result(timeout=120).finish_reason == "length"
+    done_order = [f[b"id"].decode() for _, f in cluster.r.xrange(KEYS.done)]
+    assert done_order.index(after.request_id) < done_order.index(long.request_id), done_order
+    wait_for(lambda: cluster.workers()["c0"]["load"]["kv_free"] == cluster.workers()["c0"]["load"]["kv_total"],
+             timeout=10, what="every block back in the pool")
+    dead = [f for _, f in cluster.r.xrange(KEYS.dead) if f.get(b"field:id") == late.request_id.encode()]
+    assert [f[b"code"] for f in dead] == [b"deadline_exceeded"]
+
+
+def test_a_prefill_worker_refuses_a_classed_request_whose_deadline_passes_in_its_engine(cluster):
+    """A prefill worker with a 1 MB pool (2048 tokens) and no decode worker: a 1500-token
+    prompt is prefilled and its KV stays held under its lease (10 s) for a decode worker;
+    a standard request with a 1000-token prompt then waits in the engine for blocks. Its 1 s
+    deadline passes there: it is answered deadline_exceeded within a second of it, with no
+    token, while the lease still holds the pool."""
+    from pdqueue.client import RequestFailed
+
+    cluster.start("prefill", *FAST, "--kv-cache-mb", "1", "--routing", "off", "--placement", "off", worker_id="p0")
+    client = Client(cluster.redis_url)
+    held = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(1500)], max_tokens=4, temperature=0.0,
+                         service_class="standard")
+    next(held.stream(timeout=60))   # prefilled: its blocks are now the lease's
+    deadline_ms = 1000
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(1000)], max_tokens=4, temperature=0.0,
+                         deadline_ms=deadline_ms, service_class="standard")
+    with pytest.raises(RequestFailed) as failed:
+        late.result(timeout=30)
+    waited = time.time() * 1000 - entry_id_ms(late.entry_id)
+    assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
+    assert "before the first token" in failed.value.reason, failed.value.reason
+    assert deadline_ms <= waited < deadline_ms + 1000, waited
+    assert all(f[b"type"] != b"token" for _, f in cluster.r.xrange(KEYS.out(late.request_id)))
+    assert cluster.workers()["p0"]["load"]["leases"] == 1   # the pool was still held: it waited in the engine
+
+
+def test_the_gateway_answers_deadline_exceeded_as_a_timeout():
+    from pdqueue.frontends.openai_compat import worker_error
+
+    error = worker_error("deadline_exceeded", "deadline passed before the first token (12 ms ago)")
+    assert error.status == 504 and error.code == "deadline_exceeded" and "12 ms ago" in error.message
 
 
 def test_routing_weighs_a_peer_by_its_online_work_only(tiny):

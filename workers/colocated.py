@@ -11,7 +11,9 @@ A request here, from XADD to done:
                    (once: ack_and_write) with done on out:<id> and its copy on ``done``
                    (``transfer_path`` local)
       -> stop:     every ~100 ms, cancelled or expired requests end at once (blocks freed)
-                   with a done entry of reason cancelled/expired
+                   with a done entry of reason cancelled/expired; before every step, a
+                   classed request past its deadline with no token out yet is answered
+                   deadline_exceeded (``RequestRole.refuse_late``)
 
 Dropped (another worker took the entry over): aborted, no answer.
 

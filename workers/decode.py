@@ -46,7 +46,8 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff,
+                              request_to_fields)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -301,7 +302,7 @@ class DecodeRole(Role):
             if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1, background):
                 break
             if h.request.expired(now_ms()):
-                self.answer_done(job, h.output_ids, FinishReason.EXPIRED)
+                self.answer_expired(job, h.output_ids)
             elif self.shell.cancelled([h.request.id]):
                 self.answer_done(job, h.output_ids, FinishReason.CANCELLED)
             elif h.prompt_only:
@@ -362,7 +363,8 @@ class DecodeRole(Role):
         h = job.handoff
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t), t, JobState.RUNNING
-        self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background)
+        self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background,
+                                rank=h.request.rank, deadline_ms=h.request.deadline_at_ms)
         self.shell.metrics.prefilled_placed(len(h.prompt_ids))
 
     # ---- recompute: -> RUNNING | answered ------------------------------------------------------
@@ -380,7 +382,8 @@ class DecodeRole(Role):
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids,
-                                background=h.request.background)
+                                background=h.request.background, rank=h.request.rank,
+                                deadline_ms=h.request.deadline_at_ms)
 
     # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:
@@ -390,7 +393,26 @@ class DecodeRole(Role):
         running = {job.request_id: job.handoff.request for job in self.in_state(JobState.RUNNING)}
         for rid, reason in self.shell.to_stop(running).items():
             seq = self.engine.abort(rid, reason.value)
-            self.answer_done(self.jobs[rid], seq.output_ids, reason)
+            if reason is FinishReason.EXPIRED:
+                self.answer_expired(self.jobs[rid], seq.output_ids)
+            else:
+                self.answer_done(self.jobs[rid], seq.output_ids, reason)
+
+    def answer_expired(self, job: Job, output_ids) -> None:
+        """Past its deadline: a classed prompt handoff with no token out yet (placed here,
+        workers/placement.py) gets the error ``deadline_exceeded``, as it would on a
+        colocated or prefill worker (``RequestRole.refuse_late``); anything else ends
+        ``done``/``expired`` with its tokens so far."""
+        h = job.handoff
+        if not (h.prompt_only and h.request.service_class is not None and not job.token_times_ms):
+            self.answer_done(job, output_ids, FinishReason.EXPIRED)
+            return
+        del self.jobs[job.request_id]
+        t = now_ms()
+        with self.shell.unit() as unit:
+            unit.reject(job.stream, job.entry_id, request_to_fields(h.request), h.request.id,
+                        f"deadline passed before the first token ({t - h.request.deadline_at_ms:.0f} ms ago; "
+                        f"placed on worker {self.shell.worker_id})", ErrorCode.DEADLINE_EXCEEDED)
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:

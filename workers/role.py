@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import Completion
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, request_to_fields
 from workers.admission import BatchGate
 from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake
@@ -134,7 +134,30 @@ class RequestRole(Role):
         if entries:
             self.accept(entries, resumed=False)
 
+    def refuse_late(self) -> int:
+        """Classed requests in hand whose deadline passed before their first token (waiting
+        in the engine, or still prefilling) are answered now with the error
+        ``deadline_exceeded`` and leave the engine, their blocks freed: one that cannot meet
+        its deadline is not computed late. (Once its tokens are out, a request past its
+        deadline ends ``done``/``expired`` with them, as an old producer's does; a request
+        without a class too.) Returns how many it refused."""
+        t = now_ms()
+        late = [rid for rid, it in self.inflight.items()
+                if it.request.service_class is not None and not it.token_times_ms and it.request.expired(t)]
+        if not late:
+            return 0
+        with self.shell.unit() as unit:
+            for rid in late:
+                it = self.inflight.pop(rid)
+                self.engine.abort(rid, FinishReason.EXPIRED)   # its blocks go back to the pool
+                unit.reject(it.stream, it.entry_id, request_to_fields(it.request), rid,
+                            f"deadline passed before the first token "
+                            f"({t - it.request.deadline_at_ms:.0f} ms ago; it waited {t - it.read_ms:.0f} ms "
+                            f"in worker {self.shell.worker_id})", ErrorCode.DEADLINE_EXCEEDED)
+        return len(late)
+
     def step(self) -> bool:
+        self.refuse_late()
         self.housekeeping()
         self.router.refresh()
         busy = self.engine.has_unfinished

@@ -50,6 +50,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
     gets the result so far after each mode (a later mode that fails loses nothing)."""
     if settings.openai_url:
         return _run_openai(settings, progress, on_mode)
+    if settings.tenants_path:
+        return _run_tenants(settings, launcher, progress, log_dir, on_mode)
     import redis
 
     from pdqueue.queue.redis_server import RedisServer
@@ -89,6 +91,74 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
     else:
         result["claim"] = claim(result)
     return result
+
+
+def _run_tenants(settings: Settings, launcher: Launcher, progress, log_dir: Path | None, on_mode) -> dict:
+    """Each mode's workers with a gateway (``--tenants FILE``) in front; each tenant's own
+    Poisson load through it with its key (serve_tenants.py); figures per tenant."""
+    import redis
+
+    from pdqueue.bench.serve_tenants import tenant_figures, tenant_keys
+    from pdqueue.queue.redis_server import RedisServer
+
+    try:
+        keys = tenant_keys(settings.tenants_path, settings.tenant_rates)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    try:
+        server = RedisServer().start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise BenchError(f"cannot start a Redis server: {exc}") from None
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdq-bench-serve-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = {"bench": "serve", "kind": "tenants", "model": settings.model, "tenants_file": settings.tenants_path,
+              "tenant_rates": dict(settings.tenant_rates), "duration_s": settings.duration_s,
+              "slo": {"ttft_ms": settings.slo_ttft_ms, "tbt_ms": settings.slo_tbt_ms},
+              "workload": workload_dict(settings), "log_dir": str(log_dir), "modes": {}}
+    try:
+        for index, mode in enumerate(settings.modes):
+            with redis.Redis.from_url(server.url) as r:
+                r.flushall()
+            progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model}) "
+                     f"and a gateway with {settings.tenants_path}")
+            running = launcher(mode_workers(mode, settings), model=settings.model, redis_url=server.url,
+                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode,
+                               tenants=settings.tenants_path)
+            try:
+                records = asyncio.run(_measure_tenants(settings, mode, server.url, f"bench{index}",
+                                                       running.gateway_url, keys, progress))
+            finally:
+                progress(f"{mode}: stopping the gateway and the workers")
+                running.stop()
+            result["modes"][mode] = {"gateway": running.gateway_url, "tenants": tenant_figures(records, settings)}
+            if on_mode is not None:
+                on_mode(result)
+    finally:
+        server.stop()
+    return result
+
+
+async def _measure_tenants(settings: Settings, mode: str, url: str, cluster: str, gateway_url: str,
+                           keys: dict[str, str], progress) -> list:
+    from pdqueue.bench.serve_tenants import plan_tenant_requests
+    from pdqueue.client import AsyncClient
+
+    beside = MODES[mode].beside
+    stop = beside(settings, url, cluster) if beside is not None else None
+    try:
+        if settings.warmup:   # straight to the cluster: the warm-up is no tenant's, and spends no bucket
+            progress(f"{mode}: {settings.warmup} warm-up requests")
+            async with AsyncClient(url, cluster) as direct:
+                await run_requests(direct, warmup_requests(settings), settings.drain_timeout_s)
+        plan = plan_tenant_requests(settings)
+        first = next(iter(keys.values()))
+        async with OpenAIClient(gateway_url, None, first, tenant_keys=keys) as client:
+            progress(f"{mode}: {len(plan)} requests over {settings.duration_s:g} s through {gateway_url}, "
+                     + ", ".join(f"{name} at {rate:g} req/s" for name, rate in settings.tenant_rates))
+            return await run_requests(client, plan, settings.drain_timeout_s, log=progress)
+    finally:
+        if stop is not None:
+            stop()
 
 
 def _run_openai(settings: Settings, progress, on_mode) -> dict:

@@ -24,6 +24,7 @@ class Record:
     finished: float | None = None
     completion: object | None = None
     error: str | None = None
+    http_status: int | None = None                  # an OpenAI server's refusal (429, 503, ...)
 
 
 async def send_one(client, planned: Planned, seed: int, record: Record, timeout_s: float | None = None) -> Record:
@@ -66,7 +67,9 @@ class OpenAIClient:
     a server that puts several tokens in one chunk (pdqueue's gateway sends what one read of
     ``out:<id>`` brought) shows fewer, longer gaps than it has tokens."""
 
-    def __init__(self, url: str, model: str | None, api_key: str | None):
+    def __init__(self, url: str, model: str | None, api_key: str | None, tenant_keys: dict[str, str] | None = None):
+        """``tenant_keys``: a request whose ``Planned.tenant`` is named here is sent with that
+        key (a tenants run); the others with ``api_key``."""
         from urllib.parse import urlsplit
 
         parts = urlsplit(url)
@@ -75,6 +78,7 @@ class OpenAIClient:
         self.url, self.host, self.port = url.rstrip("/"), parts.hostname, parts.port or 80
         self.base = parts.path.rstrip("/")
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.tenant_auth = {name: f"Authorization: Bearer {key}\r\n" for name, key in (tenant_keys or {}).items()}
         self.model = model
 
     async def __aenter__(self) -> "OpenAIClient":
@@ -93,9 +97,10 @@ class OpenAIClient:
     async def __aexit__(self, *exc) -> None:
         pass
 
-    async def _open(self, method: str, path: str, body: bytes = b""):
+    async def _open(self, method: str, path: str, body: bytes = b"", auth: str | None = None):
         reader, writer = await asyncio.open_connection(self.host, self.port)
-        head = (f"{method} {self.base}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.auth}"
+        auth = self.auth if auth is None else auth
+        head = (f"{method} {self.base}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{auth}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         writer.write(head.encode() + body)
         await writer.drain()
@@ -137,9 +142,11 @@ class OpenAIClient:
 
         async def stream() -> int:
             tokens, buffer = 0, b""
-            reader, writer, status, chunked = await self._open("POST", "/v1/completions", body)
+            reader, writer, status, chunked = await self._open("POST", "/v1/completions", body,
+                                                               self.tenant_auth.get(planned.tenant))
             try:
                 if status != 200:
+                    record.http_status = status
                     error = b"".join([piece async for piece in self._body(reader, chunked)])
                     raise RuntimeError(f"HTTP {status}: {error[:200]!r}")
                 async for piece in self._body(reader, chunked):

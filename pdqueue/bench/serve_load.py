@@ -90,6 +90,8 @@ class Settings:
     api_key: str | None = None
     batch_lines: int = 0               # batch-class requests queued at each rate's start (serve_batch.py)
     batch_max_tokens: int = 32
+    tenants_path: str | None = None    # a gateway with this tenants file in front of each mode (serve_tenants.py)
+    tenant_rates: tuple[tuple[str, float], ...] = ()   # (tenant, req/s) of each tenant's load
 
     @classmethod
     def for_model(cls, model: str, *, long_fraction: float = 0.25, slo_ttft_ms: float | None = None,
@@ -124,6 +126,7 @@ class Planned:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     phase: int = -1        # index into Settings.phases, in a phased run
+    tenant: str = ""       # whose API key sends it, in a tenants run (serve_tenants.py)
 
 
 def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Planned]:

@@ -141,12 +141,15 @@ def mode_workers(mode: str, settings: "Settings") -> Workers:
 
 
 class Running(Protocol):
+    gateway_url: str | None   # the gateway's base URL, when one was asked for (``tenants``)
+
     def stop(self) -> None: ...
 
 
 class Launcher(Protocol):
     def __call__(self, workers: Workers, *, model: str, redis_url: str, cluster: str,
-                 kv_cache_mb: int, log_dir: Path) -> Running:
+                 kv_cache_mb: int, log_dir: Path, tenants: str | None = None) -> Running:
         """Start the worker processes (one torch thread each) and return once all have
-        registered; raise ``BenchError`` if one fails."""
+        registered; raise ``BenchError`` if one fails. ``tenants``: also a gateway
+        (`pdqueue serve --tenants FILE`) on a free port, its URL in ``gateway_url``."""
 

@@ -151,15 +151,19 @@ class LLMEngine:
         return None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] | None = None, background: bool = False) -> Sequence:
+                    output_ids: list[int] | None = None, background: bool = False, rank: int = 0,
+                    deadline_ms: float | None = None) -> Sequence:
         """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute);
-        ``background``: the batch class, which yields to the others (scheduler.py)."""
+        ``background``: the batch class, which yields to the others; ``rank`` (the service
+        class's, 0 first) and ``deadline_ms`` (epoch ms, None: none): where it waits among
+        the others (scheduler.py)."""
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in the engine")
         reason = self.check_prompt(len(prompt_ids) + len(output_ids or ()))
         if reason:
             raise ValueError(reason)
-        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background)
+        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background, rank=rank,
+                       deadline_ms=deadline_ms)
         self._track(seq, output_ids or [])
         self.scheduler.add(seq)
         return seq

@@ -43,6 +43,12 @@ the others leave, and give it back at the next step:
   KV: nothing is recomputed;
 - preemption: the newest background sequence goes before any foreground one.
 
+**The waiting order** (``waiting_key``): foreground before background; a preempted sequence
+before new ones; then the service class's rank (``Sequence.rank``: interactive before
+standard); then the deadline (``Sequence.deadline_ms``), the earliest first, those without
+one last; then arrival. Admission takes the head of the queue while it fits, so prompts
+start in that order (their tokens are the same in any order: per-row batch invariance).
+
 Admission asks the block manager how much of a waiting sequence's prefix is cached: only
 the rest counts against the token budget and is computed.
 
@@ -86,6 +92,14 @@ def slow_gaps_left(seq: Sequence, percentile: int) -> int:
     return slow_gaps_allowed(num_gaps, percentile) - seq.slow_gaps
 
 
+def waiting_key(seq: Sequence) -> tuple:
+    """Where a sequence waits (smallest first): foreground before background; a preempted
+    one (it has started: its tokens are out) before new ones; then the service class's rank;
+    then the deadline, earliest first, those without one last; then arrival."""
+    return (seq.background, seq.num_preemptions == 0, seq.rank,
+            seq.deadline_ms is None, seq.deadline_ms or 0.0, seq.arrival)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.policy = config.policy
@@ -103,18 +117,23 @@ class Scheduler:
         self.max_background = config.background_seqs
         self._background_turn = 0     # which background decodes run beside foreground ones (in turn)
         self._background_tokens = 0   # background prompt tokens left in the step being scheduled
+        self._arrivals = 0            # sequences queued so far (their arrival order)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence in the waiting order (``waiting_key``): behind every one that
+        comes first, ahead of the rest."""
         seq.status = SequenceStatus.WAITING
-        if not seq.background:   # ahead of every background prompt
-            for i, other in enumerate(self.waiting):
-                if other.background:
-                    self.waiting.insert(i, seq)
-                    return
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        key = waiting_key(seq)
+        for i, other in enumerate(self.waiting):
+            if waiting_key(other) > key:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:

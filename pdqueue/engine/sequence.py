@@ -23,7 +23,8 @@ class SequenceStatus(str, Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 output_ids: list[int] | None = None, background: bool = False):
+                 output_ids: list[int] | None = None, background: bool = False, rank: int = 0,
+                 deadline_ms: float | None = None):
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.request_id = request_id
@@ -46,6 +47,11 @@ class Sequence:
         self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (scheduler.py)
         self.background = background   # the batch class: yields to the others (scheduler.py)
         self.decode_here = False       # prefill engine: keep decoding it after its first token
+        # The waiting order (scheduler.py): the service class's rank (0 first) and the
+        # deadline (epoch ms; None: after those with one), then arrival.
+        self.rank = rank
+        self.deadline_ms = deadline_ms
+        self.arrival = 0   # set by the scheduler when it queues the sequence
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

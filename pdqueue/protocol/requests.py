@@ -59,6 +59,11 @@ class Request:
         return ServiceClass.INTERACTIVE if self.priority is Priority.HIGH else ServiceClass.STANDARD
 
     @property
+    def rank(self) -> int:
+        """Its class's place in the admission order (0: interactive, 1: standard, 2: batch)."""
+        return _RANKS[self.cls]
+
+    @property
     def background(self) -> bool:
         """The batch class: it runs in the capacity the others leave (engine/scheduler.py)."""
         return self.cls is ServiceClass.BATCH
@@ -74,6 +79,8 @@ class Request:
         at = self.deadline_at_ms
         return at is not None and now_ms > at
 
+
+_RANKS = {c: i for i, c in enumerate(ServiceClass)}
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
                   "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages", "class")

@@ -26,6 +26,9 @@ def _write_out(out: str | None, name: str, result: dict, plot) -> None:
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if plot is None:
+        _progress(f"wrote {directory / name}.json")
+        return
     if not plots.available():
         _progress(f"wrote {directory / name}.json; matplotlib is not installed, so no plots "
                   "(pip install 'pdqueue[bench]')")
@@ -34,9 +37,11 @@ def _write_out(out: str | None, name: str, result: dict, plot) -> None:
     _progress(f"wrote {directory / name}.json and " + ", ".join(str(p) for p in written))
 
 
-def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cache_mb: int, log_dir: Path):
+def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cache_mb: int, log_dir: Path,
+                   tenants: str | None = None):
     """serve_modes' Launcher: the processes of one mode under a LocalCluster (one torch
-    thread each), returned once all have registered."""
+    thread each), returned once all have registered; ``tenants``: and a gateway with that
+    tenants file on a free port (``gateway_url``), the first process stopped."""
     from pdqueue.bench.serve_modes import BenchError
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
@@ -58,7 +63,8 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
         num_prefill=roles.count("prefill"), num_decode=roles.count("decode"), model=model, cluster=cluster,
         redis_url=redis_url, threads=1, kv_cache_mb=kv_cache_mb, log_dir=log_dir,
         prefill_args=next(iter(args["prefill"]), ()), decode_args=next(iter(args["decode"]), ()),
-        prefill_weights=weights["prefill"], decode_weights=weights["decode"]))
+        prefill_weights=weights["prefill"], decode_weights=weights["decode"],
+        gateway_port=0, gateway_tenants=tenants))
     stopper = _Stopper(cluster_)
     try:   # from the first spawn on, whatever ends this (a failed worker, SIGTERM: SystemExit) stops them
         cluster_.start_server()
@@ -66,7 +72,9 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
         for i in range(roles.count("colocated")):   # LocalCluster starts prefill and decode roles only
             cluster_.spawn("colocated", f"colocated-{i}-{cluster_.run_id}")
         cluster_.wait_ready(timeout_s=600)
-    except (WorkerFailed, TimeoutError) as exc:
+        if tenants is not None:
+            stopper.gateway_url = cluster_.start_gateway()
+    except (WorkerFailed, TimeoutError, RuntimeError) as exc:
         stopper.stop(grace_s=5)
         tail = getattr(exc, "log_tail", "")
         raise BenchError(f"{exc}\n{tail}".strip()) from None
@@ -83,6 +91,7 @@ class _Stopper:
 
     def __init__(self, cluster):
         self.cluster = cluster
+        self.gateway_url: str | None = None
 
     def stop(self, grace_s: float = 30) -> None:
         import signal
@@ -90,6 +99,12 @@ class _Stopper:
 
         _TERM.stopping += 1
         try:
+            gateway = self.cluster.gateway
+            if gateway is not None and gateway.alive:   # first: nothing is open on it any more
+                gateway.signal(signal.SIGTERM)
+                deadline = time.monotonic() + grace_s
+                while gateway.alive and time.monotonic() < deadline and not _TERM.hurry.is_set():
+                    time.sleep(0.05)
             colocated = [w for w in self.cluster.workers if w.role == "colocated" and w.alive]
             for w in colocated:
                 w.signal(signal.SIGTERM)
@@ -340,6 +355,12 @@ def _write_partial(out: str, partial: dict) -> None:
                    "they used (pdqueue/bench/serve_batch.py).")
 @click.option("--batch-max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Output tokens of each --batch-lines request.")
+@click.option("--tenants", "tenants_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A tenants run: each mode's cluster gets a gateway (pdqueue serve --tenants FILE) in front, and "
+                   "each tenant of --tenant-rates sends its own Poisson load through it with its first API key; "
+                   "figures per tenant (sent, answered, 429s, TTFT/TBT, SLO attainment). Needs --duration.")
+@click.option("--tenant-rates", default=None,
+              help="With --tenants: TENANT=RATE,... (req/s each, for --duration seconds), e.g. chat=1,flood=10.")
 @click.option("--openai-url", default=None,
               help="Send the load to this OpenAI-compatible server (e.g. http://127.0.0.1:8000, pdqueue's gateway "
                    "or another engine) instead of starting workers; --modes is then ignored.")
@@ -349,7 +370,7 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
                 phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, batch_lines, batch_max_tokens,
-                openai_url, openai_model, api_key, as_json, out):
+                tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
     with --openai-url, the same load against any OpenAI-compatible server."""
@@ -370,12 +391,14 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         phase_list = parse_phases(phases, phase_s) if phases else ()
     except ValueError as exc:
         raise UserError(f"--phases: {exc}") from None
+    rates_by_tenant = _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines,
+                                      openai_url)
     settings = Settings.for_model(
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=_csv(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
-        batch_max_tokens=batch_max_tokens,
+        batch_max_tokens=batch_max_tokens, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
@@ -384,8 +407,40 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     except BenchError as exc:
         raise UserError(str(exc)) from None
     result = round_floats(result)
+    if result.get("kind") == "tenants":
+        from pdqueue.bench.serve_tenants import format_tenants_table
+
+        _write_out(out, "serve", result, None)
+        click.echo(json.dumps(result, indent=2) if as_json else format_tenants_table(result))
+        return
     _write_out(out, "serve", result, plots.plot_serve)
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
+
+
+def _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines, openai_url):
+    """``--tenants``/``--tenant-rates`` checked together: the (tenant, rate) pairs, () without."""
+    from pdqueue.bench.serve_tenants import parse_tenant_rates, tenant_keys
+    from pdqueue.frontends.tenants import TenantError
+
+    if tenants_path is None and tenant_rates is None:
+        return ()
+    if tenants_path is None or tenant_rates is None:
+        raise UserError("--tenants and --tenant-rates go together (the file, and each tenant's rate)")
+    clashes = [name for name, given in (("--num-requests", num_requests), ("--phases", phases),
+                                        ("--batch-lines", batch_lines), ("--openai-url", openai_url)) if given]
+    if clashes:
+        raise UserError(f"--tenants cannot be combined with {', '.join(clashes)} (each tenant sends its rate "
+                        f"for --duration seconds through the bench's own gateway)")
+    if duration is None:
+        raise UserError("--tenants needs --duration (seconds of arrivals; each tenant sends rate x duration requests)")
+    try:
+        rates = parse_tenant_rates(tenant_rates)
+        tenant_keys(tenants_path, rates)
+    except TenantError as exc:
+        raise UserError(str(exc)) from None
+    except ValueError as exc:
+        raise UserError(f"--tenant-rates: {exc}") from None
+    return rates
 
 
 @bench.command("gateway")

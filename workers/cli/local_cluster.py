@@ -73,6 +73,7 @@ class LocalClusterConfig:
     worker_args: tuple[str, ...] = field(default_factory=tuple)
     switchable: bool = False          # workers take role switches (``up --adapt``)
     gateway_port: int | None = None   # ``start_gateway``: None = 8000 if free, else a free one
+    gateway_tenants: str | None = None   # ``start_gateway``: its --tenants FILE (None: the environment's PDQ_TENANTS)
     prefill_weights: str = "fp32"     # --weights of the prefill workers (pdqueue.models.quant)
     decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
     prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
@@ -236,6 +237,8 @@ class LocalCluster:
     def start_gateway_process(self, port: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "workers", "serve", "--cluster",   # the URL: in child_env
                self.config.cluster, "--port", str(port), "--log-level", self.config.log_level]
+        if self.config.gateway_tenants:
+            cmd += ["--tenants", self.config.gateway_tenants]
         with open(self.log_dir / "gateway.out", "wb") as out, open(self.log_dir / "gateway.log", "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
                                     env=self.child_env(), start_new_session=True, preexec_fn=die_with_parent)
