@@ -29,7 +29,7 @@ from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.scheduler import STEP_SHARE
 from pdqueue.protocol import Handoff, encode_handoff
-from workers.common import Every
+from workers.common import Every, now_ms
 from workers.migration import Migrator
 from workers.role import RequestRole
 
