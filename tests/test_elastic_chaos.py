@@ -202,3 +202,111 @@ def test_levers_and_kills_under_load_lose_nothing_and_double_nothing(redis_url, 
         codes = c.stop_all()
     assert all(code == 0 for code in codes.values()), {n: (code, c.log(n)) for n, code in codes.items()}
     assert not c.segments(list(codes)), c.segments(list(codes))
+
+
+def nobody_to_serve(r, keys, workers: dict) -> tuple[list[str], int, int]:
+    """What waits unread with no worker to serve it, each worker counted in the role it is
+    switching to (the rule of workers/switching.py's ``backlog_refusal``, seen from outside);
+    and the requests and handoffs waiting unread."""
+    from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
+    from pdqueue.queue.backlog import streams_backlog
+    from pdqueue.queue.streams import request_streams_of
+
+    roles = {n: w.get("switching_to") or w.get("role") for n, w in workers.items()}
+    nodes = sorted({w.get("node") for w in workers.values() if w.get("node")})
+    out = []
+    requests = streams_backlog(r, request_streams_of(r, keys), PREFILL_GROUP).waiting
+    if requests and not any(role in ("prefill", "colocated") for role in roles.values()):
+        out.append(f"{requests} request(s) queued, roles {roles}")
+    handoffs = streams_backlog(r, [keys.handoff, *(keys.handoff_node(n) for n in nodes)], DECODE_GROUP).waiting
+    if handoffs and "decode" not in roles.values():
+        out.append(f"{handoffs} handoff(s) queued, roles {roles}")
+    return out, requests, handoffs
+
+
+@pytest.mark.processes
+def test_the_planner_never_leaves_a_backlog_with_nobody_to_serve_it(redis_url, tmp_path, one_thread):
+    """The real planner (``Adapter``, elastic, reactive, 2 s dwell and cooldown, a 20 ms TTFT
+    SLO that every burst breaks) acting on 1 prefill + 1 decode switchable worker under
+    bursts of requests: it takes the two-worker route to colocated (1P+1D -> 1C+1D -> 2C)
+    with work queued around its moves. Sampled every ~20 ms from Redis, no request or
+    handoff ever waits with no worker of a role that serves it, the planner's moves
+    happened, and every request is answered once with the colocated engine's tokens.
+
+    (What it checks is the whole chain: observe, the planner's route and hard rules, the
+    workers' own refusals. Removing one hard rule alone does not make it fail here: the
+    route to colocated also waits for an empty handoff queue, and the prefill worker goes
+    first; tests/test_planner.py checks each rule, tests/test_switching.py the workers'.)"""
+    from pdqueue.control.adapter import Adapter
+    from pdqueue.control.planner import PlannerConfig
+
+    tiny = load_model("tiny")
+    c = Cluster(redis_url, tmp_path)
+    args = (*FAST, "--switchable", *CHUNKED, "--max-num-seqs", "2")   # (2 at once: queues that last)
+    c.start("prefill", *args, worker_id="p", wait=False)
+    c.start("decode", *args, worker_id="d", wait=False)
+    rng = random.Random(3)
+    n = 100
+    prompts = mixed_prompts(n, seed=31)
+    params = [{"max_tokens": rng.choice([16, 64, 128]), "temperature": 0.0 if i % 2 else 0.8, "seed": 900 + i}
+              for i in range(n)]
+    prompt_ids, expected, sampling = oracle(tiny, prompts, params)
+    c.wait_registered("p")
+    c.wait_registered("d")
+    config = PlannerConfig(ttft_slo_ms=20, tbt_slo_ms=250, window_s=10, min_dwell_s=2, cooldown_s=2,
+                           move_timeout_s=30, elastic=True, budget_every_s=2, migrate_every_s=2)
+    adapter = Adapter(c.r, c.keys, config, name="planner-test")
+    stop = threading.Event()
+    violations: list[str] = []
+    seen = collections.Counter()   # samples; with requests, handoffs queued
+    queued_at: list[float] = []    # when a sample saw work queued (ms)
+
+    def watch() -> None:
+        while not stop.wait(0.02):
+            found, requests, handoffs = nobody_to_serve(c.r, c.keys, c.workers())
+            violations.extend(found)
+            seen.update(samples=1, requests=requests > 0, handoffs=handoffs > 0)
+            if requests + handoffs:
+                queued_at.append(time.time() * 1000)
+
+    planner = threading.Thread(target=adapter.run, args=(stop, 0.5), daemon=True)
+    watcher = threading.Thread(target=watch, daemon=True)
+    client = Client(redis_url)
+    try:
+        planner.start()
+        watcher.start()
+        handles = []
+        for i in range(0, n, 20):   # bursts, ~1.5 s apart
+            handles += client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts[i:i + 20], params[i:i + 20])])
+            time.sleep(1.5)
+        results = [h.result(timeout=120) for h in handles]
+        # ... and the planner's last moves settle with nothing queued
+        wait_for(lambda: all(s.status in ("done", "refused", "failed") for s in adapter.state.sent),
+                 timeout=30, what="the planner's moves to end")
+        stop.set()
+        planner.join(timeout=30)
+        watcher.join(timeout=30)
+        counts = collections.Counter(f[b"id"].decode() for _, f in c.r.xrange(c.keys.done))
+        assert sorted(counts[h.request_id] for h in handles) == [1] * n, "lost or duplicated"
+        for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
+            assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp, label=res.request_id)
+        moves = [(s.move, s.status, s.reason) for s in adapter.state.sent]
+        plans = [as_str(f[b"reason"]) for _, f in c.r.xrange(c.keys.events) if f[b"type"] == b"plan"]
+        # each move's switch, from accepted to done, with the queue the watch saw around it
+        spans = [(min(float(e["time_ms"]) for e in ev), max(float(e["time_ms"]) for e in ev))
+                 for ev in (commands.switch_events(c.r, c.keys, s.command_id) for s in adapter.state.sent) if ev]
+        seen["moves_with_work_queued"] = sum(any(a - 500 <= t <= b + 500 for t in queued_at) for a, b in spans)
+        roles = {name: w["role"] for name, w in c.workers().items()}
+        print(f"\nplanner: {len(moves)} moves {[(str(m), st) for m, st, _ in moves]}; roles now {roles}; "
+              f"watched: {dict(seen)}\n" + "\n".join(plans))
+        assert not violations, violations[:5]
+        # the watch saw what it guards: requests and handoffs queued, also around the moves
+        assert seen["samples"] > 100 and seen["requests"] and seen["handoffs"], seen
+        assert seen["moves_with_work_queued"] >= 1, seen
+        assert sum(status == "done" for _, status, _ in moves) >= 2, moves   # it did move workers
+        wait_pools_free(c, timeout=30)
+    finally:
+        stop.set()
+        codes = c.stop_all()
+    assert all(code == 0 for code in codes.values()), {w: (code, c.log(w)) for w, code in codes.items()}
+    assert not c.segments(list(codes))
