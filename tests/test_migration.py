@@ -309,3 +309,27 @@ def test_a_move_to_a_decode_worker_whose_pool_is_full_waits_and_loses_nothing(cl
     assert not during, f"{len(during)} tokens of B before A ended: d0 started B with its pool full"
     assert any(t > a_done for t, _ in tokens(b))
     wait_pools_free(cluster)
+
+
+def test_a_colocated_worker_that_moved_decodes_on_command_then_switches_and_stops_cleanly(cluster, tiny, runs):
+    """After a migrate command (its KV served, nothing announced: it never stopped), c0
+    serves on; a switch later drains the migrator too: the switch completes (done, c0 now a
+    decode worker) and the warm stop after it exits 0. (The drain's report once assumed a
+    stop had been announced, and the worker died with a TypeError at its next switch or stop.)"""
+    from pdqueue.control import commands
+
+    cluster.start("colocated", *FAST, "--switchable", worker_id="c0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
+    done = commands.wait_switch(cluster.r, cluster.keys,
+                                commands.send_migrate(cluster.r, cluster.keys, cluster.id("c0"), 3, by="test"), 30)
+    assert done is not None and done["status"] == "done" and done["moved"] == "3", done
+    check_answers(cluster, tiny, client, handles, runs)
+    epoch = cluster.workers()["c0"]["role_epoch"]
+    cid = commands.send_switch(cluster.r, cluster.keys, cluster.id("c0"), "decode", epoch, by="test")
+    switched = commands.wait_switch(cluster.r, cluster.keys, cid, 30)
+    assert switched is not None and switched["status"] == "done", (switched, cluster.log("c0"))
+    assert cluster.workers()["c0"]["role"] == "decode"
+    assert cluster.stop("c0") == 0, cluster.log("c0")
+    wait_pools_free(cluster)
