@@ -5,7 +5,10 @@ second, moves running decodes with their KV (``op=migrate``), changes a colocate
 TBT budget (``op=budget``), switches a role (``op=switch``), and now and then SIGKILLs a
 worker and starts it again. Every request is answered exactly once, with the colocated
 engine's tokens; each lever fired (read from the ``events`` stream), and no KV block,
-lease or segment is left behind."""
+lease or segment is left behind (and every worker's warm stop exits 0).
+
+And the real planner moving workers under bursts never leaves requests or handoffs queued
+with nobody to serve them (sampled from Redis)."""
 
 from __future__ import annotations
 
@@ -179,9 +182,12 @@ def test_levers_and_kills_under_load_lose_nothing_and_double_nothing(redis_url, 
                       if lever == "migrate" and final[cid] and final[cid]["status"] == "done"]
         moved = [res for res in results if res.prefill_worker != res.decode_worker
                  and res.prefill_worker in {c.id("c0"), c.id("c1")}]
+        not_done = collections.Counter(
+            (lever, final[cid]["status"], final[cid].get("reason", "")) if final[cid] else (lever, "no answer", "")
+            for lever, cid, _ in sent if not final[cid] or final[cid]["status"] != "done")
         summary = (f"{len(results)} answers in {load_s:.1f} s; levers sent "
                    f"{dict(collections.Counter(lever for lever, _, _ in sent))}, done {dict(done)}; "
-                   f"not done {dict(collections.Counter((lever, final[cid]['status'] if final[cid] else 'no answer', final[cid].get('reason', '') if final[cid] else '') for lever, cid, _ in sent if not final[cid] or final[cid]['status'] != 'done'))}; "
+                   f"not done {dict(not_done)}; "
                    f"migrations moved {migrations}; {len(moved)} answers finished off the colocated worker "
                    f"that started them; kills {kills}; transfer paths "
                    f"{dict(collections.Counter(res.transfer_path for res in results))}")
