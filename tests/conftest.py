@@ -56,7 +56,7 @@ PROCESS_MODULES = {
     "test_batch.py", "test_bench.py", "test_chaos.py", "test_cli.py", "test_faults.py", "test_fuzz.py", "test_gateway.py",
     "test_long_step.py", "test_netns.py", "test_nixl.py", "test_pipeline.py", "test_redis_cluster.py",
     "test_routing.py", "test_security.py", "test_switching.py", "test_supervision.py", "test_migration.py",
-    "test_up_supervisor.py", "test_bench_clients.py",
+    "test_up_supervisor.py", "test_bench_clients.py", "test_elastic_chaos.py",
 }
 
 

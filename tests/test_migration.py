@@ -14,6 +14,7 @@ import redis
 
 from pdqueue.client import Client
 from pdqueue.keys import Keys
+from pdqueue.protocol import entry_id_ms
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
@@ -190,4 +191,145 @@ def test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker(
     assert {res.transfer_path for res in moved} <= {"shm", "tcp", "zmq"}   # the KV travelled
     assert {res.decode_worker for res in results if res not in moved} == {c0}
     assert cluster.workers()["c0"]["role"] == "colocated" and cluster.procs["c0"].poll() is None
+    wait_pools_free(cluster)
+
+
+def test_a_sender_killed_mid_move_loses_nothing(cluster, tiny, runs):
+    """c0 (switchable: its KV pool is a shared segment) moves 3 running decodes to d0 on a
+    migrate command while d0 is frozen, and is SIGKILLed before d0 fetched any of them: the
+    handoffs are in Redis and the KV in c0's segment for the lease, so d0 copies it from
+    the dead worker's segment and goes on; the 5 requests c0 still ran are taken over by c1
+    from what out:<id> shows. Every answer the colocated engine's, once."""
+    from pdqueue.control import commands
+
+    cluster.start("colocated", *FAST, "--switchable", worker_id="c0")
+    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d0")   # alive to c0 while frozen
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
+    cluster.signal("d0", signal.SIGSTOP)
+    cid = commands.send_migrate(cluster.r, cluster.keys, cluster.id("c0"), 3, by="test")
+    done = commands.wait_switch(cluster.r, cluster.keys, cid, 30)
+    assert done is not None and done["status"] == "done" and done["moved"] == "3", done
+    cluster.signal("c0", signal.SIGKILL)   # mid-move: handed off, its KV not fetched yet
+    cluster.procs["c0"].wait()
+    cluster.start("colocated", *FAST, worker_id="c1")
+    cluster.signal("d0", signal.SIGCONT)
+    results = check_answers(cluster, tiny, client, handles, runs)
+    moved = [res for res in results if res.decode_worker == cluster.id("d0")]
+    assert len(moved) == 3 and {res.prefill_worker for res in moved} == {cluster.id("c0")}
+    assert {res.transfer_path for res in moved} == {"shm"}   # copied out of the dead worker's segment
+    assert {res.decode_worker for res in results if res not in moved} == {cluster.id("c1")}
+    wait_pools_free(cluster)
+
+
+def test_a_sender_killed_while_it_serves_the_moved_kv_loses_nothing(cluster, tiny, runs):
+    """d0 (a plain pool: its KV goes over TCP) is stopped warm and moves every running
+    request to d1, which is frozen; d0 is SIGKILLed while it waits to serve that KV (its
+    drain). d1 then finds the sender gone, the fetch fails, and it recomputes from prompt +
+    tokens so far: every answer the colocated engine's, once."""
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
+    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")   # alive to d0 while frozen
+    cluster.signal("d1", signal.SIGSTOP)
+    cluster.signal("d0", signal.SIGTERM)
+    wait_for(lambda: cluster.workers().get("d0", {}).get("load", {}).get("migrated_out") == N,
+             what="d0 to have moved every request")
+    assert cluster.procs["d0"].poll() is None, "d0 should still serve the moved KV (d1 fetched none)"
+    cluster.signal("d0", signal.SIGKILL)
+    cluster.procs["d0"].wait()
+    cluster.signal("d1", signal.SIGCONT)
+    results = check_answers(cluster, tiny, client, handles, runs)
+    assert {(res.decode_worker, res.transfer_path) for res in results} == {(cluster.id("d1"), "recompute")}
+    wait_pools_free(cluster)
+
+
+def long_prompt(tiny, num_tokens: int, seed: int) -> str:
+    """A prompt of about ``num_tokens`` tiny tokens."""
+    words = mixed_prompts(400, seed=seed)
+    text = ""
+    while len(tiny.tokenizer.encode(text)) < num_tokens:
+        text += " " + words.pop()
+    return text.strip()
+
+
+def test_a_move_to_a_decode_worker_whose_pool_is_full_waits_and_loses_nothing(cluster, tiny):
+    """d0's KV pool (128 blocks of 16 tokens) holds request A (moved there from c0), frozen
+    mid-way so that it holds its blocks; c0 is asked to move its running request B, which
+    needs more blocks than d0 has free. d0 resumes: B's handoff waits in its backlog until
+    A has finished (no token of B from d0 before A's done), then d0 takes it (the KV
+    fetched while the lease lives, else recomputed). Both answered once, the colocated
+    engine's tokens."""
+    from pdqueue.control import commands
+
+    prompts = [long_prompt(tiny, 1000, seed=1), long_prompt(tiny, 1100, seed=2)]
+    params = [{"max_tokens": 900, "temperature": 0.0, "seed": 1, "ignore_eos": True},
+              {"max_tokens": 300, "temperature": 0.9, "seed": 2, "ignore_eos": True}]
+    ids, expected, sampling = oracle(tiny, prompts, params)
+    block, pool_blocks = 16, 128
+    cluster.start("colocated", *FAST, worker_id="c0")
+    # (its heartbeat lives 20 s: alive to c0 while frozen)
+    cluster.start("decode", *FAST, "--kv-cache-mb", "1", "--heartbeat-ttl-s", "20", worker_id="d0")
+    assert cluster.workers()["d0"]["load"]["kv_total"] == pool_blocks
+    client = Client(cluster.redis_url)
+
+    def move_one() -> None:
+        cid = commands.send_migrate(cluster.r, cluster.keys, cluster.id("c0"), 1, by="test")
+        done = commands.wait_switch(cluster.r, cluster.keys, cid, 30)
+        assert done is not None and done["status"] == "done" and done["moved"] == "1", done
+
+    def tokens(handle) -> list[tuple[float, dict]]:
+        return [(entry_id_ms(eid), f) for eid, f in out_of(cluster, handle.request_id) if f[b"type"] == b"token"]
+
+    a = client.submit(prompts[0], **params[0])
+    wait_for(lambda: len(tokens(a)) > 5, what="A decoding on c0")
+    move_one()
+    moved_at = len(tokens(a))
+    wait_for(lambda: len(tokens(a)) > moved_at + 20, what="A decoding on d0")
+    cluster.signal("d0", signal.SIGSTOP)
+    a_len = len(ids[0]) + len(tokens(a))   # d0 holds at least the blocks of these tokens
+    assert not any(f[b"type"] == b"done" for _, f in out_of(cluster, a.request_id)), "A ended before the freeze"
+    try:
+        b = client.submit(prompts[1], **params[1])
+        wait_for(lambda: len(tokens(b)) > 5, what="B decoding on c0")
+        free = pool_blocks - -(-a_len // block)
+        need = -(-(len(ids[1]) + len(tokens(b)) + 1) // block)
+        assert need > free, (need, free)   # B cannot start on d0 while A runs there
+        move_one()
+        time.sleep(0.3)   # c0's tokens of B published
+        resumed = time.time() * 1000
+    finally:
+        cluster.signal("d0", signal.SIGCONT)
+    results = check_answers(cluster, tiny, client, [a, b], (ids, expected, sampling))
+    assert [(res.prefill_worker, res.decode_worker) for res in results] == [(cluster.id("c0"), cluster.id("d0"))] * 2
+    a_done = next(entry_id_ms(eid) for eid, f in out_of(cluster, a.request_id) if f[b"type"] == b"done")
+    assert a_done > resumed   # A was still running on d0 when B's handoff came
+    during = [t for t, _ in tokens(b) if resumed < t < a_done]
+    assert not during, f"{len(during)} tokens of B before A ended: d0 started B with its pool full"
+    assert any(t > a_done for t, _ in tokens(b))
+    wait_pools_free(cluster)
+
+
+def test_a_colocated_worker_that_moved_decodes_on_command_then_switches_and_stops_cleanly(cluster, tiny, runs):
+    """After a migrate command (its KV served, nothing announced: it never stopped), c0
+    serves on; a switch later drains the migrator too: the switch completes (done, c0 now a
+    decode worker) and the warm stop after it exits 0. (The drain's report once assumed a
+    stop had been announced, and the worker died with a TypeError at its next switch or stop.)"""
+    from pdqueue.control import commands
+
+    cluster.start("colocated", *FAST, "--switchable", worker_id="c0")
+    cluster.start("decode", *FAST, worker_id="d0")
+    client, handles, runs = submit(cluster, runs)
+    wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
+    done = commands.wait_switch(cluster.r, cluster.keys,
+                                commands.send_migrate(cluster.r, cluster.keys, cluster.id("c0"), 3, by="test"), 30)
+    assert done is not None and done["status"] == "done" and done["moved"] == "3", done
+    check_answers(cluster, tiny, client, handles, runs)
+    epoch = cluster.workers()["c0"]["role_epoch"]
+    cid = commands.send_switch(cluster.r, cluster.keys, cluster.id("c0"), "decode", epoch, by="test")
+    switched = commands.wait_switch(cluster.r, cluster.keys, cid, 30)
+    assert switched is not None and switched["status"] == "done", (switched, cluster.log("c0"))
+    assert cluster.workers()["c0"]["role"] == "decode"
+    assert cluster.stop("c0") == 0, cluster.log("c0")
     wait_pools_free(cluster)

@@ -16,7 +16,7 @@ from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.queue.registry import Heartbeat
+from pdqueue.queue.registry import Heartbeat, list_workers
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.test_migration import check_answers
@@ -153,3 +153,58 @@ def test_spare_time_follows_what_the_decodes_leave_of_the_clock():
         time.sleep(0.01)
         spare.add(0.0101)
     assert spare.share < 0.1, spare.share
+
+
+def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redis_url, tiny):
+    """The decode role's own heartbeat (a real WorkerShell on a real Redis, its engine on the
+    chunked policy with a 200 ms TBT target): with plenty of spare time it advertises a
+    prompt rate and a prefill worker places a prompt there; once the p90 of its last 32
+    steps with decodes passes 0.6 x 200 = 120 ms, it advertises 0 and gets none, though its
+    spare share is unchanged; back under, it takes prompts again. Fewer than 8 steps
+    recorded are no evidence either way."""
+    from workers.common import WorkerConfig
+    from workers.decode import GAP_GUARD, RECENT_STEPS, DecodeRole
+    from workers.shell import WorkerShell
+
+    target_ms = 200.0
+    engine = EngineConfig(model="tiny", num_threads=1, kv_cache_mb=8, policy="chunked", tbt_slo_ms=target_ms)
+    shell = WorkerShell(WorkerConfig(redis_url=redis_url, engine=engine, heartbeat_ttl_s=30.0, take_prompts=True),
+                        tiny, DecodeRole())
+    try:
+        shell._start_role(shell.role)   # the engine, the groups, the load in the heartbeat
+        shell._register()
+        role = shell.role
+        prefill = prefill_engine(tiny, 0.003)
+        queue(prefill, 500)   # 1.5 s of prompt tokens ahead at the prefill worker
+
+        def advertised(steps_s: list[float]) -> dict:
+            """The load a prefill worker reads after the decode role's last steps took
+            ``steps_s`` (its step-time record, as ``step`` keeps it)."""
+            role.recent_steps.clear()
+            role.recent_steps.extend(steps_s)
+            role.spare.share = 0.9   # its decodes leave 90 % of the clock, whatever the steps
+            shell.tick()       # the load, as after each step
+            shell.beat_now()   # written to Redis
+            [me] = [w for w in list_workers(shell.r, shell.keys) if w["worker_id"] == shell.worker_id]
+            return me["load"]
+
+        def placed(steps_s: list[float]) -> tuple[dict, str | None]:
+            """That load, and where a (new) placer at a queued prefill worker sends a prompt."""
+            load = advertised(steps_s)
+            return load, Placement(shell.r, shell.keys, "p0").place(prefill, 40)
+
+        guard_ms = GAP_GUARD * target_ms
+        fast = [0.05] * RECENT_STEPS                                    # p90 50 ms
+        edge_under = [0.05] * 28 + [(guard_ms - 5) / 1000] * 4          # p90 just under 120 ms
+        slow = [0.05] * 24 + [(guard_ms + 5) / 1000] * 8                # p90 just past 120 ms
+        few_slow = [1.0] * 7                                            # too few to judge
+        for steps, open_ in ((fast, True), (slow, False), (edge_under, True), ([1.0] * RECENT_STEPS, False),
+                             (few_slow, True), (fast, True)):
+            load, where = placed(steps)
+            assert load["takes_prompts"] == 1 and load["spare"] == 0.9, load
+            if open_:
+                assert load["prompt_tok_s"] > 0 and where == shell.keys.handoff_node(shell.node), (steps, load, where)
+            else:
+                assert load["prompt_tok_s"] == 0 and where is None, (steps, load, where)
+    finally:
+        shell.close()

@@ -166,7 +166,10 @@ class Migrator:
             return
         serve_leases(self.shell, self.sender, self.free_released)
         if self.started_at is not None:
-            self.report = {"moved": self.moved, "settle_ms": (self.started_at - self.announced_at) * 1e3,
+            # (no drain announced before the first move: a planner's migrate command, made
+            # while the role served; then the stop, if any, came later)
+            settle_s = self.started_at - self.announced_at if self.announced_at is not None else 0.0
+            self.report = {"moved": self.moved, "settle_ms": max(0.0, settle_s) * 1e3,
                            "export_ms": (self.last_export_at - self.started_at) * 1e3,
                            "fetched_ms": (time.monotonic() - self.last_export_at) * 1e3,
                            "left_leased": len(self.sender.leases)}
