@@ -2,7 +2,7 @@
 workers/decode_peers.py): with real worker processes and a real Redis. The decode worker
 holds one request at a time (--max-num-seqs 1) and is busy with a long one (SIGSTOPped
 while it holds it, so that it stays full however fast the machine; its heartbeat lives
-30 s); the requests after it are decoded by the prefill worker, every answer the colocated engine's, once, its
+10 s); the requests after it are decoded by the prefill worker, every answer the colocated engine's, once, its
 stream gapless; with --decode-here off they wait for the decode worker instead; a warm stop
 of the prefill worker finishes what it decodes."""
 
@@ -21,6 +21,7 @@ from tests.test_migration import check_answers
 from workers.decode_peers import DecodePeers
 
 ONE_SLOT = ("--max-num-seqs", "1")
+AUTO = ("--decode-here", "auto")
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def cluster(redis_url, tmp_path):
 def full_decode_worker(cluster, client):
     """A one-slot d0 holding a long request (all the context allows: it could not end within
     the test), stopped (SIGSTOP) once its heartbeat says it has no free slot; the heartbeat
-    lives 10 s from its last beat. Returns the long request's handle."""
+    lives 10 s from its last beat (a beat every 3.3 s). Returns the long request's handle."""
     cluster.start("decode", *FAST, *ONE_SLOT, "--heartbeat-ttl-s", "10", worker_id="d0")
     long = client.submit(prompt="Once upon a time", max_tokens=4000, temperature=0.0, ignore_eos=True)
     wait_for(lambda: cluster.workers().get("d0", {}).get("load", {}).get("free_slots") == 0,
@@ -63,7 +64,7 @@ def small_load(tiny, n: int, seed: int):
 
 
 def test_requests_decode_on_the_prefill_worker_while_the_decode_worker_is_full(cluster, tiny):
-    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("prefill", *FAST, *AUTO, worker_id="p0")
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
     prompts, params, runs = small_load(tiny, 6, seed=11)
@@ -78,7 +79,7 @@ def test_requests_decode_on_the_prefill_worker_while_the_decode_worker_is_full(c
 
 
 def test_with_decode_here_off_they_wait_for_the_decode_worker(cluster, tiny):
-    cluster.start("prefill", *FAST, "--decode-here", "off", worker_id="p0")
+    cluster.start("prefill", *FAST, worker_id="p0")   # off: the default
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
     prompts, params, runs = small_load(tiny, 3, seed=12)
@@ -94,7 +95,7 @@ def test_with_decode_here_off_they_wait_for_the_decode_worker(cluster, tiny):
 
 
 def test_a_warm_stopped_prefill_worker_finishes_what_it_decodes(cluster, tiny):
-    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.start("prefill", *FAST, *AUTO, worker_id="p0")
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
     prompts, params, _ = small_load(tiny, 3, seed=13)

@@ -49,7 +49,7 @@ class WorkerConfig:
     migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
     take_prompts: bool = False      # decode: prefill the short prompts prefill workers place here (placement.py)
     placement: str = "auto"         # prefill: auto | always | off: place short prompts on decode workers (placement.py)
-    decode_here: str = "auto"       # prefill: auto: decode a request here when no decode worker has room (prefill.py)
+    decode_here: str = "off"        # prefill: auto: decode a request here when no decode worker has room (prefill.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
     switchable: bool = False        # takes role switches from control:<id> (pdqueue.control.commands)
