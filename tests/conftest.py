@@ -105,6 +105,18 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _oracle_cache(tmp_path_factory):
+    """``tests.helpers.oracle``'s answers, shared by this run's xdist workers (their basetemps
+    are folders of the run's; one pytest process: its own basetemp). Never across runs."""
+    from tests import helpers
+
+    base = tmp_path_factory.getbasetemp()
+    helpers.ORACLE_CACHE = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "oracle-cache"
+    yield
+    helpers.ORACLE_CACHE = None
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A model cache of this test's own ($PDQ_CACHE_DIR)."""
