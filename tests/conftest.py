@@ -36,6 +36,74 @@ ONE_WORKER_MODULES = {
 }
 
 
+# Tests handed out first (longest first, by `--durations` of full runs on 2 cores; tests of the
+# groups above are left out: a group goes to one worker whole, and xdist hands out the groups
+# before single tests). Handed out in file order, one of these could start in the last minutes
+# while the other workers had nothing left: a run would end a minute after the other two
+# workers. A test not listed (or renamed) is only handed out in file order, so the list needs no
+# upkeep to stay correct, only to stay useful. Ids without brackets take every parametrization.
+# Left out: tests of modules with costly module-scoped fixtures (test_gateway_batches' workers
+# and gateway), which a worker would start again for the one test taken out of their order.
+SLOW_FIRST = (
+    "test_chaos.py::test_chaos_kill_and_restart",                                  # ~70 s
+    "test_migration.py::test_a_receiver_killed_mid_move_loses_nothing",            # ~60 s
+    "test_switching.py::test_roles_flipping_under_load",                           # ~55 s
+    "test_placement.py::test_a_decode_worker_killed_holding_placed_prompts_loses_nothing",
+    "test_switching.py::test_last_worker_of_a_role_refuses_to_leave_a_backlog",
+    "test_cli.py::test_two_local_clusters_side_by_side",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[2-2-zmq-zmq]",
+    "test_up_supervisor.py::test_a_decode_worker_killed_mid_answer_is_restarted_and_the_answer_completes_as_without_the_kill",
+    "test_migration.py::test_decode_workers_stopped_together_finish_their_own_requests",   # ~35 s in its setup, ~35 s
+    "test_migration.py::test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv",
+    "test_migration.py::test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[2-2-tcp-tcp]",
+    "test_switching.py::test_switch_each_way_with_requests_in_flight",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[2-2-auto-shm]",
+    "test_pipeline.py::test_smollm2_pipeline_matches_colocated_engine",
+    "test_migration.py::test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker",
+    "test_supervision.py::test_a_worker_rides_out_a_short_outage_and_exits_once_redis_stays_gone",
+    "test_bench.py::test_serve_tiny_json_has_the_figures_per_mode",
+    "test_faults.py::test_prefill_killed_and_its_segment_removed_before_fetch",
+    "test_cli.py::test_up_keeps_the_logs_when_the_redis_server_dies",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[1-1-auto-shm]",
+    "test_cli.py::test_generate_prints_its_random_seed_and_repeats_with_it",
+    "test_long_step.py::test_a_stopped_worker_is_still_taken_over_as_hung",
+    "test_cli.py::test_up_serves_submit_and_status_then_leaves_nothing_behind",
+    "test_cli.py::test_ctrl_c_in_the_terminal_is_a_warm_stop",
+    "test_cli.py::test_ctrl_c_answers_what_is_queued_before_stopping",
+    "test_up_supervisor.py::test_the_gateway_takes_sigterm_first_and_exits_last_with_its_open_answer_complete",
+    "test_fuzz.py::test_fuzz_requests",
+    "test_metrics.py::test_a_metrics_port_in_use_is_refused_before_the_model_loads",
+    "test_up_supervisor.py::test_under_adapt_a_restarted_worker_comes_back_in_the_role_it_was_switched_to",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[1-1-tcp-tcp]",   # ~20 s; the rest 15-20 s
+    "test_faults.py::test_warm_stop_drains_a_decode_worker",
+    "test_up_supervisor.py::test_print_env_and_print_url_give_redis_cli_the_running_ups_password",
+    "test_up_supervisor.py::test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has_nobody",
+    "test_pipeline.py::test_plain_redis_producer",
+    "test_faults.py::test_decode_killed_mid_generation",
+    "test_pipeline.py::test_bad_input_gets_an_error_and_nothing_is_lost",
+    "test_switching.py::test_worker_killed_mid_switch",
+    "test_routing.py::test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once",
+    "test_placement.py::test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token",
+    "test_faults.py::test_hung_decode_worker_is_taken_over_and_answers_once",
+    "test_service_classes.py::test_interactive_requests_start_before_batch_work_queued_ahead_of_them",
+    "test_gateway_runtime.py::test_bench_gateway_variants_runs_one_gateway_each",
+    "test_pipeline.py::test_cross_host_path_is_chosen_by_itself",
+    "test_long_step.py::test_a_step_longer_than_reclaim_idle_keeps_its_entries",
+    "test_pipeline.py::test_pipeline_matches_colocated_engine[1-1-zmq-zmq]",
+    "test_long_step.py::test_a_step_longer_than_max_step_s_is_taken_for_stuck",
+)
+
+
+def _slow_rank(item) -> int:
+    """``item``'s place in SLOW_FIRST (its length when not listed)."""
+    test_id = f"{item.path.name}::{item.name}"
+    for rank, listed in enumerate(SLOW_FIRST):
+        if test_id == listed or ("[" not in listed and test_id.startswith(listed + "[")):
+            return rank
+    return len(SLOW_FIRST)
+
+
 # --- tiers, by what a test starts (`bash scripts/test --fast` runs pure and redis) -------------
 #
 #   pure       nothing: functions, classes, the tiny model in this process
@@ -76,6 +144,7 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in ONE_WORKER_MODULES and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
         item.add_marker(getattr(pytest.mark, tier_of(item)))
+    items.sort(key=_slow_rank)   # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +172,18 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _oracle_cache(tmp_path_factory):
+    """``tests.helpers.oracle``'s answers, shared by this run's xdist workers (their basetemps
+    are folders of the run's; one pytest process: its own basetemp). Never across runs."""
+    from tests import helpers
+
+    base = tmp_path_factory.getbasetemp()
+    helpers.ORACLE_CACHE = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "oracle-cache"
+    yield
+    helpers.ORACLE_CACHE = None
 
 
 @pytest.fixture

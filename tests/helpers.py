@@ -15,6 +15,8 @@ Real worker processes live in ``tests/cluster.py``, the token comparison rule in
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 import signal
@@ -56,19 +58,60 @@ def mixed_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+# Where ``oracle`` keeps what it computed, shared by the xdist workers of one run (set by
+# tests/conftest.py for the session; None: computed every time).
+ORACLE_CACHE: Path | None = None
+
+
 def oracle(loaded, prompts: list[str], params: list[dict]):
-    """(prompt ids, the colocated engine's output ids, the SamplingParams) per request."""
+    """(prompt ids, the colocated engine's output ids, the SamplingParams) per request.
+
+    The same load of the same weights gives the same tokens (seeded sampling, batch
+    invariance: tests/test_engine.py), so with ``ORACLE_CACHE`` set the answer is computed
+    once per run and read back after: test_migration's module oracle (8 x 1500 tokens, ~30
+    CPU-s) was computed by each xdist worker that ran one of its tests, again whenever a
+    worker came back to that module, while another worker computed it too."""
     # Imported here: modules that only poll (wait_for) need not load torch.
-    from pdqueue.engine.config import EngineConfig
-    from pdqueue.engine.llm_engine import LLMEngine
     from pdqueue.engine.sampling import SamplingParams
 
-    engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
-    ids = [loaded.tokenizer.encode(p) for p in prompts]
     sp = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
                          top_k=p.get("top_k", 0), seed=p["seed"], ignore_eos=p.get("ignore_eos", False))
           for p in params]
-    return ids, engine.generate(ids, sp), sp
+
+    def compute() -> tuple[list, list]:
+        from pdqueue.engine.config import EngineConfig
+        from pdqueue.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(loaded, EngineConfig(model="tiny", kv_cache_mb=16))
+        ids = [loaded.tokenizer.encode(p) for p in prompts]
+        return ids, engine.generate(ids, sp)
+
+    if ORACLE_CACHE is None or not loaded.fingerprint:   # (a model built by hand: no identity to key on)
+        ids, outputs = compute()
+    else:
+        key = json.dumps([loaded.fingerprint, loaded.weights, repr(loaded.config), prompts, params],
+                         sort_keys=True, default=repr)
+        ids, outputs = _computed_once(hashlib.sha256(key.encode()).hexdigest(), compute)
+    return ids, outputs, sp
+
+
+def _computed_once(key: str, compute: Callable[[], tuple[list, list]]) -> tuple[list, list]:
+    """``compute()``'s value, from ``ORACLE_CACHE``/``key``.json when a process of this run
+    computed it already; one computes while the others wait (a lock file per key)."""
+    import fcntl
+
+    ORACLE_CACHE.mkdir(parents=True, exist_ok=True)
+    path = ORACLE_CACHE / f"{key}.json"
+    with open(ORACLE_CACHE / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            ids, outputs = json.loads(path.read_text())
+            return ids, outputs
+        ids, outputs = compute()
+        part = path.with_suffix(".part")
+        part.write_text(json.dumps([ids, outputs]))
+        part.rename(path)
+        return ids, outputs
 
 
 def wait_pools_free(cluster, timeout: float = 20.0) -> None:

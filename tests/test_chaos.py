@@ -28,13 +28,15 @@ def test_chaos_kill_and_restart(redis_url, tmp_path):
     tiny = load_model("tiny")
     c = Cluster(redis_url, tmp_path)
     rng = random.Random(7)
-    for role in ("prefill", "decode"):
-        for i in range(2):
-            c.start(role, *FAST, worker_id=f"{role}{i}")
+    names = [f"{role}{i}" for role in ("prefill", "decode") for i in range(2)]
+    for name in names:   # loading together, while this process computes the oracle
+        c.start(name.rstrip("01"), *FAST, worker_id=name, wait=False)
     prompts = mixed_prompts(NUM_REQUESTS, seed=3)
     params = [{"max_tokens": rng.choice([16, 64, 256]), "temperature": 0.0 if i % 3 else 0.8, "seed": i}
               for i in range(NUM_REQUESTS)]
     prompt_ids, expected, sampling = oracle(tiny, prompts, params)
+    for name in names:
+        c.wait_registered(name)
     client = Client(redis_url)
     kills: list[tuple[float, str]] = []
     stop = threading.Event()

@@ -671,3 +671,6 @@ def test_one_default_for_each_setting():
     compose = [int(mb) for mb in re.findall(r"PDQ_KV_CACHE_MB:-(\d+)", (ROOT / "compose.yaml").read_text())]
     assert set(kv.values()) | set(compose) == {EngineConfig().kv_cache_mb}, (kv, compose)
     assert len(compose) == 2
+    from workers.cli.supervisor.restarts import RESTART_BACKOFF_S
+
+    assert defaults(cli.commands["up"])["restart_backoff_s"] == RESTART_BACKOFF_S

@@ -156,7 +156,9 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
     """A sitecustomize on the workers' PYTHONPATH ends, at its start, every worker process
     whose id is listed in a file the test writes: the first processes start well, their
     restarts die. decode-1 is given up on while decode-0 still has the role (up goes on);
-    then decode-0 too, and with no decode worker left `up` stops, with the log's tail."""
+    then decode-0 too, and with no decode worker left `up` stops, with the log's tail. The
+    first restart's delay is 0.1 s (--restart-backoff-s; the default 1 s is the first test's),
+    doubling per restart as it does from 1 s: 3 s of delays per crash loop instead of 31."""
     site, crash = tmp_path / "site", tmp_path / "crash-ids"
     site.mkdir()
     crash.write_text("")
@@ -168,7 +170,8 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
         "        print('simulated crash at start', file=sys.stderr)\n"
         "        os._exit(3)\n")
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))}
-    up = Up(tmp_path, env, "--redis-port", str(free_port()), "--no-gateway", "--decode", "2", *TINY)
+    up = Up(tmp_path, env, "--redis-port", str(free_port()), "--no-gateway", "--decode", "2",
+            "--restart-backoff-s", "0.1", *TINY)
     try:
         state = up.wait_ready()
         d0, d1 = worker_of(state, "decode", 0), worker_of(state, "decode", 1)
@@ -187,9 +190,9 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
     err = up.err_path.read_text()
     assert "Traceback" not in up.output, up.output
     for d in (d0, d1):
-        delays = re.findall(rf"^{d['worker_id']} exited \(\S+\) after [\d.]+ s; restarting in (\d+) s \(restart \d\)$",
+        delays = re.findall(rf"^{d['worker_id']} exited \(\S+\) after [\d.]+ s; restarting in ([\d.]+) s \(restart \d\)$",
                             err, re.M)
-        assert delays == ["1", "2", "4", "8", "16"][:CRASH_LOOP_RESTARTS], (d["worker_id"], delays, err)
+        assert delays == ["0.1", "0.2", "0.4", "0.8", "1.6"][:CRASH_LOOP_RESTARTS], (d["worker_id"], delays, err)
         assert re.search(rf"^{d['worker_id']} exited \(3\) after [\d.]+ s: a crash loop \({CRASH_LOOP_RESTARTS} "
                          rf"restarts within {CRASH_LOOP_WINDOW_S:g} s\), not restarted again; its log: \S+\.log$",
                          err, re.M), err

@@ -7,9 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pdqueue.bench.serve_modes import DEFAULT_MODES
-
 VOCAB = {"tiny": 264, "smollm2": 49152}
+DEFAULT_MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")   # of serve_modes.MODES
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from pdqueue.bench.serve_load import Settings
+from pdqueue.bench.serve_load import Settings
 
 Workers = list[tuple[str, tuple[str, ...]]]   # (role, extra worker options) of each process
 
@@ -27,21 +26,21 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Mode:
-    workers: Callable[["Settings"], Workers]
+    workers: Callable[[Settings], Workers]
     # Started once the workers are up, with (settings, redis_url, cluster); returns its stop.
-    beside: Callable[["Settings", str, str], Callable[[], None]] | None = None
+    beside: Callable[[Settings, str, str], Callable[[], None]] | None = None
 
 
-def _fixed(*workers: tuple[str, tuple[str, ...]]) -> Callable[["Settings"], Workers]:
+def _fixed(*workers: tuple[str, tuple[str, ...]]) -> Callable[[Settings], Workers]:
     return lambda _settings: list(workers)
 
 
 def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
-                       switchable: bool = False) -> Callable[["Settings"], Workers]:
+                       switchable: bool = False) -> Callable[[Settings], Workers]:
     """2 colocated workers, decodes first and prompt chunks of at most ``chunk_tokens`` per
     step; ``slo``: under the TBT budget of the bench's own TBT SLO (scheduler.py); ``weights``:
     quantized weights (a colocated worker takes the decode side's ``--weights``)."""
-    def workers(settings: "Settings") -> Workers:
+    def workers(settings: Settings) -> Workers:
         extra = ("--policy", "chunked", "--max-batched-tokens", str(settings.chunk_tokens))
         if slo:
             extra += ("--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")
@@ -59,10 +58,10 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
 PLACED_CHUNK_TOKENS = 64
 
 
-def _elastic_split(weights: str | None) -> Callable[["Settings"], Workers]:
+def _elastic_split(weights: str | None) -> Callable[[Settings], Workers]:
     """1 float32 prefill worker placing prompts by cost + 1 decode worker (``weights``)
     taking them within the TBT budget of the bench's TBT SLO; both switchable."""
-    def workers(settings: "Settings") -> Workers:
+    def workers(settings: Settings) -> Workers:
         decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(PLACED_CHUNK_TOKENS),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:
@@ -71,7 +70,7 @@ def _elastic_split(weights: str | None) -> Callable[["Settings"], Workers]:
     return workers
 
 
-def _prefix(*extra: str) -> Callable[["Settings"], Workers]:
+def _prefix(*extra: str) -> Callable[[Settings], Workers]:
     """2 prefill + 1 decode workers (decode workers take --routing and ignore it)."""
     return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
 
@@ -129,11 +128,10 @@ MODES: dict[str, Mode] = {
                               beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
                                                                                    elastic=True)),
 }
-DEFAULT_MODES = ("disagg", "colocated-prefill-first", "colocated-chunked")
 PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")
 
 
-def mode_workers(mode: str, settings: "Settings") -> Workers:
+def mode_workers(mode: str, settings: Settings) -> Workers:
     """(role, extra worker options) of each process of ``mode``."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")

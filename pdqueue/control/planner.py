@@ -37,7 +37,8 @@ from pdqueue.control.signals import Signals, measure, percentile, shortages
 
 
 class Turn:
-    """One decision in the making: what was observed, and the ways to answer it."""
+    """One decision in the making: what was observed, and the ways to answer it (what the
+    policies see of it: ``pdqueue.control.turn.Turn``)."""
 
     def __init__(self, planner: "Planner", obs: Observation, counts: dict[str, int], m: Signals,
                  signals: dict):

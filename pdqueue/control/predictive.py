@@ -24,15 +24,13 @@ disaggregation stand in for it. Up to ``max_moves`` moves per decision.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from pdqueue.control.decision import Decision, PlannerConfig
 from pdqueue.control.moves import violations
 from pdqueue.control.observation import COLOCATED, DECODE, PREFILL, ROLES, count_roles
 from pdqueue.control.signals import fmt_counts, fmt_u
-
-if TYPE_CHECKING:
-    from pdqueue.control.planner import Turn
+from pdqueue.control.turn import Turn
 
 
 def utilization(counts: Mapping[str, int], need_p: float, need_d: float,
@@ -63,7 +61,7 @@ class Predictive:
     def __init__(self, config: PlannerConfig):
         self.config = config
 
-    def decide(self, turn: "Turn") -> Decision:
+    def decide(self, turn: Turn) -> Decision:
         cfg, m, counts = self.config, turn.m, turn.counts
         cap = turn.capacity
         if m.completions == 0 and m.queued_requests == 0 and m.queued_handoffs == 0:

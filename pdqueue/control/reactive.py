@@ -32,14 +32,10 @@ that is confirmed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pdqueue.control.decision import Decision, PlannerConfig
 from pdqueue.control.observation import COLOCATED, DECODE, PREFILL, ROLES
 from pdqueue.control.signals import Signals, fmt_counts, fmt_ms
-
-if TYPE_CHECKING:
-    from pdqueue.control.planner import Turn
+from pdqueue.control.turn import Turn
 
 
 class Reactive:
@@ -47,7 +43,7 @@ class Reactive:
         self.config = config
         self.route: tuple[dict, str, str] | None = None    # (target counts, direction, why)
 
-    def decide(self, turn: "Turn", short_p: list[str], short_d: list[str]) -> Decision:
+    def decide(self, turn: Turn, short_p: list[str], short_d: list[str]) -> Decision:
         hot_p, hot_d = turn.confirmed(PREFILL), turn.confirmed(DECODE)
         if self.route is not None:
             decision = self._follow_route(turn, short_p, short_d, hot_p, hot_d)
@@ -63,7 +59,7 @@ class Reactive:
         return self._healthy(turn, short_p, short_d)
 
     # ---- a transition of several moves -------------------------------------------------
-    def _follow_route(self, turn: "Turn", short_p, short_d, hot_p, hot_d) -> Decision | None:
+    def _follow_route(self, turn: Turn, short_p, short_d, hot_p, hot_d) -> Decision | None:
         """The next step of the transition in progress, or None once it is over."""
         target, direction, why = self.route
         counts = turn.counts
@@ -82,7 +78,7 @@ class Reactive:
         head = f"continuing {head}; {turn.summary}"
         return turn.step(target, head, f"{head}; blocked: ")
 
-    def _start_route(self, turn: "Turn", target: dict, direction: str, why: str) -> Decision:
+    def _start_route(self, turn: Turn, target: dict, direction: str, why: str) -> Decision:
         moves, blocked = turn.plan(target, 1)
         head = f"{why}; {fmt_counts(turn.counts)} -> {fmt_counts(target)}"
         if not moves:
@@ -92,7 +88,7 @@ class Reactive:
         return turn.issue(moves, "move", head)
 
     # ---- prefill short -------------------------------------------------------------------
-    def _prefill_short(self, turn: "Turn", why: str) -> Decision:
+    def _prefill_short(self, turn: Turn, why: str) -> Decision:
         p, d, c = (turn.counts[r] for r in ROLES)
         ok, spare = self._decode_spare(turn)
         if ok:
@@ -105,7 +101,7 @@ class Reactive:
             return self._start_route(turn, target, PREFILL, f"prefill short: {why}; {spare}, {detail}")
         return turn.hold(f"prefill short: {why}; but decode cannot spare one: {spare}")
 
-    def _decode_spare(self, turn: "Turn") -> tuple[bool, str]:
+    def _decode_spare(self, turn: Turn) -> tuple[bool, str]:
         """Can decode give a worker to prefill? (ok, the numbers)"""
         cfg, m = self.config, turn.m
         d = m.counts[DECODE]
@@ -126,7 +122,7 @@ class Reactive:
                 f"{d - 1} decode worker(s), {m.decode_running} running (limit {limit:.0f} ms)")
         return projected <= limit, text
 
-    def _colocated_route(self, turn: "Turn", d: int) -> tuple[dict, str] | None:
+    def _colocated_route(self, turn: Turn, d: int) -> tuple[dict, str] | None:
         """All-colocated target when the last decode worker cannot be spared, decode has
         headroom and the cluster is small enough; else None."""
         cfg, m, counts = self.config, turn.m, turn.counts
@@ -149,7 +145,7 @@ class Reactive:
                 f"{m.queued_handoffs} handoffs queued), {total} workers: all colocated")
 
     # ---- decode short --------------------------------------------------------------------
-    def _decode_short(self, turn: "Turn", why: str) -> Decision:
+    def _decode_short(self, turn: Turn, why: str) -> Decision:
         p, d, c = (turn.counts[r] for r in ROLES)
         switch = [w for w in turn.obs.workers if w.role == COLOCATED and w.switchable]
         if switch:
@@ -163,7 +159,7 @@ class Reactive:
                              f"decode short: {why}; but ")
         return turn.hold(f"decode short: {why}; but prefill cannot spare one: {spare}")
 
-    def _colocated_to_decode(self, turn: "Turn", why: str, s: int) -> Decision | None:
+    def _colocated_to_decode(self, turn: Turn, why: str, s: int) -> Decision | None:
         """Decode short with ``s`` switchable colocated workers: back toward disaggregated;
         None when no colocated worker can give (the plain prefill rule decides)."""
         cfg, m = self.config, turn.m
@@ -192,7 +188,7 @@ class Reactive:
                                  f"decode short: {why}; back to disaggregated, "
                                  f"prefill can spare one: {spare}")
 
-    def _elastic_to_decode(self, turn: "Turn", why: str) -> Decision | None:
+    def _elastic_to_decode(self, turn: Turn, why: str) -> Decision | None:
         """Elastic: colocated workers keep both kinds of work by budget, and their running
         decodes move to decode workers; so decode short means one more decode worker when
         there is none or those there are busy, else a hold while migrations act."""
@@ -228,7 +224,7 @@ class Reactive:
                                     f"(limit {limit:.0f} ms)")
 
     # ---- nothing confirmed ---------------------------------------------------------------
-    def _healthy(self, turn: "Turn", short_p: list[str], short_d: list[str]) -> Decision:
+    def _healthy(self, turn: Turn, short_p: list[str], short_d: list[str]) -> Decision:
         cfg, m = self.config, turn.m
         pending = []
         if short_p:

@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 from starlette.responses import JSONResponse
@@ -23,12 +23,10 @@ from starlette.responses import JSONResponse
 from pdqueue.client import RequestFailed
 from pdqueue.frontends import openai_compat as oai
 from pdqueue.frontends import http_errors as errs
+from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.resumable import Spec
 from pdqueue.protocol import Completion, FinishReason
-
-if TYPE_CHECKING:   # the app that holds the answers (imports this module)
-    from pdqueue.frontends.gateway import Gateway
 
 log = logging.getLogger("pdqueue.frontends.gateway")
 
@@ -102,6 +100,28 @@ class Answer:
             raise exc
 
 
+class HostConfig(Protocol):
+    """The settings an answer reads (``gateway.GatewayConfig``'s)."""
+
+    @property
+    def timeout_s(self) -> float | None: ...
+    @property
+    def keepalive_s(self) -> float | None: ...
+
+
+class Host(Protocol):
+    """What an answer needs of the app that holds it (``gateway.Gateway``, which imports
+    this module): its settings and metrics, the set of open answers, its forced stop, and
+    cancelling a request."""
+
+    config: HostConfig
+    metrics: GatewayMetrics
+    open: set[Reply]
+    stopped: asyncio.Event
+
+    async def cancel(self, request_id: str) -> None: ...
+
+
 class Reply:
     """One answer being written (its handle, how it is written, timing and accounting).
 
@@ -109,7 +129,7 @@ class Reply:
     carry SSE ids. ``attached``: a re-read of a request sent before (no generation metrics).
     ``cancels``: a hang-up cancels the request (plain requests; not resumable ones or reads)."""
 
-    def __init__(self, gw: Gateway, handle, spec: Spec, *, endpoint: str, arrived: float, headers: dict,
+    def __init__(self, gw: Host, handle, spec: Spec, *, endpoint: str, arrived: float, headers: dict,
                  after: int | None = None, ids: bool = False, attached: bool = False, cancels: bool = True,
                  tenant=None):
         self.gw, self.handle, self.spec = gw, handle, spec
@@ -305,6 +325,6 @@ class Stream(Reply):
 
 
 
-def reply(gw, handle, spec: Spec, stream: bool, **options) -> Answer:
+def reply(gw: Host, handle, spec: Spec, stream: bool, **options) -> Answer:
     """The ASGI app that writes ``handle``'s answer (``options``: ``Reply``'s)."""
     return (Stream if stream else Whole)(gw, handle, spec, **options).response()

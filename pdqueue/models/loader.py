@@ -117,10 +117,36 @@ def _build(config: ModelConfig, weights, device, dtype) -> LlamaModel:
     # Allocate without running the random init (which would take longer than loading).
     with torch.device("meta"):
         model = LlamaModel(config)
-    model = model.to(dtype).to_empty(device=device)
+    _allocate(model, device, dtype)
     model.load_weights(weights)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _allocate(model: torch.nn.Module, device, dtype) -> None:
+    """``model.to(dtype).to_empty(device=device)`` for a model built on the meta device, with
+    ``torch.empty`` by shape: ``to_empty``'s ``empty_like`` of a meta tensor runs through
+    ``torch._refs``, whose first call imports ``torch.fx.experimental.symbolic_shapes`` and
+    sympy: ~1 CPU-second of every worker's start (tiny: a 2.1 s start, 1.0 s of it that
+    import, measured). Floating-point tensors take ``dtype``, others keep theirs, as with
+    ``.to(dtype)``; a tensor shared by two modules stays shared."""
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(meta tensor) -> (it, its allocation)
+
+    def allocated(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            done[id(t)] = (t, new)   # (the meta tensor is kept: its id stays its own)
+        return done[id(t)][1]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = allocated(param)
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = allocated(buf)
 
 
 # --- tiny -------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
 from workers.cli.supervisor.draining import WorkLeft
 from workers.cli.supervisor.processes import Progress, WorkerFailed, WorkerProcess
-from workers.cli.supervisor.restarts import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S, Restarts
+from workers.cli.supervisor.restarts import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S, RESTART_BACKOFF_S, Restarts
 from workers.cli.supervisor.stopping import Stopping
 
 DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
@@ -78,6 +78,7 @@ class LocalClusterConfig:
     decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
     prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
     decode_args: tuple[str, ...] = field(default_factory=tuple)   # ... of the decode (and colocated) workers
+    restart_backoff_s: float = RESTART_BACKOFF_S  # the first restart's delay, doubled per restart (up --restart-backoff-s)
 
 
 

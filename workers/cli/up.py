@@ -75,6 +75,9 @@ def check_port_free(port: int) -> None:
               help="Seconds to wait for the workers to load the model and register.")
 @click.option("--stop-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a warm stop may take before stragglers are killed.")
+# default: workers.cli.supervisor.restarts.RESTART_BACKOFF_S (not imported here: it imports redis)
+@click.option("--restart-backoff-s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Seconds before a process that exited is started again, doubling per restart (up to 30 s).")
 @click.option("--adapt", is_flag=True,
               help="Let the P:D split follow the load: the workers take role switches and a planner moves them "
                    "between prefill, decode and colocated (--prefill/--decode give the starting split).")
@@ -100,12 +103,12 @@ def check_port_free(port: int) -> None:
                    "README 'Prompt placement'. --no-take-prompts: a fixed split.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
+       log_level, start_timeout, stop_timeout, restart_backoff_s, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
        weights, prefill_weights, decode_weights, take_prompts, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
        window_s, elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
-    worker id, after 1 s, doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
+    worker id, after 1 s (--restart-backoff-s), doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
     given up on, and `up` stops when no worker is left for a role.
 
     \b
@@ -165,7 +168,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 redis_password=redis_password, prefill_weights=prefill_weights or weights,
                                 decode_weights=decode_weights or weights,
                                 decode_args=TAKE_PROMPTS_ARGS + ("--tbt-slo-ms", f"{tbt_slo_ms:g}")
-                                if take_prompts else ())
+                                if take_prompts else (), restart_backoff_s=restart_backoff_s)
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):

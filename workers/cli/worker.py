@@ -187,7 +187,27 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     try:
         w.run()
     except RedisGone:   # logged, everything closed: the status tells a supervisor why
-        sys.exit(EXIT_REDIS_GONE)
+        exit_now(EXIT_REDIS_GONE)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End a worker process that has closed everything it owns (its streams' entries, KV
+    segment, ports, heartbeat): the other threads are joined and the atexit handlers run
+    (logging's flush among them), as at a normal exit, but the interpreter's teardown with
+    torch loaded is skipped: it took ~1 s (0.3-0.6 CPU-s) of every warm stop (measured:
+    SIGTERM to exit 1.4-1.6 s -> 0.6-0.9 s for an idle tiny worker)."""
+    import atexit
+    import os
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def bind_host(bind: str) -> str:

@@ -1,9 +1,9 @@
 """`up`'s restarts, like compose's ``restart: on-failure`` for every process: one that exits
 while `up` is not stopping starts again under the same worker id (so it takes back the
 entries it held, ``workers/recovery.py`` ``own_pending``) and in the role it ran (its
-heartbeat's, so ``--adapt``'s switches hold), after RESTART_BACKOFF_S, doubling per restart
-up to RESTART_BACKOFF_MAX_S; a process that ran HEALTHY_RUN_S starts the doubling over. One
-that exits again after CRASH_LOOP_RESTARTS restarts within CRASH_LOOP_WINDOW_S is in a crash
+heartbeat's, so ``--adapt``'s switches hold), after the config's ``restart_backoff_s``
+(``up --restart-backoff-s``, default RESTART_BACKOFF_S), doubling per restart up to
+RESTART_BACKOFF_MAX_S; a process that ran HEALTHY_RUN_S starts the doubling over. One that exits again after CRASH_LOOP_RESTARTS restarts within CRASH_LOOP_WINDOW_S is in a crash
 loop: `up` gives up on it, and ``failure`` is set when that leaves a role (or the gateway)
 with nobody. ``events`` records what happened (also in ``up.log``). Never imports torch.
 """
@@ -54,7 +54,7 @@ class Restarts:
     def start(self, on_event: Callable[[dict], None] | None = None,
               on_failure: Callable[[str], None] | None = None) -> None:
         """From now until ``stop``: start again every worker (and the gateway) that exits,
-        under its worker id and in the role it ran (see ``RESTART_BACKOFF_S``), in a thread.
+        under its worker id and in the role it ran (see ``restart_backoff_s``), in a thread.
         ``on_event`` gets each event (``events``: exits, restarts, returns, a crash loop) as
         it happens, from that thread; ``on_failure`` the reason when `up` should stop: a
         crash loop left no worker to take a role's work, or no gateway (``failure``)."""
@@ -144,7 +144,7 @@ class Restarts:
             else:
                 self.event(f"up goes on without {w.worker_id}: {self.serving()} left", "warning", w)
             return
-        delay = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** w.backoff)
+        delay = min(RESTART_BACKOFF_MAX_S, self.cluster.config.restart_backoff_s * 2 ** w.backoff)
         w.backoff += 1
         w.restart_at = now + delay
         self.event(f"{what}; restarting in {delay:g} s (restart {w.restarts + 1})", "warning", w)
