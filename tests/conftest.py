@@ -45,6 +45,7 @@ ONE_WORKER_MODULES = {
 # Left out: tests of modules with costly module-scoped fixtures (test_gateway_batches' workers
 # and gateway), which a worker would start again for the one test taken out of their order.
 SLOW_FIRST = (
+    "test_elastic_chaos.py::test_levers_and_kills_under_load_lose_nothing_and_double_nothing",   # ~40 s
     "test_chaos.py::test_chaos_kill_and_restart",                                  # ~70 s
     "test_migration.py::test_a_receiver_killed_mid_move_loses_nothing",            # ~60 s
     "test_switching.py::test_roles_flipping_under_load",                           # ~55 s
