@@ -186,6 +186,36 @@ def test_requests_of_one_class_start_in_deadline_order_not_arrival_order(cluster
     assert_same_tokens(tiny, long_prompt, expected, list(long_result.token_ids), long_sp)
 
 
+def test_an_interactive_request_is_read_while_standard_ones_wait_in_the_engine_and_goes_first(cluster, tiny):
+    """A colocated worker reads 16 standard prompts at once (200 tokens each, 16 prompt tokens
+    a step: they wait in its engine for ~200 steps); an interactive request sent once they are
+    all read is read at once too (not after the last standard prompt has started) and, first
+    in the engine's order, answered before most of them. Every answer the colocated engine's."""
+    cluster.start("colocated", *FAST, "--max-batched-tokens", "16", "--routing", "off", worker_id="c0")
+    client = Client(cluster.redis_url)
+    n = 16
+    prompts = [[(11 * i + 7 * k) % 250 + 3 for i in range(200)] for k in range(n)]
+    specs = [{"prompt_ids": p, "max_tokens": 1, "temperature": 0.0, "seed": k, "service_class": "standard"}
+             for k, p in enumerate(prompts)]
+    standard = submit_together(client, specs)
+    wait_for(lambda: cluster.r.xpending(KEYS.requests, "prefill")["pending"] == n, timeout=30,
+             what="c0 holding the 16 standard requests", interval=0.002)
+    chat_prompt = [(5 * i) % 250 + 3 for i in range(20)]
+    chat = client.submit(prompt_ids=chat_prompt, max_tokens=4, temperature=0.0, service_class="interactive")
+    chat_result = chat.result(timeout=60)
+    results = [h.result(timeout=120) for h in standard]
+    done_order = [f[b"id"].decode() for _, f in cluster.r.xrange(KEYS.done)]
+    before = done_order.index(chat.request_id)
+    assert before <= n // 4, f"{before} of {n} standard requests answered before the interactive one"
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    [expected] = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16)).generate([chat_prompt], sp)
+    assert_same_tokens(tiny, chat_prompt, expected, list(chat_result.token_ids), sp)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    outs = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16)).generate(prompts, sp)
+    for p, exp, res in zip(prompts, outs, results):
+        assert_same_tokens(tiny, p, exp, list(res.token_ids), sp)
+
+
 def test_a_classed_request_whose_deadline_passes_while_it_waits_in_the_engine_is_refused_at_once(cluster):
     """A 1 MB pool (2048 tokens) held by a long request (600 prompt tokens, 1400 more to
     come); a standard request whose 1500-token prompt cannot get its blocks waits in the

@@ -102,7 +102,7 @@ class RequestRole(Role):
         self.inflight: dict[str, Admitted] = {}
         # Batch only into the capacity the higher classes leave (workers/admission.py).
         self.batch_gate = BatchGate()
-        self._batch_turn = False
+        self._turn: str | None = None   # a stream read alone (batch's or interactive's turn), else None
         self.step_s = 0.0   # moving average of an engine step
 
     def streams(self) -> list[str]:
@@ -111,7 +111,27 @@ class RequestRole(Role):
         return self.router.all_streams()
 
     def read_streams(self) -> list[str]:
-        return [self.shell.keys.requests_batch] if self._batch_turn else self.router.read_streams()
+        if self._turn is not None:
+            return [self._turn]
+        return self.router.read_streams()
+
+    def _read_only(self, stream: str, n: int) -> None:
+        """One read of ``stream`` alone (at most ``n`` entries, no wait), then accept them."""
+        self._turn = stream
+        try:
+            entries = self.shell.read(n, block_ms=0)
+        finally:
+            self._turn = None
+        if entries:
+            self.accept(entries, resumed=False)
+
+    def take_interactive(self) -> None:
+        """Lower classes wait in the engine and no interactive request does: the interactive
+        stream is read anyway (the engine's waiting order puts what comes ahead of them,
+        engine/scheduler.py), so interactive requests never queue in Redis behind the standard
+        ones this worker already holds (measured: a 2 req/s standard tenant beside a 1 req/s
+        interactive one took the interactive TTFT p50 from 0.3-0.7 s to 4.5-4.8 s)."""
+        self._read_only(self.shell.keys.requests_high, self.read_limit())
 
     def take_batch(self) -> None:
         """Batch entries, as many as the gate lets in after the higher classes' turn: no more
@@ -126,13 +146,7 @@ class RequestRole(Role):
                                   now_s=time.monotonic())
         if n <= 0:
             return
-        self._batch_turn = True
-        try:
-            entries = self.shell.read(n, block_ms=0)
-        finally:
-            self._batch_turn = False
-        if entries:
-            self.accept(entries, resumed=False)
+        self._read_only(self.shell.keys.requests_batch, n)
 
     def refuse_late(self) -> int:
         """Classed requests in hand whose deadline passed before their first token (waiting
@@ -172,6 +186,8 @@ class RequestRole(Role):
                     self.accept(taken, resumed=False)
             if self.shell.accepting:
                 self.take_batch()
+        elif self.shell.accepting and not self.engine.scheduler.num_waiting_rank(0):
+            self.take_interactive()
         elif not busy:
             return False
         if self.engine.has_unfinished:

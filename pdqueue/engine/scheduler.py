@@ -157,6 +157,10 @@ class Scheduler:
     def num_waiting_foreground(self) -> int:
         return sum(not s.background for s in self.waiting)
 
+    def num_waiting_rank(self, rank: int) -> int:
+        """Waiting sequences of service-class rank ``rank`` (0: interactive)."""
+        return sum(s.rank == rank for s in self.waiting)
+
     def can_run_background(self) -> bool:
         """Whether one more background sequence may take a slot now."""
         return self.num_background < self.max_background
