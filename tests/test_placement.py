@@ -208,16 +208,3 @@ def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redi
                 assert load["prompt_tok_s"] == 0 and where is None, (steps, load, where)
     finally:
         shell.close()
-
-
-def test_an_interactive_prompt_counts_only_the_queued_prompts_that_go_before_it(tiny):
-    """The engine takes an interactive prompt before the standard ones it holds, so its local
-    wait counts only prompts of its class or a higher one (and none of the batch class)."""
-    engine = prefill_engine(tiny, 0.004)
-    for k, rank in enumerate((1, 1, 2)):
-        engine.add_request(f"r{k}", list(range(3, 403)), SamplingParams(max_tokens=1), rank=rank,
-                           background=rank == 2)
-    standard, interactive = local_wait_s(engine, 40, rank=1), local_wait_s(engine, 40, rank=0)
-    a, _b, c = engine.scheduler.cost.theta
-    assert interactive == pytest.approx(max(a, 0.0) + c * 40)
-    assert standard == pytest.approx(max(a, 0.0) + c * (800 + 40))

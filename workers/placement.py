@@ -89,10 +89,9 @@ class Placement:
                                          int(load.get("free_slots") or 0), sent)
         self.peers = peers
 
-    def place(self, engine, num_tokens: int, rank: int = 1) -> str | None:
+    def place(self, engine, num_tokens: int) -> str | None:
         """The handoff stream of the decode worker that should prefill a prompt of
-        ``num_tokens`` and service-class ``rank`` (this worker's ``engine`` holding what it
-        has queued), or None: here."""
+        ``num_tokens`` (this worker's ``engine`` holding what it has queued), or None: here."""
         if num_tokens > self.max_tokens:
             return None
         now = time.monotonic()
@@ -104,7 +103,7 @@ class Placement:
         if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > MAX_REMOTE_WAIT_S:
             return None
         if self.mode != "always":
-            local = local_wait_s(engine, num_tokens, rank)
+            local = local_wait_s(engine, num_tokens)
             if local is None or local < MIN_WAIT_S or best.wait_s(now, num_tokens) >= local * MARGIN:
                 return None
         best.sent.append((now, num_tokens))
@@ -113,14 +112,10 @@ class Placement:
         return best.stream
 
 
-def local_wait_s(engine, num_tokens: int, rank: int = 1) -> float | None:
-    """Seconds until a prompt of ``num_tokens`` and service-class ``rank`` admitted now has
-    its first token in ``engine`` (a prefill engine: the queued prompt tokens that go before
-    it first: those of its class or a higher one, engine/scheduler.py's waiting order), from
-    its step cost model; None until the model has learned a positive cost per prompt token.
-    (Counting every queued token placed interactive prompts on the decode worker that the
-    prefill worker would have taken first: in the two-tenant run the interactive tenant's
-    TTFT p50 was 1.9 s against the standard flood's 1.5 s.)"""
+def local_wait_s(engine, num_tokens: int) -> float | None:
+    """Seconds until a prompt of ``num_tokens`` admitted now has its first token in
+    ``engine`` (a prefill engine: every queued prompt token first), from its step cost
+    model; None until the model has learned a positive cost per prompt token."""
     cost = engine.scheduler.cost
     if cost.steps < 4:
         return None
@@ -128,6 +123,6 @@ def local_wait_s(engine, num_tokens: int, rank: int = 1) -> float | None:
     if c <= 0:
         return None
     scheduler = engine.scheduler
-    queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting if s.rank <= rank and not s.background)
+    queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting)
     queued += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
     return max(a, 0.0) + c * (queued + num_tokens)
