@@ -32,19 +32,18 @@ class DecodePeers:
         self._asked_at = float("-inf")
         self.sent_ms: deque[float] = deque()   # wall-clock ms of the handoffs this worker wrote
 
-    def refresh(self, now: float | None = None) -> bool:
-        """Read the heartbeats when the last read is older than ``every_s``; True if it did.
-        A failed read keeps the last view (the next ask tries again)."""
+    def refresh(self, now: float | None = None) -> None:
+        """Read the heartbeats when the last read is older than ``every_s``. A failed read
+        keeps the last view (the next ask tries again)."""
         now = time.monotonic() if now is None else now
         if now - self._asked_at < self.every_s:
-            return False
+            return
         self._asked_at = now
         try:
             self.workers = list_workers(self.r, self.keys, role="decode")
         except Exception:
-            return False
+            return
         self.read_at = now
-        return True
 
     @property
     def nodes(self) -> set[str]:
@@ -60,8 +59,8 @@ class DecodePeers:
     def room(self) -> bool | None:
         """Whether a decode worker that takes work has a free slot and free KV for one more
         request, less the handoffs sent since the oldest beat of those with room (which
-        cannot show them yet); None when no decode worker is live (a handoff then waits for one, as it
-        always has)."""
+        cannot show them yet); None when no decode worker is live (a handoff then waits for
+        one, as it always has)."""
         self.refresh()
         if not self.workers:
             return None

@@ -98,8 +98,8 @@ class PrefillRole(RequestRole):
 
     def before_step(self) -> None:
         """The online prompts this step may finish stay here when no decode worker has room."""
-        keep = self.shell.config.decode_here == "auto" and self.shell.accepting and self.peers.room() is False
-        self.engine.keep_decoding(keep)
+        if self.shell.config.decode_here == "auto":   # off: nothing is ever marked
+            self.engine.keep_decoding(self.shell.accepting and self.peers.room() is False)
 
     def free_released(self) -> None:
         """Blocks of released or expired leases go back to the engine."""

@@ -148,18 +148,18 @@ class RequestRole(Role):
             return
         self._read_only(self.shell.keys.requests_batch, n)
 
-    def refuse_late(self) -> int:
+    def refuse_late(self) -> None:
         """Classed requests in hand whose deadline passed before their first token (waiting
         in the engine, or still prefilling) are answered now with the error
         ``deadline_exceeded`` and leave the engine, their blocks freed: one that cannot meet
         its deadline is not computed late. (Once its tokens are out, a request past its
         deadline ends ``done``/``expired`` with them, as an old producer's does; a request
-        without a class too.) Returns how many it refused."""
+        without a class too.)"""
         t = now_ms()
         late = [rid for rid, it in self.inflight.items()
                 if it.request.service_class is not None and not it.token_times_ms and it.request.expired(t)]
         if not late:
-            return 0
+            return
         with self.shell.unit() as unit:
             for rid in late:
                 it = self.inflight.pop(rid)
@@ -168,7 +168,6 @@ class RequestRole(Role):
                             f"deadline passed before the first token "
                             f"({t - it.request.deadline_at_ms:.0f} ms ago; it waited {t - it.read_ms:.0f} ms "
                             f"in worker {self.shell.worker_id})", ErrorCode.DEADLINE_EXCEEDED)
-        return len(late)
 
     def step(self) -> bool:
         self.refuse_late()

@@ -222,14 +222,8 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
             if settings.phases:
                 plan = plan_phases(settings)
                 task = bar.add_task(f"{mode}: {'/'.join(p.name for p in settings.phases)}", total=len(plan))
-                timeline: list[dict] = []
-                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
-                try:
-                    records = await run_requests(client, plan, settings.drain_timeout_s,
-                                                 on_done=lambda: bar.advance(task), log=progress)
-                finally:
-                    sampler.cancel()
-                    await asyncio.gather(sampler, return_exceptions=True)
+                records, timeline = await _run_sampled(client, plan, settings, url, cluster,
+                                                       lambda: bar.advance(task), progress)
                 by_rate["phases"], raw["phases"] = phase_metrics(records, settings), {"timeline": timeline}
                 by_rate["phases"]["records"] = records
                 return by_rate, raw
@@ -243,14 +237,8 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                     await batch.start(client)
                     progress(f"{mode} @ {rate:g} req/s: {settings.batch_lines} batch-class requests queued")
                 started = time.time()
-                timeline = []
-                sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
-                try:
-                    records = await run_requests(client, plan, settings.drain_timeout_s,
-                                                 on_done=lambda: bar.advance(task), log=progress)
-                finally:
-                    sampler.cancel()
-                    await asyncio.gather(sampler, return_exceptions=True)
+                records, timeline = await _run_sampled(client, plan, settings, url, cluster,
+                                                       lambda: bar.advance(task), progress)
                 by_rate[rate_key(rate)], raw[rate_key(rate)] = metrics(records, rate, settings)
                 raw[rate_key(rate)]["timeline"] = timeline
                 by_rate[rate_key(rate)]["records"] = records
@@ -263,6 +251,19 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                                                                            settings.drain_timeout_s * 3)
     return by_rate, raw
 
+
+
+async def _run_sampled(client, plan, settings: Settings, url: str, cluster: str, on_done, progress):
+    """Send ``plan`` and wait for its answers while the timeline is sampled (none without a
+    Redis URL: the openai mode); returns (records, timeline)."""
+    timeline: list[dict] = []
+    sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
+    try:
+        records = await run_requests(client, plan, settings.drain_timeout_s, on_done=on_done, log=progress)
+    finally:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    return records, timeline
 
 
 async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s: float = 0.5) -> None:

@@ -168,17 +168,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def keep_decoding(self, keep: bool) -> list[str]:
+    def keep_decoding(self, keep: bool) -> None:
         """Prefill role: whether the online sequences still prefilling decode here after their
-        first token (True) or leave with it (False), as decided before each step; returns the
-        ids of those marked to stay."""
-        kept = []
+        first token (True) or leave with it (False), as decided before each step."""
         for seq in self._seqs.values():
             if seq.num_output_tokens == 0 and not seq.background:
                 seq.decode_here = keep
-                if keep:
-                    kept.append(seq.request_id)
-        return kept
 
     def can_reserve(self, num_tokens: int, background: bool = False) -> bool:
         """Whether ``reserve`` has a slot and the blocks (a background sequence, one of its
