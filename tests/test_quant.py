@@ -36,6 +36,11 @@ def tiny_int4():
     return load_model("tiny", weights="int4")
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_1():
+    return load_model("tiny", weights="q4_1")
+
+
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm())
 
@@ -51,7 +56,7 @@ def outlier_rows(n: int = 9, k: int = 576, seed: int = 0) -> torch.Tensor:
 
 
 def test_weight_formats_agree():
-    assert WEIGHT_FORMATS == quant.WEIGHT_FORMATS == ("fp32", "int8", "int4")
+    assert WEIGHT_FORMATS == quant.WEIGHT_FORMATS == ("fp32", "int8", "int4", "q4_1")
 
 
 @pytest.mark.parametrize("make", [quant.Int8Linear, quant.Int4Linear])
@@ -110,7 +115,7 @@ def test_int4_shape_errors_say_why():
         quant.Int4Linear(torch.randn(304, 48))
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_1"])
 def test_quantized_tiny_model_is_close_and_smaller(tiny, weights):
     loaded = load_model("tiny", weights=weights)
     assert loaded.weights == weights == loaded.model.weights_format
@@ -120,14 +125,15 @@ def test_quantized_tiny_model_is_close_and_smaller(tiny, weights):
     ids = torch.tensor(loaded.tokenizer.encode("the quick brown fox jumps over a lazy dog"))
     with torch.inference_mode():
         ref, got = tiny.model.dense_logits(ids), loaded.model.dense_logits(ids)
-    # The tiny model is chaotic (sharp random attention): int8 is 0.10 off, int4 0.66 (weights
-    # far from any 4-bit grid); unrelated logits would be ~1.4 off. SmolLM2: the slow test below.
+    # The tiny model is chaotic (sharp random attention): int8 is 0.10 off, int4 and q4_1 0.66
+    # (weights far from any 4-bit grid); unrelated logits would be ~1.4 off. SmolLM2: the slow
+    # test below.
     assert rel_err(got, ref) < (0.2 if weights == "int8" else 0.9), rel_err(got, ref)
     ratio = quant.step_weight_bytes(loaded.model) / quant.step_weight_bytes(tiny.model)
     assert ratio < (0.3 if weights == "int8" else 0.2), ratio
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_1"])
 def test_paged_engine_matches_dense_reference_with_quantized_weights(weights):
     """The engine (paged KV, batched steps) against the same model's cache-free dense
     forward, greedy: the quantized layers behave the same inside a batch as alone."""
@@ -155,16 +161,16 @@ def test_smollm2_quantized_stays_close(smollm2):
         "it was the season of Darkness, it was the spring of hope, it was the winter of despair."))
     with torch.inference_mode():
         ref = F.log_softmax(smollm2.model.dense_logits(ids), -1)
-        for weights, bound in (("int8", 0.02), ("int4", 0.01)):
+        for weights, bound in (("int8", 0.02), ("int4", 0.01), ("q4_1", 0.02)):
             got = F.log_softmax(load_model("smollm2", weights=weights).model.dense_logits(ids), -1)
             kl = float((ref.exp() * (ref - got)).sum(-1).mean())
             assert 0 < kl < bound, (weights, kl)
 
 
-def test_prefix_cache_root_includes_the_weights(tiny, tiny_int8, tiny_int4):
+def test_prefix_cache_root_includes_the_weights(tiny, tiny_int8, tiny_int4, tiny_q4_1):
     roots = {w: LLMEngine(m, EngineConfig(model="tiny", kv_cache_mb=4)).block_manager.root
-             for w, m in (("fp32", tiny), ("int8", tiny_int8), ("int4", tiny_int4))}
-    assert len(set(roots.values())) == 3, roots
+             for w, m in (("fp32", tiny), ("int8", tiny_int8), ("int4", tiny_int4), ("q4_1", tiny_q4_1))}
+    assert len(set(roots.values())) == 4, roots
 
 
 def test_engine_config_checks_the_weights():
@@ -188,7 +194,7 @@ def submit_all(cluster: Cluster, prompts: list[str], params: list[dict]):
     return [h.result(timeout=120) for h in handles]
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_1"])
 def test_pipeline_with_quantized_weights_matches_colocated(cluster, weights, request):
     """Both roles quantized alike: the disaggregated pipeline returns the colocated engine's
     tokens (same weights) token for token, and the heartbeats show the weights."""

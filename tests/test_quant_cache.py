@@ -36,7 +36,7 @@ def file_id(entry: Path) -> tuple[int, int]:
     return st.st_ino, st.st_mtime_ns
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_1"])
 def test_cached_layers_equal_freshly_quantized_ones(tmp_path, cache_dir, weights):
     path = write_tiny_gguf(tmp_path / "m.gguf")
     fresh = load_model(path, weights=weights, use_cache=False)     # bypasses both caches
@@ -51,7 +51,7 @@ def test_cached_layers_equal_freshly_quantized_ones(tmp_path, cache_dir, weights
     for loaded in (first, second):
         assert torch.equal(logits(loaded), logits(fresh))
     assert {type(m).__name__ for m in second.model.modules()} >= {"Int8Linear"} | (
-        {"Int4Linear"} if weights == "int4" else set())
+        {"Int4Linear"} if weights == "int4" else {"Q41Linear"} if weights == "q4_1" else set())
     made_from = json.loads((entry / "entry.json").read_text())
     assert (made_from["weights"], made_from["recipe"], made_from["torch"]) == (weights, quant.RECIPE_VERSION,
                                                                                 torch.__version__)

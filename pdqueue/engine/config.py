@@ -21,8 +21,9 @@ DEFAULT_KV_CACHE_MB = 512
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # How the linear layers' weights are held (pdqueue.models.quant, which has the same tuple):
-# fp32 unquantized (in ``dtype``), int8 per output channel, int4 in groups of 32.
-WEIGHT_FORMATS = ("fp32", "int8", "int4")
+# fp32 unquantized (in ``dtype``), int8 per output channel, int4 in groups of 32 (torch's
+# kernel), q4_1 the same blocks times 8-bit activations (pdqueue's kernel, models/q4.py).
+WEIGHT_FORMATS = ("fp32", "int8", "int4", "q4_1")
 
 
 class PrefillPolicy(str, Enum):

@@ -1,6 +1,6 @@
 """Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
 
-Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``quantize_model`` (swap a loaded
+Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``quantize_model`` (swap a loaded
 ``LlamaModel``'s linear layers and LM head for quantized ones, in place),
 ``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
 ``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
@@ -30,11 +30,15 @@ rows of the same call: about 16 bits of activation for one read of the weights (
 step has rows to spare: the kernel is memory-bound there). Measured on
 SmolLM2 (KL from float32 per token): 0.096 with plain 8-bit activations, 0.006 with the split.
 
-``int4`` keeps the LM head in int8: SmolLM2's GGUF stores the embedding (its tied head) in
+- ``q4_1``: the same 4-bit blocks as int4 with float scale and minimum, times activations
+  quantized to 8 bits per block of 32 (llama.cpp's Q4_1 x Q8_1), in pdqueue's C kernel
+  (``models.q4``), which reuses the unpacked weights across the rows of a batch.
+
+``int4`` and ``q4_1`` keep the LM head in int8: SmolLM2's GGUF stores the embedding (its tied head) in
 Q8_0, and 4 bits there cost KL 0.05 against 0.0006 for the 4-bit layers (their Q4_1 blocks
 are recovered up to the bf16 rounding of scale and zero).
 
-Imports torch only.
+Imports torch and ``models.q4`` only.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import warnings
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "int8", "int4")   # fp32: unquantized (in the engine's --dtype)
+from pdqueue.models import q4
+
+WEIGHT_FORMATS = ("fp32", "int8", "int4", "q4_1")   # fp32: unquantized (in the engine's --dtype)
 INT4_GROUP = 32                             # GGUF Q4_1's block size: its blocks map 1:1
 # What the layers' constructors compute from a float weight (the math, the tensors kept):
 # bump it whenever that changes. The cache of quantized weights (``pdqueue.models.
@@ -161,7 +167,39 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
 
 
-_QUANT = {"int8": Int8Linear, "int4": Int4Linear}
+class Q41Linear(nn.Module):
+    """``y = x @ W.T`` with W in GGUF Q4_1 blocks of 32 (``w = d * q + m``, float16 d and m) and
+    the activations quantized to 8 bits per block of 32: llama.cpp's arithmetic, in
+    pdqueue's kernel (``models.q4``: why, and what runs without a C compiler). The input
+    must be float32 [T, in_features]."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        store = _STORE.get()
+        stored = None if store is None else store.get("q4_1", weight)
+        if stored is None:
+            stored = q4.quantize_weight(weight)
+            if store is not None:
+                store.put("q4_1", weight, stored)
+        self.nbytes = stored["qs"].numel() + 2 * (stored["d"].numel() + stored["m"].numel())
+        self._kernel, _ = q4.kernel()
+        # Only the layout that runs is kept: the kernel's interleaved tiles, or the blocks the
+        # torch reference reads.
+        self._layout = q4.interleave(stored) if self._kernel is not None else stored
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:   # the model's activations are [tokens, features] already
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        if self._kernel is None:
+            return q4.reference_linear(x, self._layout["qs"], self._layout["d"], self._layout["m"])
+        return self._kernel(x.contiguous(), self._layout, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 x 8-bit activations"
+
+
+_QUANT = {"int8": Int8Linear, "int4": Int4Linear, "q4_1": Q41Linear}
 
 
 def quantize_model(model, weights: str):
@@ -193,7 +231,7 @@ def step_weight_bytes(model) -> int:
     norms and the LM head; the embedding only where it is the (float) LM head."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
+        if isinstance(module, (Int8Linear, Int4Linear, Q41Linear)):
             total += module.nbytes
         elif isinstance(module, nn.Linear) and module.weight.numel():
             total += module.weight.numel() * module.weight.element_size()

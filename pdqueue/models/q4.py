@@ -1,0 +1,206 @@
+"""The ``q4_1`` weight format: GGUF Q4_1 blocks (4-bit weights, a float scale and minimum per
+32) times 8-bit activations, llama.cpp's arithmetic, in a C kernel of pdqueue's own.
+
+Owns: ``quantize_weight`` (float [N, K] -> the blocks), ``reference_linear`` (the kernel's
+arithmetic in torch ops, bit for bit) and ``kernel`` (the compiled kernel, built once per
+machine and cached, or None with the reason). The layer is ``models.quant.Q41Linear``.
+
+Why: torch's int4 kernel (``int4``, tinygemm) dequantizes its weights for every row, so a
+decode step at batch 8 costs ~2.6x batch 1 (docs/performance.md, session 10). The kernel in
+``q4_kernel.c`` quantizes each row's activations to int8 in blocks of 32 and computes each
+block's dot product in integers (exact), unpacking a row of weights once for all the rows of
+the batch. A row's result does not depend on the other rows (disaggregated == colocated token
+for token), and ``reference_linear`` gives the same bits, which is what the tests check and
+what runs where no C compiler is found (slower, with a log line saying so).
+
+The kernel is compiled at first use with the system's C compiler (``$CC``, else ``cc``, ``gcc``
+or ``clang``; flags for AVX2 and FMA only, so it runs on any x86-64 CPU of the last ten
+years) into ``<cache_root>/kernels/q4-<hash of source, flags and compiler>.so``: a worker's
+second start loads it (milliseconds). Off x86-64 or without AVX2, the reference runs.
+
+Imports torch and ``pdqueue.models.cache`` only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdqueue.models import cache
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+_SOURCE = Path(__file__).with_name("q4_kernel.c")
+# No -march=native: a binary built for the build host's newest extensions can die with
+# SIGILL on a VM that advertises them; AVX2 + FMA is what the kernel uses.
+# The AVX2 and AVX-512 paths carry their own target attributes; the rest is baseline x86-64.
+_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared"]
+TILE = 16   # outputs per tile of the interleaved layout
+
+
+# --- the weights ------------------------------------------------------------------------
+
+def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> {"qs": uint8 [N, K/2] (block b's 16 bytes at 16 b, byte j: q[j] |
+    q[j+16] << 4, GGUF's order), "d", "m": float16 [N, K/32]}: per block of 32 along the input,
+    ``w ~= d * q + m`` with q in 0..15 from the block's min and max, d and m in float16 as
+    GGUF stores them (a GGUF Q4_1 block dequantized to float comes back as the same q, d, m)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"q4_1: a {n} x {k} weight; in_features must be a multiple of {BLOCK}")
+    g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15).clamp(min=1e-7).half()   # 1e-7: float16's subnormals, never 0
+    m = lo.half()
+    q = torch.round((g - m.float()[..., None]) / d.float()[..., None])
+    q = torch.clamp(q, 0, 15).to(torch.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2)
+    return {"qs": qs.contiguous(), "d": d.contiguous(), "m": m.contiguous()}
+
+
+def interleave(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``quantize_weight``'s blocks -> the kernel's layout (``q4_kernel.c``): tiles of 16
+    outputs (zero outputs added up to a multiple of 16), per tile and block 256 bytes where
+    byte 4t + i of group p holds output t's q[4p + i] (low nibble) and q[4p + 16 + i] (high);
+    d and m as [tiles, blocks, 16] float16."""
+    qs, d, m = tensors["qs"], tensors["d"], tensors["m"]
+    n, nb = d.shape
+    pad = -n % TILE
+    tiles = (n + pad) // TILE
+    q = qs.reshape(n, nb, BLOCK // 2)
+    q = torch.stack((q & 0x0F, q >> 4), dim=-2).reshape(n, nb, BLOCK)          # [N, blocks, 32] in 0..15
+    q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)).view(tiles, TILE, nb, BLOCK).transpose(1, 2)
+    low, high = q[..., :16].reshape(tiles, nb, TILE, 4, 4), q[..., 16:].reshape(tiles, nb, TILE, 4, 4)
+    packed = (low | (high << 4)).transpose(2, 3).reshape(tiles, nb, TILE * 16)  # [tile, block, p, t, i]
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
+    return {"w": packed.contiguous(), "d": tiled(d.half()), "m": tiled(m.half())}
+
+
+# --- the arithmetic, in torch ops ---------------------------------------------------------
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (qa [M, K/32, 32] int8 values as float, da, sa [M, K/32]): per block,
+    ``da = amax / 127``, ``qa = round(x / da)`` (to the nearest even), ``sa = da * sum(qa)``."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    da = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(da != 0, 1.0 / da, torch.zeros_like(da))
+    qa = torch.round(xb * inv[..., None])
+    sa = da * qa.sum(dim=-1)   # integers below 2**24: the float sum is exact
+    return qa, da, sa
+
+
+def reference_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``q4_kernel.c``'s ``pdq_q4_linear`` in torch ops, bit for bit: x [M, K] float32, the
+    weight's blocks as ``quantize_weight`` made them (d and m [N, K/32]) -> y [M, N]."""
+    rows, k = x.shape
+    n, nb = qs.shape[0], k // BLOCK
+    qa, da, sa = quantize_activations(x.float())
+    qs = qs.reshape(n, nb, BLOCK // 2)
+    q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(n, nb, BLOCK)   # per block: low nibbles, then high
+    # Each block's integer dot product, exact in float64 (|sum| <= 32 * 15 * 127).
+    isum = torch.einsum("rbj,nbj->rnb", qa.double(), q.double()).float()
+    d, m = d.float(), m.float()   # float16 -> float32 is exact
+    acc = torch.zeros(rows, n)
+    macc = torch.zeros(rows, n)
+    for b in range(nb):   # the kernel's order: block by block
+        acc = acc + isum[..., b] * (d[None, :, b] * da[:, None, b])
+        macc = macc + m[None, :, b] * sa[:, None, b]
+    return acc + macc
+
+
+# --- the compiled kernel --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kernel:
+    """The compiled ``pdq_q4_linear`` and the path it takes on this CPU."""
+    linear: object   # ctypes function
+    vnni: bool       # the AVX-512 VNNI path (else AVX2): the same bits either way
+    isa: str
+
+    def __call__(self, x: torch.Tensor, layout: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous, ``interleave``'s layout -> y [M, out_features]."""
+        y = torch.empty(x.shape[0], out_features)
+        if self.linear(x.data_ptr(), x.shape[0], x.shape[1], layout["w"].data_ptr(), layout["d"].data_ptr(),
+                       layout["m"].data_ptr(), out_features, y.data_ptr(), self.vnni):
+            raise MemoryError("q4_1 kernel: no memory for its activation buffer")
+        return y
+
+
+_KERNEL: tuple[Kernel | None, str] | None = None   # (the kernel or None, why not)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, version)).encode()).hexdigest()[:16]
+    target = cache.cache_root() / "kernels" / f"q4-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    fd, tmp = tempfile.mkstemp(prefix=".q4-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)   # atomic: a worker building beside this one reads a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("q4_1: kernel built in %.1f s with %s (cached at %s)", time.monotonic() - started, cc, target)
+    return target
+
+
+def kernel() -> tuple[Kernel | None, str]:
+    """(the compiled kernel, "") or (None, why the torch reference runs instead). Built or
+    loaded once per process. ``PDQ_Q4_KERNEL=0``: the reference; ``PDQ_Q4_ISA=avx2``: the
+    AVX2 path on a CPU with AVX-512 VNNI (tests compare the two)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _load()
+        if _KERNEL[0] is None:
+            log.warning("q4_1: %s; running its reference in torch ops (the same numbers, much slower)",
+                        _KERNEL[1])
+    return _KERNEL
+
+
+def _load() -> tuple[Kernel | None, str]:
+    if os.environ.get("PDQ_Q4_KERNEL", "1") == "0":
+        return None, "PDQ_Q4_KERNEL=0"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found ($CC, cc, gcc, clang); install gcc or clang for the fast kernel"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the kernel could not be built: {exc}"
+    fn = lib.pdq_q4_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    vnni = bool(lib.pdq_q4_has_vnni()) and os.environ.get("PDQ_Q4_ISA", "") != "avx2"
+    return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2"), ""

@@ -1,0 +1,197 @@
+/* q4_1 linear layer for CPU decode: 4-bit weights (GGUF Q4_1 blocks of 32: w = d * q + m,
+ * q in 0..15) times 8-bit activations (blocks of 32: x ~= da * qa, qa in -127..127), the
+ * arithmetic of llama.cpp's Q4_1 x Q8_1 dot product, with the weights reused across the rows
+ * of a batch.
+ *
+ * Why its own kernel: torch's int4 kernel (tinygemm) dequantizes the weights per row, so 8
+ * rows cost ~3x one, and a decode step at batch 8 ~2.6x batch 1. Here the weights of 16
+ * outputs are interleaved so that one integer multiply-add instruction (AVX-512 VNNI's
+ * vpdpbusd; AVX2's vpmaddubsw) works on four inputs of each of 16 (or 8) outputs at once: a
+ * block's 16 integer dot products land in the 16 lanes of one register, with no horizontal
+ * sums, and the unpacked weights of a tile serve every row of the batch.
+ *
+ * The numbers of one row never depend on the other rows, on the tiling or on the ISA: the
+ * 32-wide integer block sums are exact, and the float part is a fixed sequence of IEEE
+ * operations that pdqueue.models.q4.reference_linear repeats in torch ops bit for bit (built
+ * with -ffp-contract=off, so no multiply-add is fused). For row r and output n, over the
+ * blocks b in order:
+ *     acc  = acc  + (float)isum[r,n,b] * (d[n,b] * da[r,b])
+ *     macc = macc + m[n,b] * sa[r,b]
+ *   y[r,n] = acc + macc,   sa[r,b] = da[r,b] * (float)sum(qa[r, block b]).
+ *
+ * Layout (pdqueue.models.q4.interleave): tiles of 16 outputs (N padded with zero outputs to a
+ * multiple of 16); per tile and block 256 bytes, four 64-byte groups p = 0..3, where byte
+ * 4t + i of group p holds, for output t of the tile, q[4p + i] in its low nibble and
+ * q[4p + 16 + i] in its high one; d and m as [tiles, blocks, 16] float16 (GGUF's precision;
+ * widened exactly to float). x [M, K] float,
+ * y [M, N] float (only the N real outputs are written). K must be a multiple of 32.
+ * Single-threaded: pdqueue's workers run one thread per core.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define TILE 16
+#define TILE_BYTES 256   /* one block of one tile: 16 outputs x 32 nibbles */
+
+/* Quantize one row of K floats to int8 blocks of 32 (llama.cpp's Q8_1, but rounding to the
+ * nearest even like torch.round): da = amax / 127, qa = rint(x / da), sa = da * sum(qa). */
+static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float *sa) {
+    const int64_t nb = K / QK;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            const float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)nearbyintf(xb[j] * id);
+            qa[b * QK + j] = (int8_t)q;
+            sum += q;
+        }
+        da[b] = d;
+        sa[b] = d * (float)sum;
+    }
+}
+
+/* Scratch (one set per thread), grown as needed: the rows' quantized activations, one tile's
+ * unpacked weights (a nibble per byte) and one row's results for a tile. */
+static _Thread_local int8_t *g_qa;
+static _Thread_local float *g_da, *g_sa;
+static _Thread_local uint8_t *g_w;
+static _Thread_local int64_t g_cap_qa, g_cap_da, g_cap_sa, g_cap_w;
+
+static int grow(void **p, int64_t *cap, int64_t need) {
+    if (need <= *cap) return 0;
+    void *q = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+    if (!q) return -1;
+    free(*p);
+    *p = q;
+    *cap = need;
+    return 0;
+}
+
+/* Store one tile's result row: all 16 outputs, or the first `valid` of them. */
+static inline void store_tile(float *y, const float *v, int64_t valid) {
+    memcpy(y, v, (size_t)valid * sizeof(float));
+}
+
+/* --- AVX2 (any x86-64 since 2013): 8 outputs per register ----------------------------- */
+
+__attribute__((target("avx2,fma,f16c")))
+static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, int64_t M, int64_t K, int64_t N,
+                      int64_t n0, float *y) {
+    const int64_t nb = K / QK;
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    /* unpack: per block, 8 registers of 32 bytes: [half h][group p][lo, hi] */
+    for (int64_t b = 0; b < nb; b++)
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 4; p++) {
+                const __m256i z = _mm256_loadu_si256((const __m256i *)(tw + b * TILE_BYTES + p * 64 + h * 32));
+                uint8_t *dst = g_w + ((b * 2 + h) * 8 + p * 2) * 32;
+                _mm256_store_si256((__m256i *)dst, _mm256_and_si256(z, mask));
+                _mm256_store_si256((__m256i *)(dst + 32), _mm256_and_si256(_mm256_srli_epi16(z, 4), mask));
+            }
+    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t r = 0; r < M; r++) {
+        const int8_t *qa = g_qa + r * K;
+        const float *da = g_da + r * nb, *sa = g_sa + r * nb;
+        float out[TILE];
+        for (int h = 0; h < 2; h++) {
+            __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const int32_t *a = (const int32_t *)(qa + b * QK);
+                const uint8_t *w = g_w + (b * 2 + h) * 8 * 32;
+                /* sums of pairs in int16: 8 of them stay below 8 * 2 * 15 * 127 = 30480 */
+                __m256i s16 = _mm256_setzero_si256();
+                for (int p = 0; p < 4; p++) {
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(w + p * 64)),
+                                                                      _mm256_set1_epi32(a[p])));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(w + p * 64 + 32)),
+                                                                      _mm256_set1_epi32(a[p + 4])));
+                }
+                const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(td + b * TILE + h * 8)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tm + b * TILE + h * 8)));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(da[b]))));
+                macc = _mm256_add_ps(macc, _mm256_mul_ps(m, _mm256_set1_ps(sa[b])));
+            }
+            _mm256_storeu_ps(out + h * 8, _mm256_add_ps(acc, macc));
+        }
+        store_tile(y + r * N + n0, out, valid);
+    }
+}
+
+/* --- AVX-512 with VNNI: 16 outputs per register, one vpdpbusd per 4 inputs -------------- */
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, int64_t M, int64_t K, int64_t N,
+                      int64_t n0, float *y) {
+    const int64_t nb = K / QK;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++)      /* per block 8 registers of 64 bytes: [group p][lo, hi] */
+        for (int p = 0; p < 4; p++) {
+            const __m512i z = _mm512_loadu_si512((const void *)(tw + b * TILE_BYTES + p * 64));
+            uint8_t *dst = g_w + (b * 8 + p * 2) * 64;
+            _mm512_store_si512((void *)dst, _mm512_and_si512(z, mask));
+            _mm512_store_si512((void *)(dst + 64), _mm512_and_si512(_mm512_srli_epi16(z, 4), mask));
+        }
+    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t r = 0; r < M; r++) {
+        const int8_t *qa = g_qa + r * K;
+        const float *da = g_da + r * nb, *sa = g_sa + r * nb;
+        __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int32_t *a = (const int32_t *)(qa + b * QK);
+            const uint8_t *w = g_w + b * 8 * 64;
+            __m512i s = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) {
+                s = _mm512_dpbusd_epi32(s, _mm512_load_si512((const void *)(w + p * 128)), _mm512_set1_epi32(a[p]));
+                s = _mm512_dpbusd_epi32(s, _mm512_load_si512((const void *)(w + p * 128 + 64)), _mm512_set1_epi32(a[p + 4]));
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + b * TILE)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + b * TILE)));
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(da[b]))));
+            macc = _mm512_add_ps(macc, _mm512_mul_ps(m, _mm512_set1_ps(sa[b])));
+        }
+        float out[TILE];
+        _mm512_storeu_ps(out, _mm512_add_ps(acc, macc));
+        store_tile(y + r * N + n0, out, valid);
+    }
+}
+
+/* 1 when this CPU (and OS) runs the AVX-512 VNNI path. */
+int pdq_q4_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512vnni");
+}
+
+/* y[M, N] = x[M, K] @ W.T with `tw`, `td`, `tm` in the interleaved layout above; vnni: use
+ * the AVX-512 path (the caller checked pdq_q4_has_vnni). The same bits either way. Returns 0,
+ * or -1 when K is not a multiple of 32 or memory ran out. */
+int pdq_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
+                  int64_t N, float *y, int vnni) {
+    if (K % QK) return -1;
+    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
+    if (grow((void **)&g_qa, &g_cap_qa, M * K) || grow((void **)&g_da, &g_cap_da, M * nb * 4)
+        || grow((void **)&g_sa, &g_cap_sa, M * nb * 4) || grow((void **)&g_w, &g_cap_w, nb * 2 * TILE_BYTES))
+        return -1;
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, g_qa + r * K, g_da + r * nb, g_sa + r * nb);
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *w = tw + t * nb * TILE_BYTES;
+        const uint16_t *d = td + t * nb * TILE, *m = tm + t * nb * TILE;
+        if (vnni)
+            tile_vnni(w, d, m, M, K, N, t * TILE, y);
+        else
+            tile_avx2(w, d, m, M, K, N, t * TILE, y);
+    }
+    return 0;
+}
