@@ -59,6 +59,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
 
     from pdqueue.bench.serve_chaos import DURABLE_REDIS_ARGS, Chaos, Owner, chaos_text
 
+    if settings.chaos and (not settings.batch_lines or settings.phases):
+        raise BenchError("chaos needs batch lines (what it checks) and rates, not phases")
     try:   # --chaos restarts it: durable then (AOF, fsync every second; serve_chaos.py)
         server = RedisServer(appendonly=True, extra_args=DURABLE_REDIS_ARGS) if settings.chaos else RedisServer()
         server.start()
