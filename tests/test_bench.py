@@ -212,3 +212,45 @@ def test_serve_tenant_options_are_checked(tmp_path):
                                "--tenants", str(tenants), *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode != 0 and says in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_serve_batch_with_a_worker_killed_and_redis_restarted_answers_every_line_once(tmp_path):
+    """``--chaos`` on the tiny model (issue 27): 48 batch lines beside a short chat load;
+    0.3 s in, the decode worker is SIGKILLed (the bench's supervisor starts it again), 0.5 s
+    in, the bench's Redis server is restarted on its port (AOF: the streams come back). Every
+    batch line is still answered exactly once (on ``done`` and on its ``out:<id>``, with all
+    its tokens), some of them after the kill (the backlog outlived both), and the report says
+    what each event did beside the chat figures."""
+    stderr: list[str] = []
+    result = pdqueue("bench", "serve", "--model", "tiny", "--modes", "disagg", "--rates", "4", "--num-requests", "6",
+                     "--warmup", "1", "--batch-lines", "48", "--batch-max-tokens", "128",
+                     "--chaos", "kill-worker@0.3,restart-redis@0.5", "--json", "--out", str(tmp_path), stderr=stderr)
+    assert result["chaos"] == {"events": "kill-worker@0.3,restart-redis@0.5",
+                               "redis": "appendonly yes, appendfsync everysec", "supervised": True}
+    figures = result["modes"]["disagg"]["by_rate"]["4"]
+    kill, restart = figures["chaos"]
+    assert kill["event"] == "kill-worker" and kill["role"] == "decode" and kill["at_s"] >= 0.3, kill
+    assert kill["back_after_s"] is not None and kill["restarts"] == 1, kill
+    assert restart["event"] == "restart-redis" and restart["pid"] != restart["old_pid"], restart
+    assert restart["away_s"] < 10, restart
+    batch = figures["batch"]
+    assert batch["exactly_once"] and batch["answered"] == batch["lines"] == 48, batch
+    assert batch["duplicates"] == batch["missing"] == batch["out_not_once"] == batch["short"] == 0, batch
+    assert batch["all_answered_after_s"] > kill["at_s"], "the batch backlog should outlive the kill"
+    assert figures["requests"] == 6 and set(figures["ttft_ms"]) >= {"p50", "p99"}   # the chat figures, with the chaos
+    assert "chaos kill-worker at" in stderr[0] and "every line answered once" in stderr[0], stderr[0][-2000:]
+    up_log = (tmp_path / "logs" / "disagg" / "up.log").read_text()
+    assert f"{kill['worker_id']} exited (-9)" in up_log and f"{kill['worker_id']} is back" in up_log, up_log
+
+
+def test_serve_chaos_options_are_checked():
+    for args, says in ((("--chaos", "kill-worker"), "--chaos needs --batch-lines"),
+                       (("--chaos", "kill-everything", "--batch-lines", "4"),
+                        "expected one of kill-worker, restart-redis"),
+                       (("--chaos", "restart-redis:decode", "--batch-lines", "4"), "a role goes with kill-worker only"),
+                       (("--chaos", "kill-worker@soon", "--batch-lines", "4"), "@SECONDS must be a number"),
+                       (("--chaos", "kill-worker", "--batch-lines", "4", "--phases", "chat"),
+                        "cannot be combined with --phases")):
+        proc = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and says in proc.stderr, (args, proc.stderr[-500:])

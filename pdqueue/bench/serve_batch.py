@@ -7,6 +7,11 @@ online (Poisson) load then runs as without them. Their answers are counted from 
 Figures (``batch`` beside the online figures of the rate):
 
 - ``answered``/``duplicates``/``missing``: every line answered once, checked on ``done``;
+  and on each line's own answer stream ``out:<id>`` (what its client reads): ``out_not_once``
+  lines whose stream does not end in exactly one final entry, a ``done`` (an error entry, or
+  none, or two, count), ``short`` lines answered with fewer or more tokens than asked
+  (greedy, ``ignore_eos``: each must have exactly ``max_tokens``); ``exactly_once``: all of
+  these hold (``bench serve`` exits with status 1 when one does not);
 - ``window_s``: from the first online arrival to the last online answer; ``tok_s_in_window``:
   batch output tokens per second answered in that window;
 - ``capacity_tok_s``: the cluster's output rate on batch alone, measured on the tail (batch
@@ -26,6 +31,7 @@ import uuid
 from pdqueue.bench.serve_load import Settings
 
 MIN_TAIL = 10        # batch answers after the window needed to measure the capacity
+OUT_CHECK_TRIES = 10
 
 
 class BatchBeside:
@@ -35,6 +41,7 @@ class BatchBeside:
         self.tokens = settings.batch_max_tokens
         self.answered: dict[str, float] = {}   # request id -> time answered (unix s, from the done entry id)
         self.duplicates = 0
+        self.short: set[str] = set()             # answered with another number of tokens than asked
         self._reader: asyncio.Task | None = None
 
     def requests(self) -> list[dict]:
@@ -63,9 +70,17 @@ class BatchBeside:
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
+        import json
+
+        import redis
+
         cursor = self._from
         while len(self.answered) < len(self.ids):
-            reply = await self._r.xread({self._done_key: cursor}, count=500, block=500)
+            try:
+                reply = await self._r.xread({self._done_key: cursor}, count=500, block=500)
+            except (redis.ConnectionError, redis.TimeoutError):   # Redis restarting (--chaos): read on from cursor
+                await asyncio.sleep(0.2)
+                continue
             for _stream, entries in reply or ():
                 for entry_id, fields in entries:
                     cursor = entry_id
@@ -76,6 +91,39 @@ class BatchBeside:
                         self.duplicates += 1
                     else:
                         self.answered[rid] = int(entry_id.split(b"-")[0]) / 1000
+                    try:
+                        if len(json.loads(fields.get(b"token_ids", b"[]"))) != self.tokens:
+                            self.short.add(rid)
+                    except ValueError:
+                        self.short.add(rid)
+
+    async def _check_out_streams(self) -> tuple[int, int]:
+        """(lines whose ``out:<id>`` does not hold exactly one final entry, a ``done``;
+        error entries among them)."""
+        import redis
+
+        from pdqueue.keys import Keys
+
+        keys, ids = Keys(self.cluster), sorted(self.ids)
+        not_once = errors = 0
+        for at in range(0, len(ids), 200):
+            chunk = ids[at:at + 200]
+            for attempt in range(OUT_CHECK_TRIES):   # a connection from before a Redis restart (--chaos) fails once
+                try:
+                    async with self._r.pipeline(transaction=False) as pipe:
+                        for rid in chunk:
+                            pipe.xrange(keys.out(rid))
+                        streams = await pipe.execute()
+                    break
+                except (redis.ConnectionError, redis.TimeoutError):
+                    if attempt == OUT_CHECK_TRIES - 1:
+                        raise
+                    await asyncio.sleep(0.5)
+            for entries in streams:
+                finals = [f.get(b"type") for _, f in entries if f.get(b"type") in (b"done", b"error")]
+                errors += finals.count(b"error")
+                not_once += finals != [b"done"]
+        return not_once, errors
 
     async def finish(self, window_start: float, window_end: float, online_tok_s: float,
                      timeout_s: float) -> dict:
@@ -88,6 +136,9 @@ class BatchBeside:
         finally:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        try:
+            out_not_once, out_errors = await self._check_out_streams()
+        finally:
             await self._r.aclose()
         times = sorted(self.answered.values())
         window_s = max(1e-3, window_end - window_start)
@@ -98,8 +149,12 @@ class BatchBeside:
             capacity = len(tail) * self.tokens / (tail[-1] - window_end)
         rate_in_window = len(in_window) * self.tokens / window_s
         left = None if capacity is None else capacity - online_tok_s
+        missing = len(self.ids) - len(self.answered)
         return {"lines": len(self.ids), "answered": len(self.answered), "duplicates": self.duplicates,
-                "missing": len(self.ids) - len(self.answered), "max_tokens": self.tokens,
+                "missing": missing, "out_not_once": out_not_once, "out_errors": out_errors,
+                "short": len(self.short),
+                "exactly_once": not (self.duplicates or missing or out_not_once or self.short),
+                "max_tokens": self.tokens,
                 "window_s": window_s, "answered_in_window": len(in_window),
                 "tok_s_in_window": rate_in_window, "capacity_tok_s": capacity,
                 "online_tok_s": online_tok_s,

@@ -40,7 +40,8 @@ from pdqueue.bench.serve_batch import BatchBeside
 from pdqueue.bench.serve_client import OpenAIClient, Record, run_requests, send_one
 from pdqueue.bench.serve_load import Planned, Settings, plan_phases, plan_prefix_requests, plan_requests, warmup_requests
 from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
-from pdqueue.bench.serve_report import claim, metrics, phase_claim, phase_metrics, pool_rates, rate_key, workload_dict
+from pdqueue.bench.serve_report import (chaos_event_line, claim, metrics, phase_claim, phase_metrics, pool_rates,
+                                       rate_key, workload_dict)
 from pdqueue.bench.stats import summary
 
 
@@ -56,24 +57,37 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
 
     from pdqueue.queue.redis_server import RedisServer
 
-    try:
-        server = RedisServer().start()
+    from pdqueue.bench.serve_chaos import DURABLE_REDIS_ARGS, Chaos, Owner, chaos_text
+
+    if settings.chaos and (not settings.batch_lines or settings.phases):
+        raise BenchError("chaos needs batch lines (what it checks) and rates, not phases")
+    try:   # --chaos restarts it: durable then (AOF, fsync every second; serve_chaos.py)
+        server = RedisServer(appendonly=True, extra_args=DURABLE_REDIS_ARGS) if settings.chaos else RedisServer()
+        server.start()
     except (FileNotFoundError, RuntimeError) as exc:
         raise BenchError(f"cannot start a Redis server: {exc}") from None
+    owner = Owner() if settings.chaos else None   # the thread that starts the server again (its PDEATHSIG)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdq-bench-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     result = {"bench": "serve", "model": settings.model, "rates": list(settings.rates),
               "slo": {"ttft_ms": settings.slo_ttft_ms, "tbt_ms": settings.slo_tbt_ms},
               "workload": workload_dict(settings), "log_dir": str(log_dir), "modes": {}, "raw": {}}
+    if settings.chaos:
+        result["chaos"] = {"events": chaos_text(settings.chaos),
+                           "redis": "appendonly yes, " + " ".join(DURABLE_REDIS_ARGS).lstrip("-"),
+                           "supervised": True}
     try:
         for index, mode in enumerate(settings.modes):
             with redis.Redis.from_url(server.url) as r:
                 r.flushall()
-            progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model})")
+            progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model})"
+                     + (" under a supervisor (--chaos)" if settings.chaos else ""))
             running = launcher(mode_workers(mode, settings), model=settings.model, redis_url=server.url,
-                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode)
+                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode,
+                               **({"supervise": True} if settings.chaos else {}))
+            chaos = Chaos(settings.chaos, server, running, owner) if settings.chaos else None
             try:
-                by_rate, raw = asyncio.run(_run_mode(settings, mode, server.url, f"bench{index}", progress))
+                by_rate, raw = asyncio.run(_run_mode(settings, mode, server.url, f"bench{index}", progress, chaos))
             finally:
                 progress(f"{mode}: stopping workers")
                 running.stop()
@@ -83,6 +97,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
                 on_mode(result)
     finally:
         server.stop()
+        if owner is not None:
+            owner.close()
     if settings.phases:
         result["rates"] = []
         result["phases"] = [{"name": p.name, "long_fraction": p.long_fraction, "rate": p.rate,
@@ -180,12 +196,13 @@ def _run_openai(settings: Settings, progress, on_mode) -> dict:
     return result
 
 
-async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progress) -> tuple[dict, dict]:
+async def _run_mode(settings: Settings, mode: str, url: str, cluster: str, progress,
+                    chaos=None) -> tuple[dict, dict]:
     by_rate, raw = {}, {}
     beside = MODES[mode].beside if mode in MODES else None
     stop = beside(settings, url, cluster) if beside is not None else None
     try:
-        return await _measure_mode(settings, mode, url, cluster, progress, by_rate, raw)
+        return await _measure_mode(settings, mode, url, cluster, progress, by_rate, raw, chaos)
     finally:
         if stop is not None:
             stop()
@@ -198,7 +215,7 @@ TIMELINE_LOAD = ("running", "waiting", "tbt_budget_ms", "spare", "prompt_tok_s",
 
 
 async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, progress, by_rate: dict,
-                        raw: dict) -> tuple[dict, dict]:
+                        raw: dict, chaos=None) -> tuple[dict, dict]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -237,6 +254,9 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                     await batch.start(client)
                     progress(f"{mode} @ {rate:g} req/s: {settings.batch_lines} batch-class requests queued")
                 started = time.time()
+                faults = None
+                if chaos is not None:   # half way through the arrivals, unless an event says when
+                    faults = asyncio.create_task(chaos.run(started, plan[-1].at_s / 2))
                 records, timeline = await _run_sampled(client, plan, settings, url, cluster,
                                                        lambda: bar.advance(task), progress)
                 by_rate[rate_key(rate)], raw[rate_key(rate)] = metrics(records, rate, settings)
@@ -247,8 +267,19 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                     # Record times are perf_counter; the batch's are unix: the window's end in unix time.
                     window_end = time.time() - (time.perf_counter() - ended)
                     online_tok_s = sum(len(r.token_times) for r in records) / max(1e-3, window_end - started)
-                    by_rate[rate_key(rate)]["batch"] = await batch.finish(started, window_end, online_tok_s,
-                                                                           settings.drain_timeout_s * 3)
+                    if faults is not None:   # (an event due after the online load still happens)
+                        events = await faults
+                    by_rate[rate_key(rate)]["batch"] = figures = await batch.finish(
+                        started, window_end, online_tok_s, settings.drain_timeout_s * 3)
+                    if faults is not None:
+                        await chaos.settle([e for e in events if "worker_id" in e], 60.0)
+                        by_rate[rate_key(rate)]["chaos"] = events
+                        progress(f"{mode} @ {rate:g} req/s: chaos " + "; ".join(map(chaos_event_line, events)))
+                    once = "every line answered once" if figures["exactly_once"] else "NOT every line answered once"
+                    progress(f"{mode} @ {rate:g} req/s: batch {figures['answered']}/{figures['lines']} answered, "
+                             f"{figures['duplicates']} duplicates, {figures['missing']} missing, "
+                             f"{figures['out_not_once']} out:<id> not ending in one done, {figures['short']} short: "
+                             f"{once}")
     return by_rate, raw
 
 

@@ -89,6 +89,7 @@ class Settings:
     api_key: str | None = None
     batch_lines: int = 0               # batch-class requests queued at each rate's start (serve_batch.py)
     batch_max_tokens: int = 32
+    chaos: tuple = ()                  # serve_chaos.Event's: faults at each rate (--chaos, with --batch-lines)
     tenants_path: str | None = None    # a gateway with this tenants file in front of each mode (serve_tenants.py)
     tenant_rates: tuple[tuple[str, float], ...] = ()   # (tenant, req/s) of each tenant's load
 

@@ -143,11 +143,24 @@ class Running(Protocol):
 
     def stop(self) -> None: ...
 
+    def kill_worker(self, role: str | None) -> dict:
+        """SIGKILL one running worker of ``role`` (None: decode, else colocated, else
+        prefill); returns ``worker_id``, ``role``, ``pid`` and ``killed_at`` (unix s)."""
+
+    def worker_back(self, worker_id: str, old_pid: int) -> float | None:
+        """When (unix s) the supervisor saw ``worker_id`` serving again in a process other
+        than ``old_pid``; None until then."""
+
+    def restarts_of(self, worker_id: str) -> int: ...
+
 
 class Launcher(Protocol):
     def __call__(self, workers: Workers, *, model: str, redis_url: str, cluster: str,
-                 kv_cache_mb: int, log_dir: Path, tenants: str | None = None) -> Running:
+                 kv_cache_mb: int, log_dir: Path, tenants: str | None = None,
+                 supervise: bool = False) -> Running:
         """Start the worker processes (one torch thread each) and return once all have
         registered; raise ``BenchError`` if one fails. ``tenants``: also a gateway
-        (`pdqueue serve --tenants FILE`) on a free port, its URL in ``gateway_url``."""
+        (`pdqueue serve --tenants FILE`) on a free port, its URL in ``gateway_url``.
+        ``supervise``: a worker that exits is started again (``pdqueue up``'s supervisor;
+        ``--chaos`` kills one)."""
 

@@ -203,6 +203,7 @@ def format_table(result: dict) -> str:
                          f"{f['throughput_tok_s']:>8.1f}{f['goodput_rps']:>9.2f}{f['slo_attainment']:>8.0%}  "
                          f"{q['p50']:>8.1f} {q['p99']:>8.1f}  {g['p50']:>7.0f} {g['p99']:>7.0f}"
                          f"  {s2['p50']:>6.0f} {s2['p99']:>6.0f}")
+    lines += batch_lines(result)
     for rate, entry in result["claim"].items():
         ratios = ", ".join(f"{k.removesuffix('_tbt_p99_over_p50')} {v:.1f}x" for k, v in entry.items()
                            if k != "verdict" and v is not None)
@@ -211,3 +212,45 @@ def format_table(result: dict) -> str:
     lines.append("queue overhead with idle workers (client TTFT - prefill_ms), p50/p99 ms: "
                  + ", ".join(f"{m} {v['p50']:.1f}/{v['p99']:.1f}" for m, v in idle.items()))
     return "\n".join(lines)
+
+
+def batch_lines(result: dict) -> list[str]:
+    """The batch figures of each mode and rate (``--batch-lines``; serve_batch.py), with the
+    faults of ``--chaos`` (serve_chaos.py), and a loud line where a batch line was not
+    answered exactly once."""
+    lines = []
+    for mode, pooled in result["modes"].items():
+        for rate, f in pooled["by_rate"].items():
+            b = f.get("batch")
+            if not b:
+                continue
+            share = b["idle_share_used"]
+            lines.append(f"batch {mode} @ {rate}: {b['answered']}/{b['lines']} answered, {b['duplicates']} duplicates, "
+                         f"{b['missing']} missing, {b['out_not_once']} out:<id> not one done, {b['short']} short; "
+                         f"{b['answered_in_window']} in the online window ({b['tok_s_in_window']:.1f} tok/s, "
+                         f"{'n/a' if share is None else f'{share:.2f}'} of the capacity left)")
+            for e in f.get("chaos", ()):
+                lines.append(f"  chaos: {chaos_event_line(e)}")
+            if not b["exactly_once"]:
+                lines.append(f"!! FAILED: {mode} @ {rate}: batch lines NOT answered exactly once "
+                             f"({b['missing']} missing, {b['duplicates']} duplicates, {b['out_not_once']} out:<id> "
+                             f"not ending in one done, {b['short']} with another number of tokens)")
+    return lines
+
+
+def chaos_event_line(e: dict) -> str:
+    """One chaos event's record (serve_chaos.Chaos.run) in words."""
+    if "error" in e:
+        return f"{e['event']} at {e['at_s']:.1f} s failed: {e['error']}"
+    if "worker_id" in e:
+        back = e.get("back_after_s")
+        return (f"{e['event']} at {e['at_s']:.1f} s: SIGKILL {e['worker_id']} ({e['role']}, pid {e['pid']}), "
+                + (f"back (restarted by the supervisor) {back:.1f} s later" if back is not None else "not back"))
+    return f"{e['event']} at {e['at_s']:.1f} s: Redis away {e['away_s']:.2f} s (pid {e['old_pid']} -> {e['pid']})"
+
+
+def batch_failures(result: dict) -> list[str]:
+    """``mode @ rate`` of each run whose batch lines were not all answered exactly once."""
+    return [f"{mode} @ {rate}" for mode, pooled in result.get("modes", {}).items()
+            for rate, f in pooled.get("by_rate", {}).items()
+            if f.get("batch") and not f["batch"]["exactly_once"]]

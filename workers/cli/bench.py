@@ -38,10 +38,11 @@ def _write_out(out: str | None, name: str, result: dict, plot) -> None:
 
 
 def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cache_mb: int, log_dir: Path,
-                   tenants: str | None = None):
+                   tenants: str | None = None, supervise: bool = False):
     """serve_modes' Launcher: the processes of one mode under a LocalCluster (one torch
     thread each), returned once all have registered; ``tenants``: and a gateway with that
-    tenants file on a free port (``gateway_url``), the first process stopped."""
+    tenants file on a free port (``gateway_url``), the first process stopped; ``supervise``:
+    with the LocalCluster's supervisor (``pdqueue up``'s restarts) from then on."""
     from pdqueue.bench.serve_modes import BenchError
     from workers.cli.local_cluster import LocalCluster, LocalClusterConfig, WorkerFailed
 
@@ -74,6 +75,8 @@ def launch_workers(workers, *, model: str, redis_url: str, cluster: str, kv_cach
         cluster_.wait_ready(timeout_s=600)
         if tenants is not None:
             stopper.gateway_url = cluster_.start_gateway()
+        if supervise:
+            cluster_.supervise()
     except (WorkerFailed, TimeoutError, RuntimeError) as exc:
         stopper.stop(grace_s=5)
         tail = getattr(exc, "log_tail", "")
@@ -92,6 +95,40 @@ class _Stopper:
     def __init__(self, cluster):
         self.cluster = cluster
         self.gateway_url: str | None = None
+
+    def kill_worker(self, role: str | None) -> dict:
+        """SIGKILL (its process group) one running worker of ``role``, or of the first role
+        of decode, colocated, prefill that has one (``serve_chaos``)."""
+        import signal
+        import time
+
+        from pdqueue.bench.serve_chaos import ROLES
+
+        alive = [w for w in self.cluster.workers if w.alive]
+        for want in ((role,) if role else ROLES):
+            chosen = next((w for w in alive if w.role == want), None)
+            if chosen is not None:
+                break
+        else:
+            raise RuntimeError(f"no running {role or 'worker'} to kill")
+        record = {"worker_id": chosen.worker_id, "role": chosen.role, "pid": chosen.proc.pid,
+                  "killed_at": time.time()}
+        chosen.signal(signal.SIGKILL)
+        return record
+
+    def worker_back(self, worker_id: str, old_pid: int) -> float | None:
+        w = next((w for w in self.cluster.workers if w.worker_id == worker_id), None)
+        if w is None or w.proc.pid == old_pid or not w.back:
+            return None
+        times = [e["time"] for e in self.cluster.events if e["worker_id"] == worker_id and " is back " in e["text"]]
+        if times:
+            return times[-1]
+        import time
+
+        return time.time()
+
+    def restarts_of(self, worker_id: str) -> int:
+        return next((w.restarts for w in self.cluster.workers if w.worker_id == worker_id), 0)
 
     def stop(self, grace_s: float = 30) -> None:
         import signal
@@ -355,6 +392,14 @@ def _write_partial(out: str, partial: dict) -> None:
                    "they used (pdqueue/bench/serve_batch.py).")
 @click.option("--batch-max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Output tokens of each --batch-lines request.")
+@click.option("--chaos", default=None, metavar="EVENT[@S],...",
+              help="With --batch-lines: faults at each rate, EVENT@SECONDS after its start (default: half way "
+                   "through the online arrivals): kill-worker (SIGKILL a decode worker, else a colocated one, "
+                   "else a prefill one; kill-worker:prefill picks the role; the bench's workers then run under "
+                   "pdqueue up's supervisor, which starts it again) and restart-redis (stop the bench's Redis "
+                   "server and start it on the same port; it then keeps an AOF, appendfsync everysec). E.g. "
+                   "kill-worker,restart-redis. The report adds what each did; the batch lines must still be "
+                   "answered exactly once (pdqueue/bench/serve_chaos.py).")
 @click.option("--tenants", "tenants_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A tenants run: each mode's cluster gets a gateway (pdqueue serve --tenants FILE) in front, and "
                    "each tenant of --tenant-rates sends its own Poisson load through it with its first API key; "
@@ -370,14 +415,17 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
                 phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, batch_lines, batch_max_tokens,
-                tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
+                chaos, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
-    with --openai-url, the same load against any OpenAI-compatible server."""
+    with --openai-url, the same load against any OpenAI-compatible server.
+
+    With --batch-lines, exits with status 1 (after the report) when a batch line was not
+    answered exactly once."""
     from pdqueue.bench import plots, serve_bench
     from pdqueue.bench.serve_load import Settings, parse_phases
     from pdqueue.bench.serve_modes import MODES, PREFIX_MODES, BenchError
-    from pdqueue.bench.serve_report import format_table
+    from pdqueue.bench.serve_report import batch_failures, format_table
     from pdqueue.bench.stats import round_floats
 
     _end_on_term()
@@ -391,6 +439,7 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         phase_list = parse_phases(phases, phase_s) if phases else ()
     except ValueError as exc:
         raise UserError(f"--phases: {exc}") from None
+    chaos_events = _chaos_option(chaos, batch_lines, phases, tenants_path, openai_url)
     rates_by_tenant = _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines,
                                       openai_url)
     settings = Settings.for_model(
@@ -398,7 +447,7 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
-        batch_max_tokens=batch_max_tokens, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
+        batch_max_tokens=batch_max_tokens, chaos=chaos_events, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=_progress,
@@ -415,6 +464,31 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         return
     _write_out(out, "serve", result, plots.plot_serve)
     click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
+    failed = batch_failures(result)
+    if failed:   # the exactly-once check: loud, and the exit status
+        click.secho(f"FAILED: batch lines not answered exactly once in {', '.join(failed)} "
+                    f"(missing, duplicated, or not ending in one done on out:<id>; see the batch figures)",
+                    fg="red", bold=True, err=True)
+        sys.exit(1)
+
+
+def _chaos_option(chaos, batch_lines, phases, tenants_path, openai_url) -> tuple:
+    """``--chaos`` parsed (serve_chaos.parse_chaos) and checked against the other options."""
+    from pdqueue.bench.serve_chaos import parse_chaos
+
+    if chaos is None:
+        return ()
+    try:
+        events = parse_chaos(chaos)
+    except ValueError as exc:
+        raise UserError(f"--chaos: {exc}") from None
+    if not batch_lines:
+        raise UserError("--chaos needs --batch-lines N (the check it makes: every batch line answered exactly once)")
+    clashes = [name for name, given in (("--phases", phases), ("--tenants", tenants_path),
+                                        ("--openai-url", openai_url)) if given]
+    if clashes:
+        raise UserError(f"--chaos cannot be combined with {', '.join(clashes)}")
+    return events
 
 
 def _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines, openai_url):
