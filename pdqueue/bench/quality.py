@@ -61,7 +61,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
             "greedy_identical": sum(p == 1.0 for p in prefix) / len(prefix)}
 
 
-def run(model: str = "smollm2", formats=("fp32", "int8", "int4"), window: int = 512, max_tokens: int = 32,
+def run(model: str = "smollm2", formats=("fp32", "int8", "int4", "q4_1"), window: int = 512, max_tokens: int = 32,
         progress=print) -> dict:
     """Float32 first (the reference), then each other format; one model in memory at a time."""
     formats = ["fp32", *[f for f in formats if f != "fp32"]]

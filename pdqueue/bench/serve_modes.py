@@ -58,15 +58,19 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
 PLACED_CHUNK_TOKENS = 64
 
 
-def _elastic_split(weights: str | None) -> Callable[[Settings], Workers]:
-    """1 float32 prefill worker placing prompts by cost + 1 decode worker (``weights``)
-    taking them within the TBT budget of the bench's TBT SLO; both switchable."""
+def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> Callable[[Settings], Workers]:
+    """1 prefill worker (float32, or ``prefill_weights``) placing prompts by cost + 1 decode
+    worker (``weights``) taking them within the TBT budget of the bench's TBT SLO; both
+    switchable."""
     def workers(settings: Settings) -> Workers:
         decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(PLACED_CHUNK_TOKENS),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:
             decode = ("--weights", weights, *decode)
-        return [("prefill", ("--placement", "auto", "--switchable")), ("decode", decode)]
+        prefill = ("--placement", "auto", "--switchable")
+        if prefill_weights:
+            prefill = ("--weights", prefill_weights, *prefill)
+        return [("prefill", prefill), ("decode", decode)]
     return workers
 
 
@@ -122,6 +126,13 @@ MODES: dict[str, Mode] = {
     "placement-int4": Mode(_elastic_split("int4")),
     "elastic-fp32": Mode(_elastic_split(None), beside=lambda settings, url, cluster: _start_planner(settings, url,
                                                                                                   cluster, elastic=True)),
+    # q4_1 (pdqueue's 4-bit x 8-bit kernel, models/q4.py) in every role: it prefills faster than
+    # float32 on a CPU with VNNI, and decodes faster than int4.
+    "disagg-q4_1": Mode(_fixed(("prefill", ("--weights", "q4_1")), ("decode", ("--weights", "q4_1")))),
+    "colocated-chunked-q4_1": Mode(_colocated_chunked(weights="q4_1")),
+    "placement-q4_1": Mode(_elastic_split("q4_1", "q4_1")),
+    "elastic-q4_1": Mode(_elastic_split("q4_1", "q4_1"),
+                         beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
     # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
     # with the same planner.
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),

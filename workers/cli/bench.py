@@ -175,13 +175,13 @@ def bench():
 @click.option("--prompt-lens", default="128,512,2048", show_default=True)
 @click.option("--batch-sizes", default="1,8,32", show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
-              help="With --weights int8/int4: prefill runs per format (best shown) and 8 x ROUNDS decode steps "
+              help="With quantized --weights: prefill runs per format (best shown) and 8 x ROUNDS decode steps "
                    "(median), alternating with float32.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, prompt_lens, batch_sizes,
                  rounds, as_json):
-    """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound; with --weights
-    int8 or int4, beside float32 weights in the same run (decode_b1_vs_fp32)."""
+    """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound; with quantized
+    --weights (int8, int4, q4_1), beside float32 weights in the same run (decode_b1_vs_fp32)."""
     check_model(model)
     lens, sizes = positive_ints("--prompt-lens", prompt_lens), positive_ints("--batch-sizes", batch_sizes)
     config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
@@ -217,7 +217,7 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, wei
 
 @bench.command("quality")
 @model_option
-@click.option("--formats", default="fp32,int8,int4", show_default=True,
+@click.option("--formats", default="fp32,int8,int4,q4_1", show_default=True,
               help="Weights formats to compare with float32 (pdqueue.models.quant).")
 @click.option("--window", type=click.IntRange(min=2), default=512, show_default=True,
               help="Perplexity: tokens per disjoint window.")
@@ -352,9 +352,12 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--modes", default="disagg,colocated-prefill-first,colocated-chunked", show_default=True,
               help="Any of disagg, colocated-prefill-first, colocated-chunked, adaptive (1 prefill + 1 decode "
                    "worker that a planner switches between roles as the load changes), colocated-slo (chunked "
-                   "under the TBT budget of --slo-tbt-ms), disagg-int8, disagg-int4, colocated-chunked-int4, "
-                   "colocated-slo-int4, elastic (2 colocated int4 workers under the TBT budget, switchable, with "
-                   "a planner over their roles, budgets and migrations), prefix-off, prefix-blind, prefix-aware.")
+                   "under the TBT budget of --slo-tbt-ms), disagg-int8, disagg-int4, disagg-q4_1, "
+                   "colocated-chunked-int4, colocated-chunked-q4_1, colocated-slo-int4, placement-int4, "
+                   "placement-q4_1 (1 prefill worker placing prompts by cost + 1 decode worker taking them), "
+                   "elastic, elastic-q4_1, elastic-fp32 (the same with a planner over roles, budgets and "
+                   "migrations), elastic-colocated, prefix-off, prefix-blind, prefix-aware "
+                   "(pdqueue/bench/serve_modes.py says what each starts).")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
               help="The adaptive mode's planner.")
 @click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")

@@ -34,8 +34,10 @@ def model_option(f):
                         help="smollm2, tiny, or a path (.gguf file or Hugging Face directory).")(f)
 
 
-WEIGHTS_HELP = ("Weights of the linear layers: fp32 (as loaded, in --dtype), int8 (per output channel) or int4 "
-                "(groups of 32, LM head int8), quantized at load; int8/int4 need --device cpu --dtype float32 "
+WEIGHTS_HELP = ("Weights of the linear layers: fp32 (as loaded, in --dtype), int8 (per output channel), int4 "
+                "(groups of 32, torch's kernel) or q4_1 (the same 4-bit blocks times 8-bit activations, pdqueue's "
+                "kernel, built at first use with the system's C compiler: the fastest on CPU, prefill included), "
+                "quantized at load, LM head int8; quantized formats need --device cpu --dtype float32 "
                 "(pdqueue.models.quant). The KV cache is the same whatever the weights, so prefill and decode "
                 "workers may differ.")
 weights_option = click.option("--weights", type=click.Choice(WEIGHT_FORMATS), default="fp32", show_default=True,
