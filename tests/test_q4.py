@@ -113,3 +113,18 @@ def test_built_once_then_loaded_from_the_cache(tmp_path):
     off = subprocess.run([sys.executable, "-c", script], env={**env, "PDQ_Q4_KERNEL": "0"}, capture_output=True,
                          text=True, timeout=120)
     assert off.stdout.startswith("none") and "running its reference" in off.stderr, off.stderr
+
+
+def test_threads_share_the_tiles_and_change_no_bit():
+    compiled()
+    layer = quant.Q41Linear(torch.randn(3072, 576, generator=torch.Generator().manual_seed(2)))
+    x = activations(9, 576, 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+        assert torch.equal(layer(x[:1]), one[:1])
+    finally:
+        torch.set_num_threads(before)

@@ -46,6 +46,9 @@ _SOURCE = Path(__file__).with_name("q4_kernel.c")
 # SIGILL on a VM that advertises them; AVX2 + FMA is what the kernel uses.
 # The AVX2 and AVX-512 paths carry their own target attributes; the rest is baseline x86-64.
 _FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared"]
+# Threads through OpenMP: its libgomp.so.1 is the one torch has loaded already (same soname),
+# so torch and the kernel share one thread pool. Without OpenMP the kernel runs on one thread.
+_OPENMP = ["-fopenmp"]
 TILE = 16   # outputs per tile of the interleaved layout
 
 
@@ -135,7 +138,7 @@ class Kernel:
         """x [M, K] float32 contiguous, ``interleave``'s layout -> y [M, out_features]."""
         y = torch.empty(x.shape[0], out_features)
         if self.linear(x.data_ptr(), x.shape[0], x.shape[1], layout["w"].data_ptr(), layout["d"].data_ptr(),
-                       layout["m"].data_ptr(), out_features, y.data_ptr(), self.vnni):
+                       layout["m"].data_ptr(), out_features, y.data_ptr(), self.vnni, torch.get_num_threads()):
             raise MemoryError("q4_1 kernel: no memory for its activation buffer")
         return y
 
@@ -150,9 +153,9 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((_FLAGS, version)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((flags, version)).encode()).hexdigest()[:16]
     target = cache.cache_root() / "kernels" / f"q4-{digest}.so"
     if target.exists():
         return target
@@ -161,7 +164,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".q4-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
@@ -195,12 +198,16 @@ def _load() -> tuple[Kernel | None, str]:
     if cc is None:
         return None, "no C compiler found ($CC, cc, gcc, clang); install gcc or clang for the fast kernel"
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        try:
+            lib = ctypes.CDLL(str(_build(cc, _FLAGS + _OPENMP)))
+        except (OSError, RuntimeError) as exc:   # a compiler without OpenMP (clang without libomp)
+            log.info("q4_1: no OpenMP build (%s); the kernel runs on one thread", str(exc)[-200:])
+            lib = ctypes.CDLL(str(_build(cc, _FLAGS)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the kernel could not be built: {exc}"
     fn = lib.pdq_q4_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     vnni = bool(lib.pdq_q4_has_vnni()) and os.environ.get("PDQ_Q4_ISA", "") != "avx2"
     return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2"), ""

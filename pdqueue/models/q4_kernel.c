@@ -25,7 +25,6 @@
  * q[4p + 16 + i] in its high one; d and m as [tiles, blocks, 16] float16 (GGUF's precision;
  * widened exactly to float). x [M, K] float,
  * y [M, N] float (only the N real outputs are written). K must be a multiple of 32.
- * Single-threaded: pdqueue's workers run one thread per core.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -68,6 +67,12 @@ static _Thread_local float *g_da, *g_sa;
 static _Thread_local uint8_t *g_w;
 static _Thread_local int64_t g_cap_qa, g_cap_da, g_cap_sa, g_cap_w;
 
+/* The rows' quantized activations (the calling thread's scratch, read by every thread). */
+typedef struct {
+    const int8_t *qa;
+    const float *da, *sa;
+} Rows;
+
 static int grow(void **p, int64_t *cap, int64_t need) {
     if (need <= *cap) return 0;
     void *q = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
@@ -86,8 +91,8 @@ static inline void store_tile(float *y, const float *v, int64_t valid) {
 /* --- AVX2 (any x86-64 since 2013): 8 outputs per register ----------------------------- */
 
 __attribute__((target("avx2,fma,f16c")))
-static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, int64_t M, int64_t K, int64_t N,
-                      int64_t n0, float *y) {
+static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, const Rows *rows, uint8_t *wbuf,
+                      int64_t M, int64_t K, int64_t N, int64_t n0, float *y) {
     const int64_t nb = K / QK;
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     /* unpack: per block, 8 registers of 32 bytes: [half h][group p][lo, hi] */
@@ -95,20 +100,20 @@ static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < 4; p++) {
                 const __m256i z = _mm256_loadu_si256((const __m256i *)(tw + b * TILE_BYTES + p * 64 + h * 32));
-                uint8_t *dst = g_w + ((b * 2 + h) * 8 + p * 2) * 32;
+                uint8_t *dst = wbuf + ((b * 2 + h) * 8 + p * 2) * 32;
                 _mm256_store_si256((__m256i *)dst, _mm256_and_si256(z, mask));
                 _mm256_store_si256((__m256i *)(dst + 32), _mm256_and_si256(_mm256_srli_epi16(z, 4), mask));
             }
     const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
     for (int64_t r = 0; r < M; r++) {
-        const int8_t *qa = g_qa + r * K;
-        const float *da = g_da + r * nb, *sa = g_sa + r * nb;
+        const int8_t *qa = rows->qa + r * K;
+        const float *da = rows->da + r * nb, *sa = rows->sa + r * nb;
         float out[TILE];
         for (int h = 0; h < 2; h++) {
             __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const int32_t *a = (const int32_t *)(qa + b * QK);
-                const uint8_t *w = g_w + (b * 2 + h) * 8 * 32;
+                const uint8_t *w = wbuf + (b * 2 + h) * 8 * 32;
                 /* sums of pairs in int16: 8 of them stay below 8 * 2 * 15 * 127 = 30480 */
                 __m256i s16 = _mm256_setzero_si256();
                 for (int p = 0; p < 4; p++) {
@@ -132,22 +137,22 @@ static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
 /* --- AVX-512 with VNNI: 16 outputs per register, one vpdpbusd per 4 inputs -------------- */
 
 /* R rows (R constant at each call, so the loops unroll) of one tile from the unpacked weights
- * in g_w: the eight weight loads of a block serve the R rows, and each row's block sum runs
+ * in wbuf: the eight weight loads of a block serve the R rows, and each row's block sum runs
  * in two independent chains (a single chain of 8 dependent vpdpbusd was latency-bound). */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
-static inline void rows_vnni(const int R, int64_t r0, int64_t nb, int64_t K, int64_t N, int64_t n0,
-                             const uint16_t *td, const uint16_t *tm, int64_t valid, float *y) {
+static inline void rows_vnni(const int R, const Rows *rows, const uint8_t *wbuf, int64_t r0, int64_t nb, int64_t K,
+                             int64_t N, int64_t n0, const uint16_t *td, const uint16_t *tm, int64_t valid, float *y) {
     __m512 acc[4], macc[4];
     for (int i = 0; i < R; i++) acc[i] = macc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *w = g_w + b * 8 * 64;
+        const uint8_t *w = wbuf + b * 8 * 64;
         __m512i s0[4], s1[4];
         for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
             const __m512i lo = _mm512_load_si512((const void *)(w + p * 128));
             const __m512i hi = _mm512_load_si512((const void *)(w + p * 128 + 64));
             for (int i = 0; i < R; i++) {
-                const int32_t *a = (const int32_t *)(g_qa + (r0 + i) * K + b * QK);
+                const int32_t *a = (const int32_t *)(rows->qa + (r0 + i) * K + b * QK);
                 s0[i] = _mm512_dpbusd_epi32(s0[i], lo, _mm512_set1_epi32(a[p]));
                 s1[i] = _mm512_dpbusd_epi32(s1[i], hi, _mm512_set1_epi32(a[p + 4]));
             }
@@ -156,8 +161,8 @@ static inline void rows_vnni(const int R, int64_t r0, int64_t nb, int64_t K, int
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + b * TILE)));
         for (int i = 0; i < R; i++) {
             const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[i], s1[i]));
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(g_da[(r0 + i) * nb + b]))));
-            macc[i] = _mm512_add_ps(macc[i], _mm512_mul_ps(m, _mm512_set1_ps(g_sa[(r0 + i) * nb + b])));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(rows->da[(r0 + i) * nb + b]))));
+            macc[i] = _mm512_add_ps(macc[i], _mm512_mul_ps(m, _mm512_set1_ps(rows->sa[(r0 + i) * nb + b])));
         }
     }
     for (int i = 0; i < R; i++) {
@@ -168,21 +173,21 @@ static inline void rows_vnni(const int R, int64_t r0, int64_t nb, int64_t K, int
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, int64_t M, int64_t K, int64_t N,
-                      int64_t n0, float *y) {
+static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, const Rows *rows, uint8_t *wbuf,
+                      int64_t M, int64_t K, int64_t N, int64_t n0, float *y) {
     const int64_t nb = K / QK;
     const __m512i mask = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++)      /* per block 8 registers of 64 bytes: [group p][lo, hi] */
         for (int p = 0; p < 4; p++) {
             const __m512i z = _mm512_loadu_si512((const void *)(tw + b * TILE_BYTES + p * 64));
-            uint8_t *dst = g_w + (b * 8 + p * 2) * 64;
+            uint8_t *dst = wbuf + (b * 8 + p * 2) * 64;
             _mm512_store_si512((void *)dst, _mm512_and_si512(z, mask));
             _mm512_store_si512((void *)(dst + 64), _mm512_and_si512(_mm512_srli_epi16(z, 4), mask));
         }
     const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
     int64_t r = 0;
-    for (; r + 4 <= M; r += 4) rows_vnni(4, r, nb, K, N, n0, td, tm, valid, y);
-    for (; r < M; r++) rows_vnni(1, r, nb, K, N, n0, td, tm, valid, y);
+    for (; r + 4 <= M; r += 4) rows_vnni(4, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
+    for (; r < M; r++) rows_vnni(1, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
 }
 
 /* 1 when this CPU (and OS) runs the AVX-512 VNNI path. */
@@ -193,23 +198,34 @@ int pdq_q4_has_vnni(void) {
 }
 
 /* y[M, N] = x[M, K] @ W.T with `tw`, `td`, `tm` in the interleaved layout above; vnni: use
- * the AVX-512 path (the caller checked pdq_q4_has_vnni). The same bits either way. Returns 0,
- * or -1 when K is not a multiple of 32 or memory ran out. */
+ * the AVX-512 path (the caller checked pdq_q4_has_vnni); threads: the tiles are shared among
+ * that many OpenMP threads (the process's runtime: torch's libgomp when torch is loaded) when
+ * the call is big enough to pay for it. The same bits whatever the path or the threads.
+ * Returns 0, or -1 when K is not a multiple of 32 or memory ran out. */
 int pdq_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
-                  int64_t N, float *y, int vnni) {
+                  int64_t N, float *y, int vnni, int threads) {
     if (K % QK) return -1;
     const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
     if (grow((void **)&g_qa, &g_cap_qa, M * K) || grow((void **)&g_da, &g_cap_da, M * nb * 4)
-        || grow((void **)&g_sa, &g_cap_sa, M * nb * 4) || grow((void **)&g_w, &g_cap_w, nb * 2 * TILE_BYTES))
+        || grow((void **)&g_sa, &g_cap_sa, M * nb * 4))
         return -1;
     for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, g_qa + r * K, g_da + r * nb, g_sa + r * nb);
+    const Rows rows = {g_qa, g_da, g_sa};
+    /* below ~1M multiply-adds a call, waking threads costs more than it saves */
+    if (threads < 2 || M * N * K < (1 << 20)) threads = 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
+        if (grow((void **)&g_w, &g_cap_w, nb * 2 * TILE_BYTES)) {   /* this thread's unpacking buffer */
+            failed = 1;
+            continue;
+        }
         const uint8_t *w = tw + t * nb * TILE_BYTES;
         const uint16_t *d = td + t * nb * TILE, *m = tm + t * nb * TILE;
         if (vnni)
-            tile_vnni(w, d, m, M, K, N, t * TILE, y);
+            tile_vnni(w, d, m, &rows, g_w, M, K, N, t * TILE, y);
         else
-            tile_avx2(w, d, m, M, K, N, t * TILE, y);
+            tile_avx2(w, d, m, &rows, g_w, M, K, N, t * TILE, y);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
