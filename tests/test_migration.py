@@ -127,13 +127,16 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
     a new decode worker takes them (fetching the KV while d0 still serves it, or
     recomputing): every request still gives the colocated engine's tokens, once."""
     cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    # d0's leases last 4 s (FAST's 10 s would keep it serving the KV nobody fetches that long)
+    cluster.start("decode", *FAST, "--lease-s", "4", worker_id="d0")
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
              and cluster.workers()["d0"]["load"].get("running", 0) > 0, what="tokens flowing, some on d0")
-    # d1 only now: started with d0, it could read the prefill worker's whole burst of handoffs
-    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")
-    cluster.signal("d1", signal.SIGSTOP)   # alive to d0 (its heartbeat lives 20 s), serving nothing
+    # d1 only now: started with d0, it could read the prefill worker's whole burst of handoffs.
+    # Its heartbeat lives 8 s (renewed every 2.7 s): alive to d0 for 5 s or more after the
+    # freeze, d0 reads its peers within a second of its SIGTERM; d2 takes d1's entries once it is gone.
+    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "8", worker_id="d1")
+    cluster.signal("d1", signal.SIGSTOP)   # alive to d0, serving nothing
     cluster.signal("d0", signal.SIGTERM)
     assert cluster.procs["d0"].wait(timeout=60) == 0
     assert moved_by(cluster, "d0") > 0, cluster.log("d0")

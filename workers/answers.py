@@ -26,7 +26,7 @@ from typing import Mapping
 
 from pdqueue import keys as K
 from pdqueue.keys import Keys
-from pdqueue.protocol import Completion, ErrorCode, done_entry, error_entry, token_entry
+from pdqueue.protocol import Completion, ErrorCode, Request, done_entry, error_entry, request_to_fields, token_entry
 from pdqueue.queue.ownership import Write, ack_and_write
 from pdqueue.queue.streams import dead_record
 
@@ -120,6 +120,14 @@ class Unit:
                                                         worker=self.worker_id), maxlen=K.DEAD_MAXLEN))
         self.tally.dead.append(code)
         self.finish(stream, entry_id, writes, request_id)
+
+    def deadline_exceeded(self, stream: str, entry_id: str, request: Request, now_ms: int, where: str) -> None:
+        """A classed request whose deadline passed before its first token, refused with
+        ``deadline_exceeded`` (``RequestRole.refuse_late``; a placed prompt on a decode worker,
+        ``DecodeRole.answer_expired``). ``where``: the worker it waited on, for the reason."""
+        self.reject(stream, entry_id, request_to_fields(request), request.id,
+                    f"deadline passed before the first token ({now_ms - request.deadline_at_ms:.0f} ms ago; {where})",
+                    ErrorCode.DEADLINE_EXCEEDED)
 
 
 def request_ids(ops) -> list[str]:

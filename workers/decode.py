@@ -46,8 +46,7 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff,
-                              request_to_fields)
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -410,9 +409,7 @@ class DecodeRole(Role):
         del self.jobs[job.request_id]
         t = now_ms()
         with self.shell.unit() as unit:
-            unit.reject(job.stream, job.entry_id, request_to_fields(h.request), h.request.id,
-                        f"deadline passed before the first token ({t - h.request.deadline_at_ms:.0f} ms ago; "
-                        f"placed on worker {self.shell.worker_id})", ErrorCode.DEADLINE_EXCEEDED)
+            unit.deadline_exceeded(job.stream, job.entry_id, h.request, t, f"placed on worker {self.shell.worker_id}")
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -27,7 +27,7 @@ import time
 from abc import ABC, abstractmethod
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, request_to_fields
+from pdqueue.protocol import Completion, FinishReason
 from workers.admission import BatchGate
 from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake
@@ -164,10 +164,8 @@ class RequestRole(Role):
             for rid in late:
                 it = self.inflight.pop(rid)
                 self.engine.abort(rid, FinishReason.EXPIRED)   # its blocks go back to the pool
-                unit.reject(it.stream, it.entry_id, request_to_fields(it.request), rid,
-                            f"deadline passed before the first token "
-                            f"({t - it.request.deadline_at_ms:.0f} ms ago; it waited {t - it.read_ms:.0f} ms "
-                            f"in worker {self.shell.worker_id})", ErrorCode.DEADLINE_EXCEEDED)
+                unit.deadline_exceeded(it.stream, it.entry_id, it.request, t,
+                                       f"it waited {t - it.read_ms:.0f} ms in worker {self.shell.worker_id}")
 
     def step(self) -> bool:
         self.refuse_late()

@@ -13,14 +13,22 @@ from pdqueue.bench.serve_modes import PREFIX_MODES
 from pdqueue.bench.stats import gaps, meets_slo, percentile, summary
 
 
+def latencies(answered: list[Record], settings: Settings) -> tuple[list[float], list[list[float]], int]:
+    """Of answered requests (a token or more): each one's TTFT (ms, from its submission), each
+    one's gaps between tokens (ms, as the client saw them), and how many met both SLOs
+    (``meets_slo``). ``metrics`` and the tenants' figures (``serve_tenants``) both count so."""
+    ttft = [(r.token_times[0] - r.submitted) * 1e3 for r in answered]
+    per_request_gaps = [[g * 1e3 for g in gaps(r.token_times)] for r in answered]
+    met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
+    return ttft, per_request_gaps, met
+
+
 def metrics(records: list[Record], rate: float, settings: Settings) -> tuple[dict, dict]:
     """(figures of one mode at one rate, raw values for the plots)."""
     ok = [r for r in records if r.finished is not None and r.token_times]
-    ttft = [(r.token_times[0] - r.submitted) * 1e3 for r in ok]
-    per_request_gaps = [[g * 1e3 for g in gaps(r.token_times)] for r in ok]
+    ttft, per_request_gaps, met = latencies(ok, settings)
     tbt = [g for request in per_request_gaps for g in request]
     tbt_server = [g for r in ok for g in gaps(r.token_entry_ms)]
-    met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request_gaps))
     span = (max(r.finished for r in ok) - min(r.submitted for r in records)) if ok else math.inf
     prefill_ms = [r.completion.prefill_ms for r in ok]   # NaN from an OpenAI server: left out below
     second = [r for r in ok if len(r.token_times) > 1]

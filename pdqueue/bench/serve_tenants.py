@@ -18,14 +18,16 @@ Per tenant (``tenant_figures``):
   working, not a missed SLO); ``ttft_p99_within_slo``.
 
 Pure functions of the records, and the tenants file read through the gateway's own loader.
-Imports the standard library and pdqueue.frontends.tenants.
+Imports the standard library, pdqueue.frontends.tenants and the bench's own modules
+(``serve_report.latencies``: TTFT, gaps and SLO as ``bench serve``'s figures count them).
 """
 
 from __future__ import annotations
 
 from pdqueue.bench.serve_client import Record
 from pdqueue.bench.serve_load import Planned, Settings, plan_requests
-from pdqueue.bench.stats import gaps, meets_slo, summary
+from pdqueue.bench.serve_report import latencies
+from pdqueue.bench.stats import summary
 
 
 def parse_tenant_rates(text: str) -> tuple[tuple[str, float], ...]:
@@ -79,9 +81,7 @@ def tenant_figures(records: list[Record], settings: Settings) -> dict:
         mine = [r for r in records if r.planned.tenant == name]
         answered = [r for r in mine if r.finished is not None and r.error is None and r.token_times]
         limited = [r for r in mine if r.http_status == 429]
-        ttft = [(r.token_times[0] - r.submitted) * 1e3 for r in answered]
-        per_request = [[g * 1e3 for g in gaps(r.token_times)] for r in answered]
-        met = sum(meets_slo(t, g, settings.slo_ttft_ms, settings.slo_tbt_ms) for t, g in zip(ttft, per_request))
+        ttft, per_request, met = latencies(answered, settings)
         admitted = len(mine) - len(limited)
         ttft_summary = summary(ttft)
         out[name] = {

@@ -102,7 +102,7 @@ class LocalCluster:
         self.gateway_url: str | None = None         # its base URL, e.g. http://127.0.0.1:8000
         self.port_note = ""  # why the embedded server has its port, for `up`'s first line
         self.password = config.redis_password or secrets.token_hex(24)  # the embedded server's
-        self.restarts = Restarts(self)
+        self.restarts = Restarts(self, config.restart_backoff_s)
         self.work_left = WorkLeft(self)
 
     @property

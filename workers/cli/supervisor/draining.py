@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
-
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
@@ -20,9 +18,7 @@ from pdqueue.queue.registry import list_workers
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.streams import request_streams_of
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
-
-if TYPE_CHECKING:
-    from workers.cli.local_cluster import LocalCluster
+from workers.cli.supervisor.supervised import Supervised
 
 # The workers first answer what the server holds, until nothing is left or nothing
 # progressed for DRAIN_STALL_S; what is left then gets an error entry
@@ -36,7 +32,7 @@ STOP_REPORT_INTERVAL_S = 2.0
 class WorkLeft:
     """The requests and handoffs left in one ``LocalCluster``'s streams."""
 
-    def __init__(self, cluster: "LocalCluster"):
+    def __init__(self, cluster: Supervised):
         self.cluster = cluster
 
     # -- what the embedded server holds when `up` stops ------------------------------------

@@ -1,8 +1,8 @@
 """`up`'s restarts, like compose's ``restart: on-failure`` for every process: one that exits
 while `up` is not stopping starts again under the same worker id (so it takes back the
 entries it held, ``workers/recovery.py`` ``own_pending``) and in the role it ran (its
-heartbeat's, so ``--adapt``'s switches hold), after the config's ``restart_backoff_s``
-(``up --restart-backoff-s``, default RESTART_BACKOFF_S), doubling per restart up to
+heartbeat's, so ``--adapt``'s switches hold), after ``backoff_s`` (the config's ``restart_backoff_s``,
+``up --restart-backoff-s``, default RESTART_BACKOFF_S), doubling per restart up to
 RESTART_BACKOFF_MAX_S; a process that ran HEALTHY_RUN_S starts the doubling over. One that exits again after CRASH_LOOP_RESTARTS restarts within CRASH_LOOP_WINDOW_S is in a crash
 loop: `up` gives up on it, and ``failure`` is set when that leaves a role (or the gateway)
 with nobody. ``events`` records what happened (also in ``up.log``). Never imports torch.
@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import redis
 
 from pdqueue.queue.registry import list_workers
 from workers.cli.supervisor.processes import WorkerProcess, secs
-
-if TYPE_CHECKING:
-    from workers.cli.local_cluster import LocalCluster
+from workers.cli.supervisor.supervised import Supervised
 
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
@@ -38,8 +36,9 @@ ROLES_IN_STOP_ORDER = ("prefill", "colocated", "decode")
 class Restarts:
     """The supervisor thread of one ``LocalCluster`` and what it reports."""
 
-    def __init__(self, cluster: "LocalCluster"):
+    def __init__(self, cluster: Supervised, backoff_s: float = RESTART_BACKOFF_S):
         self.cluster = cluster
+        self.backoff_s = backoff_s   # the first restart's delay, doubled per restart
         self.stopping = threading.Event()
         self.stopped = threading.Event()    # every process is stopped: the supervisor thread may end
         self.round = threading.Lock()       # held for each round of the supervisor
@@ -54,7 +53,7 @@ class Restarts:
     def start(self, on_event: Callable[[dict], None] | None = None,
               on_failure: Callable[[str], None] | None = None) -> None:
         """From now until ``stop``: start again every worker (and the gateway) that exits,
-        under its worker id and in the role it ran (see ``restart_backoff_s``), in a thread.
+        under its worker id and in the role it ran (see ``backoff_s``), in a thread.
         ``on_event`` gets each event (``events``: exits, restarts, returns, a crash loop) as
         it happens, from that thread; ``on_failure`` the reason when `up` should stop: a
         crash loop left no worker to take a role's work, or no gateway (``failure``)."""
@@ -144,7 +143,7 @@ class Restarts:
             else:
                 self.event(f"up goes on without {w.worker_id}: {self.serving()} left", "warning", w)
             return
-        delay = min(RESTART_BACKOFF_MAX_S, self.cluster.config.restart_backoff_s * 2 ** w.backoff)
+        delay = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2 ** w.backoff)
         w.backoff += 1
         w.restart_at = now + delay
         self.event(f"{what}; restarting in {delay:g} s (restart {w.restarts + 1})", "warning", w)

@@ -18,16 +18,14 @@ import shutil
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdqueue.discovery import remove_state
 from pdqueue.protocol import ErrorCode
-from workers.cli.supervisor.draining import STOP_REPORT_INTERVAL_S, UNANSWERED_READ_S
+from workers.cli.supervisor.draining import STOP_REPORT_INTERVAL_S, UNANSWERED_READ_S, WorkLeft
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
-from workers.cli.supervisor.restarts import ROLES_IN_STOP_ORDER
-
-if TYPE_CHECKING:
-    from workers.cli.local_cluster import LocalCluster
+from workers.cli.supervisor.restarts import ROLES_IN_STOP_ORDER, Restarts
+from workers.cli.supervisor.supervised import Supervised
 
 # pdqueue.transfer.shm's DEFAULT_PREFIX and node's DEFAULT_SHM_DIR, not imported: importing
 # pdqueue.transfer imports torch, which `up` and `status` do without.
@@ -40,10 +38,16 @@ SHM_DIR = "/dev/shm"
 GATEWAY_EXIT_S = 10.0
 
 
+class Stoppable(Supervised, Protocol):
+    """The cluster ``Stopping`` stops: with its supervisor thread and its streams' backlog."""
+    restarts: Restarts
+    work_left: WorkLeft
+
+
 class Stopping:
     """One stop of a ``LocalCluster`` (``LocalCluster.stop``)."""
 
-    def __init__(self, cluster: "LocalCluster"):
+    def __init__(self, cluster: Stoppable):
         self.cluster = cluster
 
     def stop(self, grace_s: float = 60.0, hurry: threading.Event | None = None,
