@@ -301,7 +301,23 @@ def test_bench_engine_reports_quantized_beside_fp32():
     assert {"decode_b2_vs_b1", "prefill_32_vs_fp32"} <= set(int8["ratios"])
 
 
+@pytest.mark.processes
+def test_bench_engine_compares_any_formats_and_reports_the_q4_1_kernel():
+    import json
+
+    result = pdq("bench", "engine", "--model", "tiny", "--threads", "1", "--kv-cache-mb", "16", "--formats",
+                 "int4,q4_1", "--prompt-lens", "32", "--batch-sizes", "1,2", "--rounds", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["weights"] == ["int4", "q4_1"] and out["baseline"] == "int4"
+    assert {"decode_b1_vs_int4", "prefill_32_vs_int4"} <= set(out["results"]["q4_1"]["ratios"])
+    assert all(out["results"][n]["load_s"] > 0 for n in ("int4", "q4_1"))
+    assert out["q4_1_kernel"]["isa"] in ("avx2", "avx512-vnni") or out["q4_1_kernel"]["isa"].startswith("reference")
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["bench", "engine", "--model", "tiny", "--formats", "fp32"], "--formats"),
+    (["bench", "engine", "--model", "tiny", "--formats", "fp32,int9"], "--formats"),
     (["generate", "hi", "--model", "tiny", "--weights", "int8", "--dtype", "bfloat16"], "float32 only"),
     (["worker", "decode", "--model", "tiny", "--weights", "int5"], "--weights"),
     (["bench", "quality", "--model", "tiny", "--formats", "fp32,int3"], "--formats"),

@@ -144,6 +144,9 @@ class Kernel:
 
 
 _KERNEL: tuple[Kernel | None, str] | None = None   # (the kernel or None, why not)
+# How this process got it: {"isa", "built" (compiled now, not found in the cache), "seconds"
+# (building or loading it)}; reported by `bench engine`.
+KERNEL_INFO: dict = {}
 
 
 def _compiler() -> str | None:
@@ -159,6 +162,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     target = cache.cache_root() / "kernels" / f"q4-{digest}.so"
     if target.exists():
         return target
+    KERNEL_INFO["built"] = True
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     fd, tmp = tempfile.mkstemp(prefix=".q4-", suffix=".so", dir=target.parent)
@@ -182,7 +186,11 @@ def kernel() -> tuple[Kernel | None, str]:
     AVX2 path on a CPU with AVX-512 VNNI (tests compare the two)."""
     global _KERNEL
     if _KERNEL is None:
+        started = time.monotonic()
+        KERNEL_INFO["built"] = False
         _KERNEL = _load()
+        KERNEL_INFO.update(isa=_KERNEL[0].isa if _KERNEL[0] else f"reference ({_KERNEL[1]})",
+                           seconds=time.monotonic() - started)
         if _KERNEL[0] is None:
             log.warning("q4_1: %s; running its reference in torch ops (the same numbers, much slower)",
                         _KERNEL[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -177,9 +178,12 @@ def bench():
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With quantized --weights: prefill runs per format (best shown) and 8 x ROUNDS decode steps "
                    "(median), alternating with float32.")
+@click.option("--formats", default=None,
+              help="Weights formats to measure alternately, the first the baseline (e.g. fp32,int4,q4_1); "
+                   "instead of --weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, prompt_lens, batch_sizes,
-                 rounds, as_json):
+                 rounds, formats, as_json):
     """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound; with quantized
     --weights (int8, int4, q4_1), beside float32 weights in the same run (decode_b1_vs_fp32)."""
     check_model(model)
@@ -191,10 +195,28 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, wei
     from pdqueue.bench import engine_bench
 
     progress = lambda m: click.secho(m, fg="cyan", err=True)  # noqa: E731
-    if weights != "fp32":
-        models = {"fp32": load(model, device, dtype), weights: load(model, device, dtype, weights)}
+    names = _csv(formats, str, "--formats") if formats else ["fp32", weights] if weights != "fp32" else []
+    if names:
+        from pdqueue.engine.config import WEIGHT_FORMATS
+
+        unknown = [f for f in names if f not in WEIGHT_FORMATS]
+        if unknown or len(set(names)) != len(names) or len(names) < 2:
+            raise UserError(f"--formats: two or more of {list(WEIGHT_FORMATS)}, each once; got {formats!r}")
+        started = {}
+        models = {}
+        for name in names:
+            t = time.monotonic()
+            models[name] = load(model, device, dtype, name)
+            started[name] = time.monotonic() - t
         result = engine_bench.run_compare(models, config, lens, sizes, rounds, progress=progress)
-        result[f"decode_b{sizes[0]}_vs_fp32"] = result["results"][weights]["ratios"][f"decode_b{sizes[0]}_vs_fp32"]
+        for name in names:
+            result["results"][name]["load_s"] = started[name]
+        if "q4_1" in names:
+            from pdqueue.models import q4
+
+            result["q4_1_kernel"] = dict(q4.KERNEL_INFO)
+        if weights != "fp32" and weights in names and names[0] == "fp32":
+            result[f"decode_b{sizes[0]}_vs_fp32"] = result["results"][weights]["ratios"][f"decode_b{sizes[0]}_vs_fp32"]
         click.echo(json.dumps(result, indent=2) if as_json else _compare_table(result))
         return
     loaded = load(model, device, dtype)
@@ -256,6 +278,8 @@ def _compare_table(result: dict) -> str:
         lines.append(f"{label:<24}" + "".join(f"{v:>12{fmt}}" for v in values))
 
     row("weights MiB / step", [res[n]["weight_bytes"] / 2**20 for n in names], ".0f")
+    if all("load_s" in res[n] for n in names):
+        row("model load s", [res[n]["load_s"] for n in names], ".1f")
     for b in first["decode_ms"]:
         row(f"decode b{b} ms/step", [res[n]["decode_ms"][b] for n in names], ".1f")
     for n_tok in first["prefill_tok_s"]:
@@ -263,6 +287,10 @@ def _compare_table(result: dict) -> str:
     keys = [k for k in res[names[-1]]["ratios"]]
     for k in keys:
         row(k, [res[n]["ratios"].get(k, float("nan")) for n in names], ".2f")
+    if "q4_1_kernel" in result:
+        info = result["q4_1_kernel"]
+        lines.append(f"q4_1 kernel: {info.get('isa')}, {'built' if info.get('built') else 'loaded from the cache'} "
+                     f"in {info.get('seconds', 0):.2f} s")
     return "\n".join(lines)
 
 
