@@ -1,4 +1,5 @@
-"""The q4_1 kernel (pdqueue/models/q4_kernel.c, q4.py, quant.Q41Linear): the compiled kernel
+"""The q4_1 kernels (pdqueue/models/q4_kernel.c, q4.py, quant.Q41Linear and the q8_0 LM head
+quant.Q80Linear): the compiled kernel
 against its torch reference bit for bit, on every instruction path this CPU has, a row's
 result independent of its batch, the weights' blocks, and the build cache.
 
@@ -29,7 +30,7 @@ def compiled() -> q4.Kernel:
 
 def paths(kernel: q4.Kernel) -> list[q4.Kernel]:
     """The AVX2 path, and the AVX-512 VNNI one where this CPU has it."""
-    avx2 = q4.Kernel(kernel.linear, False, "avx2")
+    avx2 = q4.Kernel(kernel.linear, False, "avx2", kernel.linear8)
     return [avx2, kernel] if kernel.vnni else [avx2]
 
 
@@ -56,6 +57,21 @@ def test_kernel_equals_its_reference_bit_for_bit_on_every_path(n, k):
         ref = q4.reference_linear(x, blocks["qs"], blocks["d"], blocks["m"])
         for path in paths(kernel):
             assert torch.equal(path(x, layout, n), ref), (path.isa, rows)
+
+
+@pytest.mark.parametrize("n,k", [(49152, 576), (40, 96)])   # SmolLM2's LM head; N not a multiple of 16
+def test_q8_0_head_equals_its_reference_bit_for_bit_on_every_path(n, k):
+    kernel = compiled()
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05
+    blocks = q4.quantize_weight8(w)
+    layout = q4.interleave8(blocks)
+    for rows in (1, 3, 8):
+        x = activations(rows, k, rows)
+        ref = q4.reference_linear8(x, blocks["qs"], blocks["d"])
+        for path in paths(kernel):
+            assert torch.equal(path.q8(x, layout, n), ref), (path.isa, rows)
+    together = kernel.q8(x, layout, n)
+    assert all(torch.equal(kernel.q8(x[i:i + 1].contiguous(), layout, n)[0], together[i]) for i in range(8))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch():

@@ -92,6 +92,32 @@ def interleave(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"w": packed.contiguous(), "d": tiled(d.half()), "m": tiled(m.half())}
 
 
+def quantize_weight8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float [N, K] -> {"qs": int8 [N, K], "d": float16 [N, K/32]}: GGUF Q8_0 blocks, ``w ~= d * q``
+    with ``d = amax / 127`` per block of 32 (a Q8_0 block dequantized to float comes back)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"q8_0: a {n} x {k} weight; in_features must be a multiple of {BLOCK}")
+    g = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = (g.abs().amax(dim=-1) / 127).clamp(min=1e-7).half()
+    q = torch.clamp(torch.round(g / d.float()[..., None]), -127, 127).to(torch.int8)
+    return {"qs": q.reshape(n, k).contiguous(), "d": d.contiguous()}
+
+
+def interleave8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``quantize_weight8``'s blocks -> the q8_0 kernel's layout: tiles of 16 outputs, per tile
+    and block 512 bytes where byte 4t + i of group p holds output t's q[4p + i] + 128."""
+    qs, d = tensors["qs"], tensors["d"]
+    n, nb = d.shape
+    pad = -n % TILE
+    tiles = (n + pad) // TILE
+    q = (qs.to(torch.int16) + 128).to(torch.uint8)
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad), value=128)   # zero weights
+    q = q.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, TILE * BLOCK)
+    dt = torch.nn.functional.pad(d.half(), (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
+    return {"w": q.contiguous(), "d": dt}
+
+
 # --- the arithmetic, in torch ops ---------------------------------------------------------
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,14 +151,29 @@ def reference_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torc
     return acc + macc
 
 
+def reference_linear8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``pdq_q8_linear`` in torch ops, bit for bit: x [M, K] float32, ``quantize_weight8``'s
+    blocks -> y [M, N]."""
+    rows, k = x.shape
+    n, nb = qs.shape[0], k // BLOCK
+    qa, da, _ = quantize_activations(x.float())
+    isum = torch.einsum("rbj,nbj->rnb", qa.double(), qs.reshape(n, nb, BLOCK).double()).float()
+    d = d.float()
+    acc = torch.zeros(rows, n)
+    for b in range(nb):
+        acc = acc + isum[..., b] * (d[None, :, b] * da[:, None, b])
+    return acc
+
+
 # --- the compiled kernel --------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Kernel:
     """The compiled ``pdq_q4_linear`` and the path it takes on this CPU."""
-    linear: object   # ctypes function
+    linear: object   # ctypes functions: pdq_q4_linear, pdq_q8_linear
     vnni: bool       # the AVX-512 VNNI path (else AVX2): the same bits either way
     isa: str
+    linear8: object = None
 
     def __call__(self, x: torch.Tensor, layout: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, ``interleave``'s layout -> y [M, out_features]."""
@@ -140,6 +181,14 @@ class Kernel:
         if self.linear(x.data_ptr(), x.shape[0], x.shape[1], layout["w"].data_ptr(), layout["d"].data_ptr(),
                        layout["m"].data_ptr(), out_features, y.data_ptr(), self.vnni, torch.get_num_threads()):
             raise MemoryError("q4_1 kernel: no memory for its activation buffer")
+        return y
+
+    def q8(self, x: torch.Tensor, layout: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous, ``interleave8``'s layout -> y [M, out_features]."""
+        y = torch.empty(x.shape[0], out_features)
+        if self.linear8(x.data_ptr(), x.shape[0], x.shape[1], layout["w"].data_ptr(), layout["d"].data_ptr(),
+                        out_features, y.data_ptr(), self.vnni, torch.get_num_threads()):
+            raise MemoryError("q8_0 kernel: no memory for its activation buffer")
         return y
 
 
@@ -217,5 +266,9 @@ def _load() -> tuple[Kernel | None, str]:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    fn8 = lib.pdq_q8_linear
+    fn8.restype = ctypes.c_int
+    fn8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     vnni = bool(lib.pdq_q4_has_vnni()) and os.environ.get("PDQ_Q4_ISA", "") != "avx2"
-    return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2"), ""
+    return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2", fn8), ""

@@ -38,7 +38,7 @@
 
 /* Quantize one row of K floats to int8 blocks of 32 (llama.cpp's Q8_1, but rounding to the
  * nearest even like torch.round): da = amax / 127, qa = rint(x / da), sa = da * sum(qa). */
-static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float *sa) {
+static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float *sa, int32_t *asum) {
     const int64_t nb = K / QK;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
@@ -57,6 +57,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float
         }
         da[b] = d;
         sa[b] = d * (float)sum;
+        asum[b] = sum;
     }
 }
 
@@ -64,13 +65,15 @@ static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float
  * unpacked weights (a nibble per byte) and one row's results for a tile. */
 static _Thread_local int8_t *g_qa;
 static _Thread_local float *g_da, *g_sa;
+static _Thread_local int32_t *g_as;
 static _Thread_local uint8_t *g_w;
-static _Thread_local int64_t g_cap_qa, g_cap_da, g_cap_sa, g_cap_w;
+static _Thread_local int64_t g_cap_qa, g_cap_da, g_cap_sa, g_cap_as, g_cap_w;
 
 /* The rows' quantized activations (the calling thread's scratch, read by every thread). */
 typedef struct {
     const int8_t *qa;
     const float *da, *sa;
+    const int32_t *asum;   /* each block's sum of qa (q8_0: the offset of unsigned weights) */
 } Rows;
 
 static int grow(void **p, int64_t *cap, int64_t need) {
@@ -80,6 +83,21 @@ static int grow(void **p, int64_t *cap, int64_t need) {
     free(*p);
     *p = q;
     *cap = need;
+    return 0;
+}
+
+/* Quantize M rows into this thread's scratch; -1 when memory ran out. */
+static int quantize_rows(const float *x, int64_t M, int64_t K, Rows *rows) {
+    const int64_t nb = K / QK;
+    if (grow((void **)&g_qa, &g_cap_qa, M * K) || grow((void **)&g_da, &g_cap_da, M * nb * 4)
+        || grow((void **)&g_sa, &g_cap_sa, M * nb * 4) || grow((void **)&g_as, &g_cap_as, M * nb * 4))
+        return -1;
+    for (int64_t r = 0; r < M; r++)
+        quantize_row(x + r * K, K, g_qa + r * K, g_da + r * nb, g_sa + r * nb, g_as + r * nb);
+    rows->qa = g_qa;
+    rows->da = g_da;
+    rows->sa = g_sa;
+    rows->asum = g_as;
     return 0;
 }
 
@@ -206,11 +224,8 @@ int pdq_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const
                   int64_t N, float *y, int vnni, int threads) {
     if (K % QK) return -1;
     const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
-    if (grow((void **)&g_qa, &g_cap_qa, M * K) || grow((void **)&g_da, &g_cap_da, M * nb * 4)
-        || grow((void **)&g_sa, &g_cap_sa, M * nb * 4))
-        return -1;
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, g_qa + r * K, g_da + r * nb, g_sa + r * nb);
-    const Rows rows = {g_qa, g_da, g_sa};
+    Rows rows;
+    if (quantize_rows(x, M, K, &rows)) return -1;
     /* below ~1M multiply-adds a call, waking threads costs more than it saves */
     if (threads < 2 || M * N * K < (1 << 20)) threads = 1;
     int failed = 0;
@@ -228,4 +243,104 @@ int pdq_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const
             tile_avx2(w, d, m, &rows, g_w, M, K, N, t * TILE, y);
     }
     return failed ? -1 : 0;
+}
+
+
+/* --- q8_0: 8-bit weights (GGUF Q8_0 blocks of 32: w = d * q, q in -127..127) ------------
+ * For the LM head of the q4_1 format. The same scheme: tiles of 16 outputs, per tile and block
+ * 512 bytes, eight 64-byte groups p where byte 4t + i holds output t's q[4p + i] + 128 (an
+ * unsigned byte, as vpdpbusd takes it; the 128 * sum(qa) it adds is taken off, exactly);
+ * d as [tiles, blocks, 16] float16. For row r and output n, over the blocks b in order:
+ *     acc = acc + (float)isum[r,n,b] * (d[n,b] * da[r,b]);   y[r,n] = acc. */
+
+#define TILE8_BYTES 512
+
+__attribute__((target("avx2,fma,f16c")))
+static void tile8_avx2(const uint8_t *tw, const uint16_t *td, const Rows *rows, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, float *y) {
+    const int64_t nb = K / QK;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t r = 0; r < M; r++) {
+        const int8_t *qa = rows->qa + r * K;
+        const float *da = rows->da + r * nb;
+        float out[TILE];
+        for (int h = 0; h < 2; h++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const int32_t *a = (const int32_t *)(qa + b * QK);
+                const uint8_t *w = tw + b * TILE8_BYTES + h * 32;
+                __m256i s = _mm256_setzero_si256();
+                for (int p = 0; p < 8; p++) {
+                    /* signed weights; |w| * sign(a, w) keeps the pair sums below 2 * 127 * 127 */
+                    const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + p * 64)), flip);
+                    const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(_mm256_set1_epi32(a[p]), ws));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(td + b * TILE + h * 8)));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(da[b]))));
+            }
+            _mm256_storeu_ps(out + h * 8, acc);
+        }
+        store_tile(y + r * N + n0, out, valid);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
+static inline void rows8_vnni(const int R, const Rows *rows, const uint8_t *tw, const uint16_t *td, int64_t r0,
+                              int64_t nb, int64_t K, int64_t N, int64_t n0, int64_t valid, float *y) {
+    __m512 acc[4];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = tw + b * TILE8_BYTES;
+        __m512i s0[4], s1[4];
+        for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p += 2) {
+            const __m512i w0 = _mm512_loadu_si512((const void *)(w + p * 64));
+            const __m512i w1 = _mm512_loadu_si512((const void *)(w + p * 64 + 64));
+            for (int i = 0; i < R; i++) {
+                const int32_t *a = (const int32_t *)(rows->qa + (r0 + i) * K + b * QK);
+                s0[i] = _mm512_dpbusd_epi32(s0[i], w0, _mm512_set1_epi32(a[p]));
+                s1[i] = _mm512_dpbusd_epi32(s1[i], w1, _mm512_set1_epi32(a[p + 1]));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + b * TILE)));
+        for (int i = 0; i < R; i++) {
+            const __m512i off = _mm512_set1_epi32(128 * rows->asum[(r0 + i) * nb + b]);
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0[i], s1[i]), off));
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(rows->da[(r0 + i) * nb + b]))));
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float out[TILE];
+        _mm512_storeu_ps(out, acc[i]);
+        store_tile(y + (r0 + i) * N + n0, out, valid);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void tile8_vnni(const uint8_t *tw, const uint16_t *td, const Rows *rows, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, float *y) {
+    const int64_t nb = K / QK, valid = N - n0 < TILE ? N - n0 : TILE;
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) rows8_vnni(4, rows, tw, td, r, nb, K, N, n0, valid, y);
+    for (; r < M; r++) rows8_vnni(1, rows, tw, td, r, nb, K, N, n0, valid, y);
+}
+
+/* y[M, N] = x[M, K] @ W.T with W in q8_0 tiles; as pdq_q4_linear otherwise. */
+int pdq_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const uint16_t *td, int64_t N, float *y,
+                  int vnni, int threads) {
+    if (K % QK) return -1;
+    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
+    Rows rows;
+    if (quantize_rows(x, M, K, &rows)) return -1;
+    if (threads < 2 || M * N * K < (1 << 20)) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        if (vnni)
+            tile8_vnni(tw + t * nb * TILE8_BYTES, td + t * nb * TILE, &rows, M, K, N, t * TILE, y);
+        else
+            tile8_avx2(tw + t * nb * TILE8_BYTES, td + t * nb * TILE, &rows, M, K, N, t * TILE, y);
+    }
+    return 0;
 }

@@ -1,6 +1,6 @@
 """Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
 
-Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``quantize_model`` (swap a loaded
+Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``Q80Linear``, ``quantize_model`` (swap a loaded
 ``LlamaModel``'s linear layers and LM head for quantized ones, in place),
 ``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
 ``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
@@ -34,7 +34,8 @@ SmolLM2 (KL from float32 per token): 0.096 with plain 8-bit activations, 0.006 w
   quantized to 8 bits per block of 32 (llama.cpp's Q4_1 x Q8_1), in pdqueue's C kernel
   (``models.q4``), which reuses the unpacked weights across the rows of a batch.
 
-``int4`` and ``q4_1`` keep the LM head in int8: SmolLM2's GGUF stores the embedding (its tied head) in
+``int4`` keeps the LM head in int8 and ``q4_1`` in q8_0 (GGUF's Q8_0 blocks times 8-bit
+activations, the same kernel's 8-bit twin): SmolLM2's GGUF stores the embedding (its tied head) in
 Q8_0, and 4 bits there cost KL 0.05 against 0.0006 for the 4-bit layers (their Q4_1 blocks
 are recovered up to the bf16 rounding of scale and zero).
 
@@ -199,7 +200,38 @@ class Q41Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 x 8-bit activations"
 
 
+class Q80Linear(nn.Module):
+    """``y = x @ W.T`` with W in GGUF Q8_0 blocks of 32 (``w = d * q``, float16 d) and the
+    activations quantized to 8 bits per block of 32: the q4_1 format's LM head, in pdqueue's
+    kernel (``models.q4``). The input must be float32 [T, in_features]."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        store = _STORE.get()
+        stored = None if store is None else store.get("q8_0", weight)
+        if stored is None:
+            stored = q4.quantize_weight8(weight)
+            if store is not None:
+                store.put("q8_0", weight, stored)
+        self.nbytes = stored["qs"].numel() + 2 * stored["d"].numel()
+        self._kernel, _ = q4.kernel()
+        self._layout = q4.interleave8(stored) if self._kernel is not None else stored
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        if self._kernel is None:
+            return q4.reference_linear8(x, self._layout["qs"], self._layout["d"])
+        return self._kernel.q8(x.contiguous(), self._layout, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0 x 8-bit activations"
+
+
 _QUANT = {"int8": Int8Linear, "int4": Int4Linear, "q4_1": Q41Linear}
+# The LM head: int8 (fbgemm) beside torch's kernels, q8_0 beside pdqueue's.
+_HEAD = {"int8": Int8Linear, "int4": Int8Linear, "q4_1": Q80Linear}
 
 
 def quantize_model(model, weights: str):
@@ -221,7 +253,7 @@ def quantize_model(model, weights: str):
         mlp.gate_up_proj = make(mlp.gate_up_proj.weight)
         mlp.down_proj = make(mlp.down_proj.weight)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.logits_head = Int8Linear(head)   # int4 too: see the module docstring
+    model.logits_head = _HEAD[weights](head)   # 8 bits for int4 and q4_1 too: see the module docstring
     model.lm_head = None   # an untied float head is not kept: compute_logits uses logits_head
     return model
 
@@ -231,7 +263,7 @@ def step_weight_bytes(model) -> int:
     norms and the LM head; the embedding only where it is the (float) LM head."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear, Q41Linear)):
+        if isinstance(module, (Int8Linear, Int4Linear, Q41Linear, Q80Linear)):
             total += module.nbytes
         elif isinstance(module, nn.Linear) and module.weight.numel():
             total += module.weight.numel() * module.weight.element_size()
