@@ -8,11 +8,18 @@
         print(delta, end="")
     completion = handle.result()
 
-A request is one XADD to ``requests`` (or ``requests:high``); its answer is read with
-XREAD BLOCK from ``out:<id>``, continuing from the last entry seen, reconnecting with
-capped backoff if Redis goes away; a connection that keeps failing for
-``RedisConfig.unavailable_after_s`` (30 s) raises ``RedisUnavailable``. Token entries carry
-their index: one a retried worker publishes twice is yielded once.
+A request is one XADD to ``requests`` (or ``requests:high``). A submit that meets a lost
+connection, a timeout or a server still loading its data (LOADING, BUSY: a Redis restart)
+sends the same request, same id, again with capped backoff, for ``submit_retry_s``
+(``RedisConfig.submit_retry_s``, 30 s) from its start, then raises ``RedisUnavailable``
+naming the request ids and how long it tried. A resend whose first try did reach Redis
+queues a second entry with the same id: the workers' intake runs an id once (``seen:<id>``,
+SET NX to the first entry's id; the other entry is dead-lettered as a duplicate, nothing
+on ``out:<id>``), so the request is answered once. Its answer is read with XREAD BLOCK from
+``out:<id>``, continuing from the last entry seen, reconnecting with capped backoff if
+Redis goes away; a connection that keeps failing for ``RedisConfig.unavailable_after_s``
+(30 s) raises ``RedisUnavailable``. Token entries carry their index: one a retried worker
+publishes twice is yielded once.
 
 Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``.
 
@@ -23,6 +30,7 @@ and queue.connection; never torch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -35,7 +43,7 @@ import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdqueue.config import RedisConfig
+from pdqueue.config import RedisConfig, redact_url
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
 from pdqueue.keys import CANCEL_TTL_S, Keys
 from pdqueue.protocol import (
@@ -75,11 +83,14 @@ class RequestFailed(Exception):
 
 class RedisUnavailable(RedisConnectionError):
     """Redis stayed unreachable for ``RedisConfig.unavailable_after_s`` while a stream was
-    being read (shorter outages, like a restart, are retried and never raise this)."""
+    being read, or for ``submit_retry_s`` while a submit was sent (shorter outages, like a
+    restart, are retried and never raise this). ``request_ids``: the submit's requests
+    (empty for a read)."""
 
-    def __init__(self, message: str, outage_s: float):
+    def __init__(self, message: str, outage_s: float, request_ids: Sequence[str] = ()):
         super().__init__(message)
         self.outage_s = outage_s
+        self.request_ids = tuple(request_ids)
 
 
 class _Outage:
@@ -100,6 +111,75 @@ class _Outage:
             log.warning("request %s: redis unavailable (%s); retrying", self.request_id, exc)
         elif self.limit_s is not None and now - self.since >= self.limit_s:
             raise RedisUnavailable(f"unreachable for {now - self.since:.0f}s: {exc}", now - self.since) from exc
+
+
+# Errors of one command sent as a Redis server restarts, loads its data (LOADING, which
+# redis-py raises as BusyLoadingError, a ConnectionError) or runs a slow script (BUSY), or
+# of a replica without its master: the command may be sent again. Credentials refused and
+# redis-py's own pool limit are ConnectionErrors too, but no wait mends them.
+_NOT_TRANSIENT = tuple(getattr(redis.exceptions, name) for name in (
+    "AuthenticationError", "AuthorizationError", "MaxConnectionsError", "ExternalAuthProviderError")
+    if hasattr(redis.exceptions, name))
+_TRANSIENT_REPLIES = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, _NOT_TRANSIENT):
+        return False
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, *_TRANSIENT_REPLIES)):
+        return True
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("BUSY ")
+
+
+class _Submitting:
+    """One submit's retries, shared by the sync and asyncio loops (which differ only in how
+    they wait): the window of ``submit_retry_s`` from the submit's start, the backoff (with
+    jitter: producers cut off by one restart do not all come back at once)."""
+
+    def __init__(self, client: "_Settled", request_ids: Sequence[str]):
+        self.client = client
+        self.request_ids = list(request_ids)
+        self.limit_s = client.submit_retry_s
+        self.started = time.monotonic()
+        self.failures = 0
+        self.errors: collections.Counter[str] = collections.Counter()   # by type: ConnectionError, BusyLoadingError...
+
+    def what(self) -> str:
+        ids = self.request_ids
+        if len(ids) == 1:
+            return f"request {ids[0]}"
+        shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+        return f"{len(ids)} requests ({shown})"
+
+    def tally(self) -> str:
+        return ", ".join(f"{name} x{n}" for name, n in self.errors.most_common())
+
+    def failed(self, exc: Exception) -> float:
+        """A transient failure: how long to wait before sending again; ``RedisUnavailable``
+        once the window is spent (no attempt starts after it)."""
+        self.failures += 1
+        self.errors[type(exc).__name__] += 1
+        elapsed = time.monotonic() - self.started
+        remaining = self.limit_s - elapsed
+        if remaining <= 0:
+            where = f" at {redact_url(self.client.url)}" if self.client.url else ""
+            raise RedisUnavailable(
+                f"could not submit {self.what()} to Redis{where}: tried for {elapsed:.1f}s "
+                f"(submit_retry_s={self.limit_s:g}; {self.failures} attempt{'s' if self.failures != 1 else ''} "
+                f"failed: {self.tally()}); last error: {str(exc).rstrip('.')}",
+                elapsed, self.request_ids) from exc
+        if self.failures == 1:
+            log.warning("%s: submit failed (%s: %s); sending it again for up to %.0fs",
+                        self.what(), type(exc).__name__, exc, remaining)
+        delay = backoff_delay(self.failures - 1, self.client.backoff_initial_s, self.client.backoff_max_s,
+                              jitter=True)
+        return min(delay, remaining)
+
+    def sent(self) -> None:
+        if self.failures:
+            log.warning("%s: submitted after %d failed attempts (%.1fs; %s); should an earlier one "
+                        "have reached Redis too, the workers run the id once", self.what(), self.failures,
+                        time.monotonic() - self.started, self.tally())
 
 
 def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | None,
@@ -296,7 +376,8 @@ class RequestHandle(_Handle):
 class _Settled:
     """What ``Client`` and ``AsyncClient`` share: their settings, and where a request goes."""
 
-    def _settle(self, redis_url, cluster, config, redis_client, cancel_ttl_s, make_client) -> None:
+    def _settle(self, redis_url, cluster, config, redis_client, cancel_ttl_s, make_client,
+                submit_retry_s) -> None:
         config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
         self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
@@ -306,6 +387,7 @@ class _Settled:
         self.backoff_initial_s = config.backoff_initial_s
         self.backoff_max_s = config.backoff_max_s
         self.unavailable_after_s = config.unavailable_after_s
+        self.submit_retry_s = config.submit_retry_s if submit_retry_s is None else submit_retry_s
         self.cancel_ttl_s = cancel_ttl_s
 
     def _stream_of(self, req: Request) -> str:
@@ -318,8 +400,24 @@ class Client(_Settled):
 
     def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
                  redis_client: redis.Redis | None = None, config: RedisConfig | None = None,
-                 cancel_ttl_s: int = CANCEL_TTL_S):
-        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, client_from_url)
+                 cancel_ttl_s: int = CANCEL_TTL_S, submit_retry_s: float | None = None):
+        """``submit_retry_s``: how long a submit sends its request again while Redis is away or
+        loading (None: ``config.submit_retry_s``, 30 s; 0: one attempt)."""
+        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, client_from_url, submit_retry_s)
+
+    def _send(self, request_ids: Sequence[str], send):
+        """``send()``, sent again on transient failures (``_Submitting``)."""
+        submitting = _Submitting(self, request_ids)
+        while True:
+            try:
+                result = send()
+            except redis.RedisError as exc:
+                if not _transient(exc):
+                    raise
+                time.sleep(submitting.failed(exc))
+                continue
+            submitting.sent()
+            return result
 
     def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
@@ -329,22 +427,30 @@ class Client(_Settled):
                chat: bool = False, ignore_eos: bool = False, id: str | None = None,
                messages: Sequence[dict] | None = None, service_class: str | None = None) -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
-        ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``."""
+        ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``.
+        A lost connection or a loading server is retried with the same id for
+        ``submit_retry_s``, then ``RedisUnavailable`` (module docstring)."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages,
                             service_class=service_class)
-        entry_id = self.redis.xadd(self._stream_of(req), request_to_fields(req))
+        stream, fields = self._stream_of(req), request_to_fields(req)
+        entry_id = self._send([req.id], lambda: self.redis.xadd(stream, fields))
         return RequestHandle(self, req.id, as_str(entry_id))
 
     def submit_many(self, requests: Sequence[dict]) -> list[RequestHandle]:
-        """Queue many requests in one pipelined round trip; all are validated first."""
+        """Queue many requests in one pipelined round trip; all are validated first. Retried
+        as ``submit`` is, all of them again (each id still runs once)."""
         reqs = [build_request(**spec) for spec in requests]
-        with self.redis.pipeline(transaction=False) as pipe:
-            for req in reqs:
-                pipe.xadd(self._stream_of(req), request_to_fields(req))
-            entry_ids = pipe.execute()
+
+        def send():
+            with self.redis.pipeline(transaction=False) as pipe:
+                for req in reqs:
+                    pipe.xadd(self._stream_of(req), request_to_fields(req))
+                return pipe.execute()
+
+        entry_ids = self._send([req.id for req in reqs], send)
         return [RequestHandle(self, req.id, as_str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 
@@ -433,8 +539,24 @@ class AsyncClient(_Settled):
 
     def __init__(self, redis_url: str | None = None, cluster: str | None = None, *,
                  redis_client: redis.asyncio.Redis | None = None,
-                 config: RedisConfig | None = None, cancel_ttl_s: int = CANCEL_TTL_S):
-        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, async_client_from_url)
+                 config: RedisConfig | None = None, cancel_ttl_s: int = CANCEL_TTL_S,
+                 submit_retry_s: float | None = None):
+        self._settle(redis_url, cluster, config, redis_client, cancel_ttl_s, async_client_from_url,
+                     submit_retry_s)
+
+    async def _send(self, request_ids: Sequence[str], send):
+        """See ``Client._send``; ``send`` is a coroutine function."""
+        submitting = _Submitting(self, request_ids)
+        while True:
+            try:
+                result = await send()
+            except redis.RedisError as exc:
+                if not _transient(exc):
+                    raise
+                await asyncio.sleep(submitting.failed(exc))
+                continue
+            submitting.sent()
+            return result
 
     async def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
                      max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
@@ -450,15 +572,20 @@ class AsyncClient(_Settled):
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages,
                             service_class=service_class)
-        entry_id = await self.redis.xadd(self._stream_of(req), request_to_fields(req))
+        stream, fields = self._stream_of(req), request_to_fields(req)
+        entry_id = await self._send([req.id], lambda: self.redis.xadd(stream, fields))
         return AsyncRequestHandle(self, req.id, as_str(entry_id))
 
     async def submit_many(self, requests: Sequence[dict]) -> list[AsyncRequestHandle]:
         reqs = [build_request(**spec) for spec in requests]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for req in reqs:
-                pipe.xadd(self._stream_of(req), request_to_fields(req))
-            entry_ids = await pipe.execute()
+
+        async def send():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for req in reqs:
+                    pipe.xadd(self._stream_of(req), request_to_fields(req))
+                return await pipe.execute()
+
+        entry_ids = await self._send([req.id for req in reqs], send)
         return [AsyncRequestHandle(self, req.id, as_str(eid))
                 for req, eid in zip(reqs, entry_ids)]
 

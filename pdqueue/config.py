@@ -196,6 +196,12 @@ class RedisConfig:
     """The client's streams retry a lost connection (a Redis restart is survived) and raise
     ``pdqueue.client.RedisUnavailable`` once it has failed for this long (None: retry until
     the caller's timeout)."""
+    submit_retry_s: float = 30.0
+    """``submit``/``submit_many`` resend the same request (same id) after a lost connection,
+    a timeout or a server still loading (LOADING, BUSY), for up to this long from the
+    submit's start, then raise ``pdqueue.client.RedisUnavailable`` (0: one attempt). A copy
+    that did reach Redis is run once all the same: workers run a request id once
+    (``seen:<id>``)."""
     max_connections: int = 10_000
     """The connection pool's cap. Every stream being read holds one connection while its
     XREAD blocks, so an ``AsyncClient`` (or a gateway) with N requests in flight needs N;
