@@ -11,7 +11,6 @@ killed with SIGKILL as a crash, and a real colocated worker; nothing mocked.
 from __future__ import annotations
 
 import asyncio
-import collections
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdqueue import AsyncClient, Client
-from pdqueue.client import RedisUnavailable, _transient
+from pdqueue.client import RedisUnavailable
+from pdqueue.client_outage import transient
 from pdqueue.config import RedisConfig
 from pdqueue.keys import Keys
 from pdqueue.protocol import ResultType, parse_result
@@ -229,12 +229,12 @@ def test_what_a_submit_sends_again():
     """Transient: connection lost or refused, a timeout, LOADING, BUSY, cluster hiccups.
     Not: credentials, permissions, the client's own pool limit, a wrong command."""
     e = redis.exceptions
-    assert all(_transient(exc) for exc in (
+    assert all(transient(exc) for exc in (
         e.ConnectionError("Connection closed by server."), e.TimeoutError("Timeout reading from socket"),
         e.BusyLoadingError("Redis is loading the dataset in memory"),
         e.ResponseError("BUSY Redis is busy running a script."), e.TryAgainError("x"),
         e.MasterDownError("Link with MASTER is down")))
-    assert not any(_transient(exc) for exc in (
+    assert not any(transient(exc) for exc in (
         e.AuthenticationError("invalid password"), e.NoPermissionError("no permissions"),
         e.MaxConnectionsError("Too many connections"), e.ResponseError("WRONGTYPE Operation against a key"),
         e.ReadOnlyError("You can't write against a read only replica.")))
