@@ -5,7 +5,7 @@ request id), and its ``state`` says where it is:
 
     accept      handoff:<own node>, then handoff (group decode) -> BACKLOG
                 (a handoff that cannot run is dead-lettered; one taken over from another
-                worker first catches up with what out:<id> shows, see ``catch_up``)
+                worker first catches up with what out:<id> shows, see ``caught_up``)
     start       BACKLOG -> FETCHING: once the engine can reserve blocks for the whole
                 sequence and a batch slot; the fetch thread copies the KV in (shm when the
                 ticket's node is ours, else the sender's TCP data wire, else ZeroMQ)
@@ -145,30 +145,8 @@ class DecodeRole(Role):
                 # what a prefill worker decides by whether to hand a request over or decode it
                 # itself (workers/decode_peers.py), and where to place prompts
                 "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs)),
-                **(self.prompt_load() if self.takes_prompts else {})}
-
-    def prompt_load(self) -> dict:
-        """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
-        second this worker can take in the time its decodes leave (0 below SPARE_MIN: placed
-        prompts would then lengthen every gap) and the prompt tokens it holds."""
-        cost = self.engine.scheduler.cost
-        token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
-        spare = self.spare.share
-        tok_s = spare / token_s if spare >= SPARE_MIN else 0.0
-        target_ms = self.shell.config.engine.tbt_slo_ms
-        if target_ms is not None and len(self.recent_steps) >= 8:
-            # Its decodes' gaps are at risk already (a step p90 past GAP_GUARD of the target):
-            # no more prompts until they recover (measured: without this, past the split's
-            # capacity placed prompts kept coming and gaps reached seconds).
-            steps = sorted(self.recent_steps)
-            if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
-                tok_s = 0.0
-        scheduler = self.engine.scheduler
-        held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
-        held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
-        held += sum(len(j.handoff.prompt_ids) for j in self.jobs.values()
-                    if j.state is JobState.BACKLOG and j.handoff.prompt_only)
-        return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(spare, 2), "prompt_backlog": held}
+                **(prompt_load(self.engine, self.spare, self.recent_steps, self.jobs, self.shell.config.engine.tbt_slo_ms)
+                   if self.takes_prompts else {})}
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -201,7 +179,7 @@ class DecodeRole(Role):
             # outlives this role, so the next one must not get them before it is over)
             return False
         if self.start_backlog() and self.engine.has_unfinished:
-            self.admit_fetched(wait_s=self.admit_grace_s())
+            self.admit_fetched(wait_s=admit_grace_s(self._step_s))
         self.housekeeping()
         if self.engine.has_unfinished:
             scheduler = self.engine.scheduler
@@ -223,12 +201,6 @@ class DecodeRole(Role):
             self.admit_fetched(wait_s=FETCH_WAIT_S)
         return True
 
-    def admit_grace_s(self) -> float:
-        """How long the running batch may wait at a step boundary for fetches just started:
-        a quarter of a recent step, between 2 and 25 ms (a new sequence that misses this
-        step waits a whole step more, while the batch pays this once)."""
-        return min(0.025, max(0.002, 0.25 * self._step_s))
-
     # ---- accept: -> BACKLOG ----------------------------------------------------------------
     def accept(self, entries: list, resumed: bool) -> None:
         with self.shell.unit() as unit:
@@ -240,7 +212,7 @@ class DecodeRole(Role):
                 except HandoffError as exc:
                     unit.reject(stream, entry_id, fields, None, f"bad handoff: {exc}", ErrorCode.BAD_REQUEST)
                     continue
-                problem = self.check_handoff(h)
+                problem = handoff_problem(h, self.engine)
                 if problem:
                     unit.reject(stream, entry_id, fields, h.request.id, f"bad handoff: {problem}",
                                 ErrorCode.BAD_REQUEST)
@@ -252,41 +224,13 @@ class DecodeRole(Role):
                         unit.ack(stream, entry_id, h.request.id)
                     continue
                 if resumed:
-                    h = self.catch_up(h)
+                    h = caught_up(self.shell.r, self.shell.keys, h)
                     if h is None:   # already answered
                         unit.ack(stream, entry_id)
                         continue
                 req = h.request
                 params = SamplingParams.for_request(req, h.seed)
                 self.jobs[req.id] = Job(stream, entry_id, h, params, now_ms())
-
-    def check_handoff(self, h: Handoff) -> str | None:
-        """What makes a (well-formed) handoff impossible to run here, or None."""
-        vocab = self.shell.loaded.config.vocab_size
-        if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
-            return f"token ids beyond the vocabulary ({vocab})"
-        if len(h.output_ids) > h.request.max_tokens:
-            return "more output tokens than max_tokens"
-        return self.engine.check_prompt(len(h.prompt_ids) + len(h.output_ids))
-
-    def catch_up(self, h: Handoff) -> Handoff | None:
-        """Resume from what ``out:<id>`` already shows: tokens published by the previous
-        owner are kept (recompute from prompt + those), so the stream continues at the next
-        index with no gap, no duplicate and no divergence. None if already answered."""
-        tokens: dict[int, list[int]] = {}
-        for _eid, fields in self.shell.r.xrange(self.shell.keys.out(h.request.id)):
-            kind = fields.get(b"type")
-            if kind in (b"done", b"error"):
-                return None
-            if kind == b"token":
-                tokens[int(fields[b"index"])] = json.loads(fields[b"token_ids"])
-        output: list[int] = []
-        while len(output) in tokens:
-            output += tokens[len(output)]
-        if len(output) <= len(h.output_ids):
-            return h
-        log.info("resuming %s after %d published tokens", h.request.id, len(output))
-        return replace(h, output_ids=output, ticket=None)   # the exported KV covers fewer tokens: recompute
 
     # ---- start: BACKLOG -> FETCHING | RUNNING | answered -------------------------------------
     def start_backlog(self) -> int:
@@ -425,7 +369,8 @@ class DecodeRole(Role):
         del self.jobs[job.request_id]
         if job.state is JobState.BACKLOG and job.handoff.ticket is not None:
             self.fetcher.release(job.handoff.ticket)
-        c = self.completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason)
+        c = job_completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason,
+                           self.shell.worker_id, self.engine.config.block_size)
         with self.shell.unit() as unit:
             unit.done(job.stream, job.entry_id, c)
 
@@ -447,36 +392,9 @@ class DecodeRole(Role):
                 unit.token(out.request_id, out.index, out.token_id, out.text)
                 if out.finished:
                     del self.jobs[out.request_id]
-                    c = self.completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason)
+                    c = job_completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason,
+                                       self.shell.worker_id, self.engine.config.block_size)
                     unit.done(job.stream, job.entry_id, c)
-
-    def completion(self, job: Job, output_ids, t: float, text: str, reason) -> Completion:
-        h = job.handoff
-        req = h.request
-        if h.prompt_only:   # prefilled here: its times are this worker's (job.read_ms: placed -> read)
-            first = job.token_times_ms[0] if job.token_times_ms else t
-            p50, pmax = tbt_stats(job.token_times_ms)
-            return Completion(
-                req.id, text, tuple(output_ids), reason, num_prompt_tokens=len(h.prompt_ids),
-                ttft_ms=first - req.enqueued_ms if job.token_times_ms else 0.0,
-                queue_ms=job.admitted_ms - req.enqueued_ms, prefill_ms=first - job.admitted_ms,
-                decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-                prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local",
-                handoff_ms=job.read_ms - h.prefill_start_ms)
-        p50, pmax = tbt_stats([h.first_token_ms] + job.token_times_ms)
-        second = job.token_times_ms[0] if job.token_times_ms else 0.0
-        return Completion(
-            req.id, text, tuple(output_ids), reason,
-            num_prompt_tokens=len(h.prompt_ids), cached_tokens=h.cached_tokens,
-            ttft_ms=h.first_token_ms - req.enqueued_ms,
-            queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
-            transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
-            kv_reused_tokens=job.kv.reused_blocks * self.engine.config.block_size,
-            decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
-            prefill_worker=h.prefill_worker, decode_worker=self.shell.worker_id, transfer_path=job.kv.path,
-            handoff_ms=job.read_ms - h.first_token_ms,
-            first_step_ms=second - job.kv.done_ms if second else 0.0,
-            ttst_ms=second - req.enqueued_ms if second else 0.0)
 
     def drain(self) -> None:
         if self.migrator is not None:
@@ -488,3 +406,94 @@ class DecodeRole(Role):
         self.fetcher.close()
         self.receiver.close()
 
+
+# ---- what the role computes from its state, kept out of the class --------------------------
+
+def admit_grace_s(step_s: float) -> float:
+    """How long the running batch may wait at a step boundary for fetches just started:
+    a quarter of a recent step, between 2 and 25 ms (a new sequence that misses this
+    step waits a whole step more, while the batch pays this once)."""
+    return min(0.025, max(0.002, 0.25 * step_s))
+
+
+def prompt_load(engine: LLMEngine, spare: SpareTime, recent_steps, jobs: dict, tbt_slo_ms: float | None) -> dict:
+    """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
+    second this worker can take in the time its decodes leave (0 below SPARE_MIN: placed
+    prompts would then lengthen every gap) and the prompt tokens it holds."""
+    cost = engine.scheduler.cost
+    token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
+    share = spare.share
+    tok_s = share / token_s if share >= SPARE_MIN else 0.0
+    target_ms = tbt_slo_ms
+    if target_ms is not None and len(recent_steps) >= 8:
+        # Its decodes' gaps are at risk already (a step p90 past GAP_GUARD of the target):
+        # no more prompts until they recover (measured: without this, past the split's
+        # capacity placed prompts kept coming and gaps reached seconds).
+        steps = sorted(recent_steps)
+        if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
+            tok_s = 0.0
+    scheduler = engine.scheduler
+    held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
+    held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
+    held += sum(len(j.handoff.prompt_ids) for j in jobs.values()
+                if j.state is JobState.BACKLOG and j.handoff.prompt_only)
+    return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(share, 2), "prompt_backlog": held}
+
+
+def handoff_problem(h: Handoff, engine: LLMEngine) -> str | None:
+    """What makes a (well-formed) handoff impossible to run on ``engine``, or None."""
+    vocab = engine.model_config.vocab_size
+    if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
+        return f"token ids beyond the vocabulary ({vocab})"
+    if len(h.output_ids) > h.request.max_tokens:
+        return "more output tokens than max_tokens"
+    return engine.check_prompt(len(h.prompt_ids) + len(h.output_ids))
+
+def caught_up(r, keys, h: Handoff) -> Handoff | None:
+    """Resume from what ``out:<id>`` already shows: tokens published by the previous
+    owner are kept (recompute from prompt + those), so the stream continues at the next
+    index with no gap, no duplicate and no divergence. None if already answered."""
+    tokens: dict[int, list[int]] = {}
+    for _eid, fields in r.xrange(keys.out(h.request.id)):
+        kind = fields.get(b"type")
+        if kind in (b"done", b"error"):
+            return None
+        if kind == b"token":
+            tokens[int(fields[b"index"])] = json.loads(fields[b"token_ids"])
+    output: list[int] = []
+    while len(output) in tokens:
+        output += tokens[len(output)]
+    if len(output) <= len(h.output_ids):
+        return h
+    log.info("resuming %s after %d published tokens", h.request.id, len(output))
+    return replace(h, output_ids=output, ticket=None)   # the exported KV covers fewer tokens: recompute
+
+
+def job_completion(job: Job, output_ids, t: float, text: str, reason, worker_id: str, block_size: int) -> Completion:
+    """The completion of a job answered at ``t`` (ms): prefilled here (a placed prompt) or handed over."""
+    h = job.handoff
+    req = h.request
+    if h.prompt_only:   # prefilled here: its times are this worker's (job.read_ms: placed -> read)
+        first = job.token_times_ms[0] if job.token_times_ms else t
+        p50, pmax = tbt_stats(job.token_times_ms)
+        return Completion(
+            req.id, text, tuple(output_ids), reason, num_prompt_tokens=len(h.prompt_ids),
+            ttft_ms=first - req.enqueued_ms if job.token_times_ms else 0.0,
+            queue_ms=job.admitted_ms - req.enqueued_ms, prefill_ms=first - job.admitted_ms,
+            decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+            prefill_worker=worker_id, decode_worker=worker_id, transfer_path="local",
+            handoff_ms=job.read_ms - h.prefill_start_ms)
+    p50, pmax = tbt_stats([h.first_token_ms] + job.token_times_ms)
+    second = job.token_times_ms[0] if job.token_times_ms else 0.0
+    return Completion(
+        req.id, text, tuple(output_ids), reason,
+        num_prompt_tokens=len(h.prompt_ids), cached_tokens=h.cached_tokens,
+        ttft_ms=h.first_token_ms - req.enqueued_ms,
+        queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
+        transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
+        kv_reused_tokens=job.kv.reused_blocks * block_size,
+        decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
+        prefill_worker=h.prefill_worker, decode_worker=worker_id, transfer_path=job.kv.path,
+        handoff_ms=job.read_ms - h.first_token_ms,
+        first_step_ms=second - job.kv.done_ms if second else 0.0,
+        ttst_ms=second - req.enqueued_ms if second else 0.0)
