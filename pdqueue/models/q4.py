@@ -1,22 +1,26 @@
-"""The ``q4_1`` weight format: GGUF Q4_1 blocks (4-bit weights, a float scale and minimum per
-32) times 8-bit activations, llama.cpp's arithmetic, in a C kernel of pdqueue's own.
+"""The ``q4_1`` weight format: GGUF Q4_1 blocks (4-bit weights, a float16 scale and minimum
+per 32) times 8-bit activations, llama.cpp's arithmetic, in a C kernel of pdqueue's own; and
+its LM head in Q8_0 the same way.
 
-Owns: ``quantize_weight`` (float [N, K] -> the blocks), ``reference_linear`` (the kernel's
-arithmetic in torch ops, bit for bit) and ``kernel`` (the compiled kernel, built once per
-machine and cached, or None with the reason). The layer is ``models.quant.Q41Linear``.
+Owns: ``quantize_weight`` / ``quantize_weight8`` (float [N, K] -> the blocks), ``interleave`` /
+``interleave8`` (the blocks -> the kernel's tiles), ``reference_linear`` / ``reference_linear8``
+(the kernel's arithmetic in torch ops, bit for bit) and ``kernel`` (the compiled library,
+built once per machine and cached, or None with the reason). The layers are
+``models.quant.Q41Linear`` and ``Q80Linear``.
 
 Why: torch's int4 kernel (``int4``, tinygemm) dequantizes its weights for every row, so a
-decode step at batch 8 costs ~2.6x batch 1 (docs/performance.md, session 10). The kernel in
+decode step at batch 8 costs ~2.7x batch 1 (docs/performance.md, session 10). The kernel in
 ``q4_kernel.c`` quantizes each row's activations to int8 in blocks of 32 and computes each
-block's dot product in integers (exact), unpacking a row of weights once for all the rows of
-the batch. A row's result does not depend on the other rows (disaggregated == colocated token
-for token), and ``reference_linear`` gives the same bits, which is what the tests check and
-what runs where no C compiler is found (slower, with a log line saying so).
+block's dot product in integers (exact), 16 outputs per AVX-512 VNNI instruction (8 with AVX2)
+from weights unpacked once per call for all the rows of the step. A row's result does not
+depend on the other rows, the path or the threads (disaggregated == colocated token for
+token), and ``reference_linear`` gives the same bits: what the tests check, and what runs
+where no C compiler is found (much slower, with a log line saying so).
 
-The kernel is compiled at first use with the system's C compiler (``$CC``, else ``cc``, ``gcc``
-or ``clang``; flags for AVX2 and FMA only, so it runs on any x86-64 CPU of the last ten
-years) into ``<cache_root>/kernels/q4-<hash of source, flags and compiler>.so``: a worker's
-second start loads it (milliseconds). Off x86-64 or without AVX2, the reference runs.
+The library is compiled at first use with the system's C compiler (``$CC``, else ``cc``,
+``gcc`` or ``clang``) into ``<cache_root>/kernels/q4-<hash of source, flags and compiler>.so``:
+a worker's second start loads it (milliseconds). docs/architecture.md, "The q4_1 kernel",
+has the layout and the measurements.
 
 Imports torch and ``pdqueue.models.cache`` only.
 """
@@ -43,8 +47,8 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 _SOURCE = Path(__file__).with_name("q4_kernel.c")
 # No -march=native: a binary built for the build host's newest extensions can die with
-# SIGILL on a VM that advertises them; AVX2 + FMA is what the kernel uses.
-# The AVX2 and AVX-512 paths carry their own target attributes; the rest is baseline x86-64.
+# SIGILL on a VM that advertises them. The AVX2 and AVX-512 functions carry their own target
+# attributes (the latter runs only where the CPU has it); the rest is baseline x86-64.
 _FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared"]
 # Threads through OpenMP: its libgomp.so.1 is the one torch has loaded already (same soname),
 # so torch and the kernel share one thread pool. Without OpenMP the kernel runs on one thread.
