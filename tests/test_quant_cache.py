@@ -146,7 +146,7 @@ def test_a_quantized_entry_goes_with_its_float_weights(tmp_path, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("test_quant_cache_smollm2")   # one SmolLM2 load (module fixture) for both
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "q4_1"])
 def test_smollm2_cached_layers_equal_freshly_quantized_ones(smollm2, weights):
     """On SmolLM2, in the developer's cache (as the other SmolLM2 tests): fresh quantization
     of the float model, then the cached path, which hits (a second time if it wrote)."""

@@ -168,6 +168,18 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
 
 
+def _stored(kind: str, weight: torch.Tensor, quantize) -> dict[str, torch.Tensor]:
+    """``quantize(weight)``'s tensors, from the store (``tensor_store``) when it has them, else
+    computed and handed to it."""
+    store = _STORE.get()
+    tensors = None if store is None else store.get(kind, weight)
+    if tensors is None:
+        tensors = quantize(weight)
+        if store is not None:
+            store.put(kind, weight, tensors)
+    return tensors
+
+
 class Q41Linear(nn.Module):
     """``y = x @ W.T`` with W in GGUF Q4_1 blocks of 32 (``w = d * q + m``, float16 d and m) and
     the activations quantized to 8 bits per block of 32: llama.cpp's arithmetic, in
@@ -177,12 +189,7 @@ class Q41Linear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        store = _STORE.get()
-        stored = None if store is None else store.get("q4_1", weight)
-        if stored is None:
-            stored = q4.quantize_weight(weight)
-            if store is not None:
-                store.put("q4_1", weight, stored)
+        stored = _stored("q4_1", weight, q4.quantize_weight)
         self.nbytes = stored["qs"].numel() + 2 * (stored["d"].numel() + stored["m"].numel())
         self._kernel, _ = q4.kernel()
         # Only the layout that runs is kept: the kernel's interleaved tiles, or the blocks the
@@ -208,12 +215,7 @@ class Q80Linear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        store = _STORE.get()
-        stored = None if store is None else store.get("q8_0", weight)
-        if stored is None:
-            stored = q4.quantize_weight8(weight)
-            if store is not None:
-                store.put("q8_0", weight, stored)
+        stored = _stored("q8_0", weight, q4.quantize_weight8)
         self.nbytes = stored["qs"].numel() + 2 * stored["d"].numel()
         self._kernel, _ = q4.kernel()
         self._layout = q4.interleave8(stored) if self._kernel is not None else stored
