@@ -203,6 +203,33 @@ def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
     report_flips("tiny TBT budget", flips, len(prompts))
 
 
+def test_tiny_online_work_takes_the_room_of_running_batch_sequences(tiny):
+    """make_room (what a decode worker calls before reserving an online handoff): with every
+    slot held by batch sequences, it preempts the newest of them, the online reservation
+    fits, and the preempted ones still answer as they would have unpreempted."""
+    prompts = tiny_prompts(lens=[20, 30, 25], seed=7)
+    params = [sampled(16, seed=70 + i, ignore_eos=True) for i in range(3)]
+    alone = engine(tiny, max_num_seqs=3).generate(prompts, params)
+    eng = engine(tiny, max_num_seqs=3, max_background_seqs=3)
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        eng.add_request(f"b{i}", p, q, background=True)
+    results = {f"b{i}": [] for i in range(3)}
+    for _ in range(3):
+        for out in eng.step():
+            results[out.request_id].append(out.token_id)
+    assert len(eng.scheduler.running) == 3 and not eng.can_reserve(40)
+    assert eng.make_room(40) and eng.can_reserve(40)
+    preempted = [s for s in eng.scheduler.waiting if s.background]
+    assert [s.request_id for s in preempted] == ["b2"] and preempted[0].num_preemptions == 1
+    assert not engine(tiny, max_num_seqs=1).make_room(10 ** 6)   # no batch to take from: False
+    while eng.has_unfinished:
+        for out in eng.step():
+            results[out.request_id].append(out.token_id)
+    flips = assert_all_same(tiny, prompts, alone, [results[f"b{i}"] for i in range(3)], params,
+                            label="tiny batch preempted by make_room vs unpreempted")
+    report_flips("tiny make_room", flips, len(prompts))
+
+
 def test_tiny_deadline_order_changes_which_step_starts_a_prompt_not_its_tokens(tiny):
     """Requests added in the reverse order of their deadlines, under a budget that admits one
     prompt a step: their first tokens come in deadline order, and every answer is the

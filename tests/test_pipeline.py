@@ -111,8 +111,10 @@ def test_plain_redis_producer(cluster):
                     elif fields["type"] == "done":
                         done = fields
         assert done is not None, f"no answer for {rid}"
-        assert json.loads(done["token_ids"]) == tokens and len(tokens) == n
-        assert done["finish_reason"] in ("length", "stop")
+        assert json.loads(done["token_ids"]) == tokens
+        # The second request samples (temperature 1, no seed): it may draw EOS before n tokens.
+        assert (done["finish_reason"], len(tokens)) == ("length", n) or (
+            done["finish_reason"] == "stop" and 0 < len(tokens) <= n), (done["finish_reason"], tokens)
 
 
 BAD_ENTRIES = [

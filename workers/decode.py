@@ -243,8 +243,9 @@ class DecodeRole(Role):
             background = h.request.background
             if background and not self.engine.scheduler.can_run_background():
                 continue   # batch waits for one of its own slots; the online jobs behind it go on
-            if not self.engine.can_reserve(len(h.prompt_ids) + len(h.output_ids) + 1, background):
-                break
+            need = len(h.prompt_ids) + len(h.output_ids) + 1
+            if not self.engine.can_reserve(need, background) and (background or not self.engine.make_room(need)):
+                break   # (online work takes the room of running batch sequences: make_room)
             if h.request.expired(now_ms()):
                 self.answer_expired(job, h.output_ids)
             elif self.shell.cancelled([h.request.id]):

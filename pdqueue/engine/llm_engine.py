@@ -182,6 +182,15 @@ class LLMEngine:
                 and (not background or self.scheduler.can_run_background())
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
 
+    def make_room(self, num_tokens: int) -> bool:
+        """Foreground work of ``num_tokens`` to ``reserve``: preempt running background
+        sequences, newest first (they recompute later), until it fits; whether it does.
+        Batch gives its room back when online work needs it (scheduler.py)."""
+        while not self.can_reserve(num_tokens):
+            if not self.scheduler.preempt_background():
+                return False
+        return True
+
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 output_ids: list[int], block_hashes=(), hash_root: bytes = b"",
                 background: bool = False) -> Sequence:

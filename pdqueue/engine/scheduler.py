@@ -324,6 +324,15 @@ class Scheduler:
                 batch.append((seq, 1))
         return batch
 
+    def preempt_background(self) -> bool:
+        """Preempt the newest running background sequence (by recompute, as when blocks run
+        out), for foreground work that needs its slot or blocks; False when none runs."""
+        victim = next((s for s in reversed(self.running) if s.background), None)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
