@@ -53,11 +53,22 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux; else 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_ports(n: int) -> list[int]:
-    """``n`` ports whose cluster-bus port (port + 10000) is free too."""
+    """``n`` ports whose cluster-bus port (port + 10000) is free too, both below the ephemeral
+    range: a port in it could be taken as the local port of any outgoing connection between
+    this check and the server's bind (seen: "bind: Address already in use" in a full run)."""
     ports: list[int] = []
+    top = max(12000, min(_ephemeral_low(), 65536) - 10001)
     while len(ports) < n:
-        port = random.randint(20000, 55000)
+        port = random.randint(10000, top)
         if port in ports or any(abs(port - p) == 10000 for p in ports):
             continue
         if port_is_free(port) and port_is_free(port + 10000):
