@@ -292,10 +292,10 @@ class Scheduler:
 
     def _victim(self) -> Sequence:
         """The sequence to preempt: the newest background one, else the newest."""
-        for seq in reversed(self.running):
-            if seq.background:
-                return seq
-        return self.running[-1]
+        return self._newest_background() or self.running[-1]
+
+    def _newest_background(self) -> Sequence | None:
+        return next((s for s in reversed(self.running) if s.background), None)
 
     def _decode_all(self) -> ScheduledBatch:
         batch: ScheduledBatch = []
@@ -327,7 +327,7 @@ class Scheduler:
     def preempt_background(self) -> bool:
         """Preempt the newest running background sequence (by recompute, as when blocks run
         out), for foreground work that needs its slot or blocks; False when none runs."""
-        victim = next((s for s in reversed(self.running) if s.background), None)
+        victim = self._newest_background()
         if victim is None:
             return False
         self._preempt(victim)

@@ -90,10 +90,13 @@ def interleave(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)).view(tiles, TILE, nb, BLOCK).transpose(1, 2)
     low, high = q[..., :16].reshape(tiles, nb, TILE, 4, 4), q[..., 16:].reshape(tiles, nb, TILE, 4, 4)
     packed = (low | (high << 4)).transpose(2, 3).reshape(tiles, nb, TILE * 16)  # [tile, block, p, t, i]
+    return {"w": packed.contiguous(), "d": _tiled_scales(d, pad), "m": _tiled_scales(m, pad)}
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
-    return {"w": packed.contiguous(), "d": tiled(d.half()), "m": tiled(m.half())}
+
+def _tiled_scales(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """Per-block scales [N, blocks] -> [tiles, blocks, 16] float16, zero outputs added (``pad``)."""
+    n, nb = t.shape
+    return torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view((n + pad) // TILE, TILE, nb).transpose(1, 2).contiguous()
 
 
 def quantize_weight8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -118,8 +121,7 @@ def interleave8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     q = (qs.to(torch.int16) + 128).to(torch.uint8)
     q = torch.nn.functional.pad(q, (0, 0, 0, pad), value=128)   # zero weights
     q = q.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, TILE * BLOCK)
-    dt = torch.nn.functional.pad(d.half(), (0, 0, 0, pad)).view(tiles, TILE, nb).transpose(1, 2).contiguous()
-    return {"w": q.contiguous(), "d": dt}
+    return {"w": q.contiguous(), "d": _tiled_scales(d, pad)}
 
 
 # --- the arithmetic, in torch ops ---------------------------------------------------------
@@ -146,22 +148,18 @@ def reference_linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torc
     q = torch.stack((qs & 0x0F, qs >> 4), dim=-2).reshape(n, nb, BLOCK)   # per block: low nibbles, then high
     # Each block's integer dot product, exact in float64 (|sum| <= 32 * 15 * 127).
     isum = torch.einsum("rbj,nbj->rnb", qa.double(), q.double()).float()
-    d, m = d.float(), m.float()   # float16 -> float32 is exact
-    acc = torch.zeros(rows, n)
     macc = torch.zeros(rows, n)
+    m = m.float()   # float16 -> float32 is exact
     for b in range(nb):   # the kernel's order: block by block
-        acc = acc + isum[..., b] * (d[None, :, b] * da[:, None, b])
         macc = macc + m[None, :, b] * sa[:, None, b]
-    return acc + macc
+    return _scaled_block_sums(isum, d, da) + macc
 
 
-def reference_linear8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """``pdq_q8_linear`` in torch ops, bit for bit: x [M, K] float32, ``quantize_weight8``'s
-    blocks -> y [M, N]."""
-    rows, k = x.shape
-    n, nb = qs.shape[0], k // BLOCK
-    qa, da, _ = quantize_activations(x.float())
-    isum = torch.einsum("rbj,nbj->rnb", qa.double(), qs.reshape(n, nb, BLOCK).double()).float()
+def _scaled_block_sums(isum: torch.Tensor, d: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Sum over the blocks, in order, of each block's integer sum [M, N, blocks] times its
+    weight scale d [N, blocks] (float16, widened exactly) times its activation scale da
+    [M, blocks]: the float part both kernels share."""
+    rows, n, nb = isum.shape
     d = d.float()
     acc = torch.zeros(rows, n)
     for b in range(nb):
@@ -169,15 +167,25 @@ def reference_linear8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> tor
     return acc
 
 
+def reference_linear8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``pdq_q8_linear`` in torch ops, bit for bit: x [M, K] float32, ``quantize_weight8``'s
+    blocks -> y [M, N]."""
+    k = x.shape[1]
+    n, nb = qs.shape[0], k // BLOCK
+    qa, da, _ = quantize_activations(x.float())
+    isum = torch.einsum("rbj,nbj->rnb", qa.double(), qs.reshape(n, nb, BLOCK).double()).float()
+    return _scaled_block_sums(isum, d, da)
+
+
 # --- the compiled kernel --------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Kernel:
-    """The compiled ``pdq_q4_linear`` and the path it takes on this CPU."""
-    linear: object   # ctypes functions: pdq_q4_linear, pdq_q8_linear
-    vnni: bool       # the AVX-512 VNNI path (else AVX2): the same bits either way
+    """The compiled library's two entry points and the path they take on this CPU."""
+    linear: object    # ctypes pdq_q4_linear
+    vnni: bool        # the AVX-512 VNNI path (else AVX2): the same bits either way
     isa: str
-    linear8: object = None
+    linear8: object   # ctypes pdq_q8_linear
 
     def __call__(self, x: torch.Tensor, layout: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, ``interleave``'s layout -> y [M, out_features]."""

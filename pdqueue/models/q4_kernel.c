@@ -61,8 +61,8 @@ static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float
     }
 }
 
-/* Scratch (one set per thread), grown as needed: the rows' quantized activations, one tile's
- * unpacked weights (a nibble per byte) and one row's results for a tile. */
+/* Scratch (one set per thread), grown as needed: the rows' quantized activations (the
+ * calling thread's) and one tile's unpacked weights (a nibble per byte; each OpenMP thread's). */
 static _Thread_local int8_t *g_qa;
 static _Thread_local float *g_da, *g_sa;
 static _Thread_local int32_t *g_as;
@@ -101,6 +101,17 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, Rows *rows) {
     return 0;
 }
 
+/* The outputs of the tile at n0 that exist (the last tile of N % 16 != 0 has padding). */
+static inline int64_t tile_width(int64_t N, int64_t n0) {
+    return N - n0 < TILE ? N - n0 : TILE;
+}
+
+/* The threads a call runs on: one below ~1M multiply-adds, where waking threads costs more
+ * than it saves. */
+static inline int threads_for(int threads, int64_t M, int64_t N, int64_t K) {
+    return threads < 2 || M * N * K < (1 << 20) ? 1 : threads;
+}
+
 /* Store one tile's result row: all 16 outputs, or the first `valid` of them. */
 static inline void store_tile(float *y, const float *v, int64_t valid) {
     memcpy(y, v, (size_t)valid * sizeof(float));
@@ -122,7 +133,7 @@ static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
                 _mm256_store_si256((__m256i *)dst, _mm256_and_si256(z, mask));
                 _mm256_store_si256((__m256i *)(dst + 32), _mm256_and_si256(_mm256_srli_epi16(z, 4), mask));
             }
-    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    const int64_t valid = tile_width(N, n0);
     for (int64_t r = 0; r < M; r++) {
         const int8_t *qa = rows->qa + r * K;
         const float *da = rows->da + r * nb, *sa = rows->sa + r * nb;
@@ -202,7 +213,7 @@ static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
             _mm512_store_si512((void *)dst, _mm512_and_si512(z, mask));
             _mm512_store_si512((void *)(dst + 64), _mm512_and_si512(_mm512_srli_epi16(z, 4), mask));
         }
-    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    const int64_t valid = tile_width(N, n0);
     int64_t r = 0;
     for (; r + 4 <= M; r += 4) rows_vnni(4, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
     for (; r < M; r++) rows_vnni(1, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
@@ -226,8 +237,7 @@ int pdq_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const
     const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
     Rows rows;
     if (quantize_rows(x, M, K, &rows)) return -1;
-    /* below ~1M multiply-adds a call, waking threads costs more than it saves */
-    if (threads < 2 || M * N * K < (1 << 20)) threads = 1;
+    threads = threads_for(threads, M, N, K);
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(| : failed) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
@@ -260,7 +270,7 @@ static void tile8_avx2(const uint8_t *tw, const uint16_t *td, const Rows *rows, 
                        int64_t n0, float *y) {
     const int64_t nb = K / QK;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int64_t valid = N - n0 < TILE ? N - n0 : TILE;
+    const int64_t valid = tile_width(N, n0);
     for (int64_t r = 0; r < M; r++) {
         const int8_t *qa = rows->qa + r * K;
         const float *da = rows->da + r * nb;
@@ -321,7 +331,7 @@ static inline void rows8_vnni(const int R, const Rows *rows, const uint8_t *tw, 
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tile8_vnni(const uint8_t *tw, const uint16_t *td, const Rows *rows, int64_t M, int64_t K, int64_t N,
                        int64_t n0, float *y) {
-    const int64_t nb = K / QK, valid = N - n0 < TILE ? N - n0 : TILE;
+    const int64_t nb = K / QK, valid = tile_width(N, n0);
     int64_t r = 0;
     for (; r + 4 <= M; r += 4) rows8_vnni(4, rows, tw, td, r, nb, K, N, n0, valid, y);
     for (; r < M; r++) rows8_vnni(1, rows, tw, td, r, nb, K, N, n0, valid, y);
@@ -334,7 +344,7 @@ int pdq_q8_linear(const float *x, int64_t M, int64_t K, const uint8_t *tw, const
     const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE;
     Rows rows;
     if (quantize_rows(x, M, K, &rows)) return -1;
-    if (threads < 2 || M * N * K < (1 << 20)) threads = 1;
+    threads = threads_for(threads, M, N, K);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++) {
         if (vnni)

@@ -180,55 +180,59 @@ def _stored(kind: str, weight: torch.Tensor, quantize) -> dict[str, torch.Tensor
     return tensors
 
 
-class Q41Linear(nn.Module):
-    """``y = x @ W.T`` with W in GGUF Q4_1 blocks of 32 (``w = d * q + m``, float16 d and m) and
-    the activations quantized to 8 bits per block of 32: llama.cpp's arithmetic, in
-    pdqueue's kernel (``models.q4``: why, and what runs without a C compiler). The input
-    must be float32 [T, in_features]."""
+class _KernelLinear(nn.Module):
+    """What ``Q41Linear`` and ``Q80Linear`` share: blocks from the store (or made), kept in the
+    layout that runs here (the kernel's tiles, or the blocks its torch reference reads), and
+    a float32 [T, in_features] input."""
+    kind = ""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        stored = _stored("q4_1", weight, q4.quantize_weight)
-        self.nbytes = stored["qs"].numel() + 2 * (stored["d"].numel() + stored["m"].numel())
+        stored = _stored(self.kind, weight, self.quantize)
+        self.nbytes = sum(t.numel() * t.element_size() for t in stored.values())
         self._kernel, _ = q4.kernel()
-        # Only the layout that runs is kept: the kernel's interleaved tiles, or the blocks the
-        # torch reference reads.
-        self._layout = q4.interleave(stored) if self._kernel is not None else stored
+        self._layout = self.interleave(stored) if self._kernel is not None else stored
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:   # the model's activations are [tokens, features] already
             return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self._kernel is None:
-            return q4.reference_linear(x, self._layout["qs"], self._layout["d"], self._layout["m"])
-        return self._kernel(x.contiguous(), self._layout, self.out_features)
+            return self.reference(x)
+        return self.compiled(x.contiguous())
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 x 8-bit activations"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} x 8-bit activations"
 
 
-class Q80Linear(nn.Module):
+class Q41Linear(_KernelLinear):
+    """``y = x @ W.T`` with W in GGUF Q4_1 blocks of 32 (``w = d * q + m``, float16 d and m) and
+    the activations quantized to 8 bits per block of 32: llama.cpp's arithmetic, in
+    pdqueue's kernel (``models.q4``: why, and what runs without a C compiler)."""
+    kind = "q4_1"
+    quantize = staticmethod(q4.quantize_weight)
+    interleave = staticmethod(q4.interleave)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return q4.reference_linear(x, self._layout["qs"], self._layout["d"], self._layout["m"])
+
+    def compiled(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self._layout, self.out_features)
+
+
+class Q80Linear(_KernelLinear):
     """``y = x @ W.T`` with W in GGUF Q8_0 blocks of 32 (``w = d * q``, float16 d) and the
     activations quantized to 8 bits per block of 32: the q4_1 format's LM head, in pdqueue's
-    kernel (``models.q4``). The input must be float32 [T, in_features]."""
+    kernel (``models.q4``)."""
+    kind = "q8_0"
+    quantize = staticmethod(q4.quantize_weight8)
+    interleave = staticmethod(q4.interleave8)
 
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        stored = _stored("q8_0", weight, q4.quantize_weight8)
-        self.nbytes = stored["qs"].numel() + 2 * stored["d"].numel()
-        self._kernel, _ = q4.kernel()
-        self._layout = q4.interleave8(stored) if self._kernel is not None else stored
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return q4.reference_linear8(x, self._layout["qs"], self._layout["d"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        if self._kernel is None:
-            return q4.reference_linear8(x, self._layout["qs"], self._layout["d"])
-        return self._kernel.q8(x.contiguous(), self._layout, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0 x 8-bit activations"
+    def compiled(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel.q8(x, self._layout, self.out_features)
 
 
 _QUANT = {"int8": Int8Linear, "int4": Int4Linear, "q4_1": Q41Linear}
@@ -265,7 +269,7 @@ def step_weight_bytes(model) -> int:
     norms and the LM head; the embedding only where it is the (float) LM head."""
     total = 0
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int4Linear, Q41Linear, Q80Linear)):
+        if isinstance(module, (Int8Linear, Int4Linear, _KernelLinear)):
             total += module.nbytes
         elif isinstance(module, nn.Linear) and module.weight.numel():
             total += module.weight.numel() * module.weight.element_size()
