@@ -30,7 +30,7 @@ def compiled() -> q4.Kernel:
 
 def paths(kernel: q4.Kernel) -> list[q4.Kernel]:
     """The AVX2 path, and the AVX-512 VNNI one where this CPU has it."""
-    avx2 = q4.Kernel(kernel.linear, False, "avx2", kernel.linear8)
+    avx2 = q4.Kernel(kernel.linear, False, "avx2", kernel.linear8, kernel.lib)
     return [avx2, kernel] if kernel.vnni else [avx2]
 
 

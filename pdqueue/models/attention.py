@@ -37,6 +37,7 @@ class AttentionBatch:
     _gather: tuple[torch.Tensor, list[int]] | None = None
     _spans: list[tuple[int, int]] | None = None
     _copy_views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    _copy_meta: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +76,24 @@ class AttentionBatch:
             self._copy_views = [(c[:, 0, None, :, :n], c[:, 1, None, :, :n], c[:, :, :, n - 1])
                                 for c, n in zip(self.decode_kv, self.context_lens)]
         return self._copy_views
+
+    def copy_meta(self) -> torch.Tensor:
+        """``decode_kv`` as ``models.fused.decode_attention`` reads it: [layers, B, META] int64 (per
+        layer and sequence: where its K and V copies start, their strides, the tokens, store the
+        new one); once a step, for every layer."""
+        if self._copy_meta is None:
+            rows, layer_bytes = [], []
+            for c, n in zip(self.decode_kv, self.context_lens):
+                _, _, num_kv_heads, capacity, head_dim = c.shape
+                plane = num_kv_heads * capacity * head_dim * c.element_size()
+                rows.append((c.data_ptr(), c.data_ptr() + plane, capacity * head_dim, head_dim, n, 1))
+                layer_bytes.append(2 * plane)
+            meta = torch.tensor(rows, dtype=torch.int64).repeat(self.decode_kv[0].shape[0], 1, 1)
+            offsets = torch.arange(meta.shape[0])[:, None] * torch.tensor(layer_bytes)
+            meta[:, :, 0] += offsets
+            meta[:, :, 1] += offsets
+            self._copy_meta = meta
+        return self._copy_meta
 
     @property
     def num_tokens(self) -> int:
@@ -118,10 +137,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float, layer: int = 0) -> torch.Tensor:
+                    batch: AttentionBatch, scale: float, layer: int = 0, ops=None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens -> attention output [T, H, D].
     ``layer_cache``: the layer's K and V planes, ``[2, num_blocks, block_size, Hkv, D]``;
-    ``layer``: its index (for ``batch.decode_kv``)."""
+    ``layer``: its index (for ``batch.decode_kv``); ``ops``: ``models.fused.FusedOps`` (q, k
+    and v then the parts of one row each), which every one-query attention goes through, in
+    any step, so that a sequence's numbers do not depend on what shares its step."""
+    if ops is not None and batch.decode_kv is not None:
+        pool = (layer_cache[0], layer_cache[1], batch.slot_mapping)   # stored by the same call
+        out = ops.decode_attention(q, q.shape[1], k.shape[1], q.shape[2], batch.copy_meta()[layer], scale, pool)
+        return out.view(q.shape)
     write_kv(k, v, layer_cache[0], layer_cache[1], batch.slot_mapping)
     if batch.decode_kv is not None:
         return _copied_decode_attention(q, k, v, batch, layer, scale)
@@ -129,7 +154,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     blocks, offsets = batch.gather_plan(block_size)
     # K and V in one gather (a decode step is many small ops: each one saved counts).
     gathered = layer_cache.index_select(1, blocks)
-    if batch.is_decode:
+    if batch.is_decode and ops is None:
         return _decode_attention(q, gathered, batch, offsets, block_size, scale)
     out = torch.empty_like(q)
     all_k, all_v = gathered
@@ -140,7 +165,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         num_blocks = (num_ctx + block_size - 1) // block_size
         seq_k = all_k[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
         seq_v = all_v[first:first + num_blocks].view(-1, num_kv_heads, head_dim)[:num_ctx]
-        out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, scale)
+        if ops is not None and num_queries == 1:
+            meta = torch.tensor([[seq_k.data_ptr(), seq_v.data_ptr(), head_dim, num_kv_heads * head_dim, num_ctx, 0]])
+            out[start] = ops.decode_attention(q[start:start + 1], q.shape[1], num_kv_heads, head_dim, meta,
+                                              scale).view(q.shape[1:])
+        else:
+            out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, scale)
     return out
 
 

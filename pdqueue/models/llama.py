@@ -79,12 +79,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: Callable, ops=None) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x)
-        # q and k rotated together: they are adjacent in the fused projection's output.
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if ops is None:
+            # q and k rotated together: they are adjacent in the fused projection's output.
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:   # in place, so q, k and v stay one row each (what ops.decode_attention reads)
+            ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos[:, 0], sin[:, 0])
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attend(q, k, v)
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
@@ -96,7 +101,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         return self.down_proj.forward(F.silu(gate).mul_(up))
 
@@ -109,9 +116,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, attend: Callable) -> torch.Tensor:
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, attend)
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))   # x: this layer's own tensor
+    def forward(self, x, cos, sin, attend: Callable, ops=None) -> torch.Tensor:
+        if ops is None:
+            x = x + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, attend)
+            return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))   # x: this layer's own tensor
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x = x + self.self_attn.forward(ops.rms_norm(x, norm1.weight, norm1.eps), cos, sin, attend, ops)
+        return x.add_(self.mlp.forward(ops.rms_norm(x, norm2.weight, norm2.eps), ops))
 
 
 class LlamaModel(nn.Module):
@@ -131,9 +142,11 @@ class LlamaModel(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Set by models.quant.quantize_model: the weights' format and the quantized LM head.
+        # Set by models.quant.quantize_model: the weights' format, the quantized LM head, and
+        # for q4_1 the layer's small ops in C (models.fused; None: torch ops).
         self.weights_format = "fp32"
         self.logits_head: nn.Module | None = None
+        self.fused = None
 
     # --- forward passes -------------------------------------------------------------
 
@@ -141,7 +154,7 @@ class LlamaModel(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Paged forward: new tokens' K/V go into ``kv_cache``; returns normed hidden [T, H]."""
         def attend(layer_index, q, k, v):
-            return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale, layer_index)
+            return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale, layer_index, self.fused)
         return self._run(input_ids, positions, attend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,9 +173,10 @@ class LlamaModel(nn.Module):
         cos, signed_sin = self._rope(positions)
         x = self.embed_tokens(input_ids)
         cos, sin = cos.to(x.dtype)[:, None], signed_sin.to(x.dtype)[:, None]   # [T, 1, D]: broadcast over heads
+        ops = self.fused
         for layer_index, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, lambda q, k, v, i=layer_index: attend(i, q, k, v))
-        return self.norm(x)
+            x = layer.forward(x, cos, sin, lambda q, k, v, i=layer_index: attend(i, q, k, v), ops)
+        return self.norm(x) if ops is None else ops.rms_norm(x, self.norm.weight, self.norm.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = positions.device

@@ -45,7 +45,8 @@ from pdqueue.models import cache
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-_SOURCE = Path(__file__).with_name("q4_kernel.c")
+# One library: the 4-bit and 8-bit linear layers, and the decoder layer's small ops (models.fused).
+_SOURCES = [Path(__file__).with_name("q4_kernel.c"), Path(__file__).with_name("decode_ops.c")]
 # No -march=native: a binary built for the build host's newest extensions can die with
 # SIGILL on a VM that advertises them. The AVX2 and AVX-512 functions carry their own target
 # attributes (the latter runs only where the CPU has it); the rest is baseline x86-64.
@@ -181,11 +182,12 @@ def reference_linear8(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> tor
 
 @dataclass(frozen=True)
 class Kernel:
-    """The compiled library's two entry points and the path they take on this CPU."""
+    """The compiled library's linear layers and the path they take on this CPU."""
     linear: object    # ctypes pdq_q4_linear
     vnni: bool        # the AVX-512 VNNI path (else AVX2): the same bits either way
     isa: str
     linear8: object   # ctypes pdq_q8_linear
+    lib: object       # the whole library (models.fused takes the decoder layer's small ops from it)
 
     def __call__(self, x: torch.Tensor, layout: dict[str, torch.Tensor], out_features: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, ``interleave``'s layout -> y [M, out_features]."""
@@ -219,7 +221,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + repr((flags, version)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + repr((flags, version)).encode()).hexdigest()[:16]
     target = cache.cache_root() / "kernels" / f"q4-{digest}.so"
     if target.exists():
         return target
@@ -229,7 +231,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".q4-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
@@ -283,4 +285,4 @@ def _load() -> tuple[Kernel | None, str]:
     fn8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     vnni = bool(lib.pdq_q4_has_vnni()) and os.environ.get("PDQ_Q4_ISA", "") != "avx2"
-    return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2", fn8), ""
+    return Kernel(fn, vnni, "avx512-vnni" if vnni else "avx2", fn8, lib), ""

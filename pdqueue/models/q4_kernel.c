@@ -166,11 +166,15 @@ static void tile_avx2(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
 /* --- AVX-512 with VNNI: 16 outputs per register, one vpdpbusd per 4 inputs -------------- */
 
 /* R rows (R constant at each call, so the loops unroll) of one tile from the unpacked weights
- * in wbuf: the eight weight loads of a block serve the R rows, and each row's block sum runs
- * in two independent chains (a single chain of 8 dependent vpdpbusd was latency-bound). */
+ * in wbuf, or (packed: with fewer than 4 rows, where unpacking once for all rows costs more
+ * than it saves) straight from the tile's nibbles in tw: the eight weight loads of a block
+ * serve the R rows, and each row's block sum runs in two independent chains (a single chain of
+ * 8 dependent vpdpbusd was latency-bound). The same integer sums either way. */
 __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline))
-static inline void rows_vnni(const int R, const Rows *rows, const uint8_t *wbuf, int64_t r0, int64_t nb, int64_t K,
-                             int64_t N, int64_t n0, const uint16_t *td, const uint16_t *tm, int64_t valid, float *y) {
+static inline void rows_vnni(const int R, const int packed, const Rows *rows, const uint8_t *wbuf, const uint8_t *tw,
+                             int64_t r0, int64_t nb, int64_t K, int64_t N, int64_t n0, const uint16_t *td,
+                             const uint16_t *tm, int64_t valid, float *y) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[4], macc[4];
     for (int i = 0; i < R; i++) acc[i] = macc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -178,8 +182,15 @@ static inline void rows_vnni(const int R, const Rows *rows, const uint8_t *wbuf,
         __m512i s0[4], s1[4];
         for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) {
-            const __m512i lo = _mm512_load_si512((const void *)(w + p * 128));
-            const __m512i hi = _mm512_load_si512((const void *)(w + p * 128 + 64));
+            __m512i lo, hi;
+            if (packed) {
+                const __m512i z = _mm512_loadu_si512((const void *)(tw + b * TILE_BYTES + p * 64));
+                lo = _mm512_and_si512(z, mask);
+                hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), mask);
+            } else {
+                lo = _mm512_load_si512((const void *)(w + p * 128));
+                hi = _mm512_load_si512((const void *)(w + p * 128 + 64));
+            }
             for (int i = 0; i < R; i++) {
                 const int32_t *a = (const int32_t *)(rows->qa + (r0 + i) * K + b * QK);
                 s0[i] = _mm512_dpbusd_epi32(s0[i], lo, _mm512_set1_epi32(a[p]));
@@ -205,6 +216,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni")))
 static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm, const Rows *rows, uint8_t *wbuf,
                       int64_t M, int64_t K, int64_t N, int64_t n0, float *y) {
     const int64_t nb = K / QK;
+    const int64_t valid = tile_width(N, n0);
+    if (M < 4) {   /* no unpacking */
+        for (int64_t r = 0; r < M; r++) rows_vnni(1, 1, rows, wbuf, tw, r, nb, K, N, n0, td, tm, valid, y);
+        return;
+    }
     const __m512i mask = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++)      /* per block 8 registers of 64 bytes: [group p][lo, hi] */
         for (int p = 0; p < 4; p++) {
@@ -213,10 +229,9 @@ static void tile_vnni(const uint8_t *tw, const uint16_t *td, const uint16_t *tm,
             _mm512_store_si512((void *)dst, _mm512_and_si512(z, mask));
             _mm512_store_si512((void *)(dst + 64), _mm512_and_si512(_mm512_srli_epi16(z, 4), mask));
         }
-    const int64_t valid = tile_width(N, n0);
     int64_t r = 0;
-    for (; r + 4 <= M; r += 4) rows_vnni(4, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
-    for (; r < M; r++) rows_vnni(1, rows, wbuf, r, nb, K, N, n0, td, tm, valid, y);
+    for (; r + 4 <= M; r += 4) rows_vnni(4, 0, rows, wbuf, tw, r, nb, K, N, n0, td, tm, valid, y);
+    for (; r < M; r++) rows_vnni(1, 0, rows, wbuf, tw, r, nb, K, N, n0, td, tm, valid, y);
 }
 
 /* 1 when this CPU (and OS) runs the AVX-512 VNNI path. */

@@ -39,7 +39,7 @@ activations, the same kernel's 8-bit twin): SmolLM2's GGUF stores the embedding 
 Q8_0, and 4 bits there cost KL 0.05 against 0.0006 for the 4-bit layers (their Q4_1 blocks
 are recovered up to the bf16 rounding of scale and zero).
 
-Imports torch and ``models.q4`` only.
+Imports torch, ``models.q4`` and ``models.fused`` only.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import warnings
 import torch
 from torch import nn
 
-from pdqueue.models import q4
+from pdqueue.models import fused, q4
 
 WEIGHT_FORMATS = ("fp32", "int8", "int4", "q4_1")   # fp32: unquantized (in the engine's --dtype)
 INT4_GROUP = 32                             # GGUF Q4_1's block size: its blocks map 1:1
@@ -261,6 +261,8 @@ def quantize_model(model, weights: str):
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_head = _HEAD[weights](head)   # 8 bits for int4 and q4_1 too: see the module docstring
     model.lm_head = None   # an untied float head is not kept: compute_logits uses logits_head
+    if weights == "q4_1":   # its own library runs the layer's small ops too (None: torch's, without it)
+        model.fused = fused.ops(model.config)
     return model
 
 
