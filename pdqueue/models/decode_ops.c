@@ -10,9 +10,10 @@
  * The numbers: every row (token) is computed alone, in a fixed order of IEEE operations that
  * depends on nothing else in the batch, on the threads or on the CPU (AVX2 and FMA only, also
  * on AVX-512 machines), so a sequence gets the same bits whatever runs beside it (the property
- * that makes disaggregated == colocated hold). RoPE is exactly torch's (x * cos + swap(x) *
- * signed_sin with one fused multiply-add, as torch's addcmul in models.llama.apply_rope); RMSNorm, SiLU and softmax
- * differ from torch's in the last bits (their own summation order and exp).
+ * that makes disaggregated == colocated hold). RoPE is torch's bit for bit (x * cos +
+ * swap(x) * signed_sin with one fused multiply-add, as torch's addcmul computes it in
+ * models.llama.apply_rope); RMSNorm, SiLU and the softmax differ from torch's in the last bits
+ * (their own summation order and exp).
  * Built into the same library as q4_kernel.c (models.q4), with -ffp-contract=off.
  */
 #include <immintrin.h>
@@ -22,11 +23,15 @@
 
 #define V8 __attribute__((target("avx2,fma")))
 
-V8 static inline float hsum8(__m256 v) {   /* a fixed order: (lo + hi), then pairs */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* The sums of the 8 lanes of a, b, c, d at once, each as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) +
+ * (v6 + v7)): returns {sum a, sum b, sum c, sum d}. hsum8 is the same tree for one vector. */
+V8 static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+V8 static inline float hsum8(__m256 v) {
+    return _mm_cvtss_f32(hsum8x4(v, v, v, v));
 }
 
 /* e^x for x in float, Cephes' polynomial (the one of avx_mathfun), ~1 ulp; exact IEEE steps
@@ -153,14 +158,20 @@ V8 static void v_pass(const int GC, const float *const *p, const float *vb, int6
  * out: G x D; buf: G x n scores. */
 V8 static void attend_head(const float *q, const float *kb, const float *vb, int64_t tok, int64_t n, int64_t G,
                            int64_t D, float scale, float *buf, float *out) {
-    for (int64_t t = 0; t < n; t++) {
-        const float *kt = kb + t * tok;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kt + i), acc);
-            buf[g * n + t] = hsum8(acc) * scale;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {   /* scores: four query heads at a time share each K row */
+        const int64_t gc = G - g0 < 4 ? G - g0 : 4;
+        const float *qs[4];
+        for (int64_t g = 0; g < 4; g++) qs[g] = q + (g0 + (g < gc ? g : 0)) * D;
+        for (int64_t t = 0; t < n; t++) {
+            const float *kt = kb + t * tok;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 k = _mm256_loadu_ps(kt + i);
+                for (int g = 0; g < 4; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + i), k, acc[g]);
+            }
+            float sums[4];
+            _mm_storeu_ps(sums, hsum8x4(acc[0], acc[1], acc[2], acc[3]));
+            for (int64_t g = 0; g < gc; g++) buf[(g0 + g) * n + t] = sums[g] * scale;
         }
     }
     float inv[G];

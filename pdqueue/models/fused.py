@@ -16,6 +16,7 @@ Imports torch and ``models.q4`` only.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -74,7 +75,10 @@ def _fn(fn, restype, argtypes):
 def ops(config) -> FusedOps | None:
     """The ops for a model of ``config`` (a ``ModelConfig``) from the compiled library, or None
     where it could not be built (q4.kernel says why) or the shapes do not fit its vectors
-    (head_dim and hidden_size multiples of 16, intermediate_size of 8)."""
+    (head_dim and hidden_size multiples of 16, intermediate_size of 8). ``PDQ_FUSED_OPS=0``: None
+    (torch's ops; for comparisons)."""
+    if os.environ.get("PDQ_FUSED_OPS", "1") == "0":
+        return None
     kernel, _ = q4.kernel()
     if kernel is None or config.head_dim % 16 or config.hidden_size % 16 or config.intermediate_size % 8:
         return None
