@@ -312,6 +312,7 @@ def test_bench_engine_compares_any_formats_and_reports_the_q4_1_kernel():
     assert out["weights"] == ["int4", "q4_1"] and out["baseline"] == "int4"
     assert {"decode_b1_vs_int4", "prefill_32_vs_int4"} <= set(out["results"]["q4_1"]["ratios"])
     assert all(out["results"][n]["load_s"] > 0 for n in ("int4", "q4_1"))
+    assert all(out["results"][n]["first_step_ms"][k] > 0 for n in ("int4", "q4_1") for k in ("prefill", "decode"))
     assert out["q4_1_kernel"]["isa"] in ("avx2", "avx512-vnni") or out["q4_1_kernel"]["isa"].startswith("reference")
 
 

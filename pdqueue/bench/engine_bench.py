@@ -134,6 +134,20 @@ def _start_decode(engine: LLMEngine, batch_size: int, max_tokens: int, context: 
     return ids
 
 
+def first_steps(engine: LLMEngine, prompt_len: int = 16) -> dict[str, float]:
+    """The latency of a fresh engine's first request: its prompt's step (the first forward
+    pass after the load: lazy allocations, first-touch pages) and its first decode step, ms."""
+    prompt = torch.randint(3, engine.model_config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    engine.add_request("first", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    times = []
+    while engine.has_unfinished:
+        t = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t) * 1e3)
+    return {"prefill": times[0], "decode": times[1]}
+
+
 def run_compare(models: dict, config: EngineConfig, prompt_lens=(128, 512, 2048), batch_sizes=(1, 8, 32),
                 rounds: int = 2, progress=print) -> dict:
     """Each of ``models`` ({weights format: LoadedModel}, the baseline first) in its own
@@ -145,12 +159,14 @@ def run_compare(models: dict, config: EngineConfig, prompt_lens=(128, 512, 2048)
     names = list(models)
     cfg = config.with_(max_num_batched_tokens=max(prompt_lens), max_num_seqs=max(max(batch_sizes), config.max_num_seqs))
     engines = {n: LLMEngine(models[n], cfg.with_(weights=n)) for n in names}
+    first = {n: first_steps(engines[n]) for n in names}   # before anything else warms them
     read_bw = read_bandwidth()
     results = {}
     for n in names:
         wbytes = weight_bytes(engines[n].model)
         results[n] = {"model": models[n].config.name, "weights": n, "weight_bytes": wbytes,
-                      "bound_ms_read": wbytes / read_bw * 1e3, "prefill_tok_s": {}, "decode_ms": {}}
+                      "bound_ms_read": wbytes / read_bw * 1e3, "prefill_tok_s": {}, "decode_ms": {},
+                      "first_step_ms": first[n]}
     for length in prompt_lens:
         progress(f"prefill {length} tokens, {' / '.join(names)} alternating ...")
         best = {n: float("inf") for n in names}

@@ -133,6 +133,9 @@ def _compare_table(result: dict) -> str:
     row("weights MiB / step", [res[n]["weight_bytes"] / 2**20 for n in names], ".0f")
     if all("load_s" in res[n] for n in names):
         row("model load s", [res[n]["load_s"] for n in names], ".1f")
+    if all("first_step_ms" in res[n] for n in names):
+        row("first prefill step ms", [res[n]["first_step_ms"]["prefill"] for n in names], ".1f")
+        row("first decode step ms", [res[n]["first_step_ms"]["decode"] for n in names], ".1f")
     for b in first["decode_ms"]:
         row(f"decode b{b} ms/step", [res[n]["decode_ms"][b] for n in names], ".1f")
     for n_tok in first["prefill_tok_s"]:
