@@ -119,6 +119,36 @@ def test_interactive_requests_start_before_batch_work_queued_ahead_of_them(clust
     assert all(done[h.request_id] == 1 for h in handles), done
 
 
+def test_a_prefill_worker_prefills_batch_only_a_few_ahead_of_the_decode_side(cluster, tiny):
+    """30 batch requests and a prefill worker with no decode worker yet: it prefills
+    BATCH_AHEAD of them (handed off, their KV leased) and leaves the rest in the request
+    stream, where an online handoff would otherwise have waited behind them; once a decode
+    worker comes, every one is answered, token for token the colocated engine's, once."""
+    from workers.prefill import BATCH_AHEAD
+
+    n = 30
+    prompts = mixed_prompts(n, seed=31)
+    params = [{"max_tokens": 6, "temperature": 0.0, "seed": i, "ignore_eos": True} for i in range(n)]
+    cluster.start("prefill", *FAST, worker_id="p0")
+    client = Client(cluster.redis_url)
+    handles = [client.submit(p, service_class="batch", **kw) for p, kw in zip(prompts, params)]
+
+    def handed_off() -> int:
+        return sum(cluster.r.xlen(k) for k in cluster.r.scan_iter(match=f"{cluster.keys.handoff}*"))
+
+    wait_for(lambda: handed_off() == BATCH_AHEAD, timeout=60)
+    time.sleep(1.0)   # the tiny model prefills the other 22 in far less: a worker without the bound would have
+    assert handed_off() == BATCH_AHEAD
+    assert cluster.r.xlen(cluster.keys.requests_batch) == n - BATCH_AHEAD   # the others never read (a handed-off entry leaves)
+    cluster.start("decode", *FAST, worker_id="d0")
+    results = [h.result(timeout=120) for h in handles]
+    ids, expected, sampling = oracle(tiny, prompts, params)
+    for pid, exp, res, sp in zip(ids, expected, results, sampling):
+        assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
+    done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(cluster.keys.done))
+    assert all(done[h.request_id] == 1 for h in handles), done
+
+
 def test_a_classed_request_past_its_deadline_is_refused_and_an_old_one_expires(cluster):
     """Both wait past their deadline with no worker; a worker then reads them: the one that
     names a class gets the error deadline_exceeded, the one without (an old producer) the

@@ -53,6 +53,13 @@ from workers.role import RequestRole
 log = logging.getLogger("pdqueue.prefill")
 
 CHECK_EVERY_S = 0.1   # cancel keys and deadlines of the requests decoding here
+# Batch prompts prefilled here and not yet fetched by a decode worker, at most (their handoffs
+# wait in the handoff stream, their KV under lease here). Without a bound the prefill side ran
+# ~100 batch handoffs ahead of the decode side: an online handoff then waited in the stream
+# behind them (token 0 -> 1 p99 14-45 s in `bench serve --batch-lines 500 --chaos`), and the
+# leases expired into recomputes. Below the decode worker's READ_LIMIT (16), so batch jobs it
+# holds never stop it reading online handoffs.
+BATCH_AHEAD = 8
 
 
 class PrefillRole(RequestRole):
@@ -78,6 +85,7 @@ class PrefillRole(RequestRole):
         self.sender = make_sender(shell, kv_cache, self.engine.layout, nixl=config.transfer == "nixl")
         self._check = Every(CHECK_EVERY_S)
         self.kept = 0   # requests decoded here because no decode worker had room (heartbeat ``decoded_here``)
+        self.batch_leased: set[str] = set()   # batch requests handed off whose KV is still leased here
         log.info("prefill: node %s, kv %s, data %s, segment %s", shell.node, self.sender.endpoint,
                  self.sender.data_endpoint or "-", self.pool.name if self.pool else None)
 
@@ -101,9 +109,16 @@ class PrefillRole(RequestRole):
         if self.shell.config.decode_here == "auto":   # off: nothing is ever marked
             self.engine.keep_decoding(self.shell.accepting and self.peers.room() is False)
 
+    def batch_room(self) -> int:
+        """Batch entries only while the decode side is close to taking the ones already
+        prefilled (``BATCH_AHEAD``): the rest waits in the durable request stream."""
+        prefilling = sum(it.request.background for it in self.inflight.values())
+        return max(0, BATCH_AHEAD - len(self.batch_leased) - prefilling)
+
     def free_released(self) -> None:
         """Blocks of released or expired leases go back to the engine."""
         for request_id, block_ids in self.sender.poll_freeable():
+            self.batch_leased.discard(request_id)
             self.engine.free_blocks(list(block_ids))
             if self.sender.leases.last_state(request_id) is LeaseState.EXPIRED:   # never released
                 self.shell.metrics.lease_expired()
@@ -135,6 +150,8 @@ class PrefillRole(RequestRole):
                                             block_hashes=out.seq.block_hashes if self.engine.prefix_caching else (),
                                             hash_root=self.engine.prefix_root if self.engine.prefix_caching else b"")
                 exported = True
+                if req.background:
+                    self.batch_leased.add(req.id)
                 handoff = Handoff(request=req, prompt_ids=it.prompt_ids, output_ids=[out.token_id],
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,

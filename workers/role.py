@@ -139,7 +139,7 @@ class RequestRole(Role):
         would stop this worker reading the higher classes' streams)."""
         scheduler = self.engine.scheduler
         free_slots = min(self.engine.config.max_num_seqs - scheduler.num_unfinished,
-                         scheduler.max_background - scheduler.num_background)
+                         scheduler.max_background - scheduler.num_background, self.batch_room())
         n = self.batch_gate.limit(waiting=self.engine.num_waiting, kv_free=self.engine.block_manager.num_free_blocks,
                                   kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
                                   batch_running=sum(a.request.background for a in self.inflight.values()),
@@ -201,6 +201,10 @@ class RequestRole(Role):
     def read_limit(self) -> int:
         """How many request entries to take at once."""
         return self.shell.config.max_batch_requests
+
+    def batch_room(self) -> int:
+        """How many more batch entries the role's own downstream can take (no bound here)."""
+        return self.read_limit()
 
     def housekeeping(self) -> None:
         """Chores before each step's reads (none by default)."""
