@@ -182,8 +182,8 @@ def test_step_cost_model_learns_a_linear_cost():
     assert model.prefill_tokens_within(0.1, 8) == pytest.approx((0.1 - 0.026) / 0.0005, rel=0.03)
 
 
-def budgeted(tbt_slo_ms=50.0, budget=512):
-    config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=budget, max_num_seqs=8,
+def budgeted(tbt_slo_ms=50.0, budget=512, max_seqs=8):
+    config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                           tbt_slo_ms=tbt_slo_ms)
     bm = BlockManager(512, 4)
     sch = Scheduler(config, bm)
@@ -361,6 +361,32 @@ def test_beside_foreground_work_background_decodes_take_turns():
         run_step(batch)
     grown = {s.request_id: s.num_output_tokens - counts[s.request_id] for s in bgs}
     assert set(grown.values()) == {steps * BACKGROUND_ROWS // len(bgs)}, grown   # in turn: as many each
+
+
+@pytest.mark.parametrize("tbt_slo_ms,expected", [(100.0, 18), (40.0, 3), (20.0, 1)])
+def test_with_a_tbt_target_background_decodes_fill_half_of_it_beside_foreground_ones(tbt_slo_ms, expected):
+    """A step of 10 ms + 2 ms a decode row: beside 2 foreground decodes, background rows up to
+    half the TBT target (100 ms: 50 ms = 20 rows, less the 2 foreground ones), never fewer than
+    BACKGROUND_ROWS; without a fitted cost model BACKGROUND_ROWS."""
+    from pdqueue.engine.scheduler import BACKGROUND_ROWS, BACKGROUND_STEP_SHARE
+
+    assert BACKGROUND_STEP_SHARE == 0.5 and BACKGROUND_ROWS == 1
+    sch = budgeted(tbt_slo_ms=tbt_slo_ms, max_seqs=40)
+    bgs = [bg(f"b{i}", 4) for i in range(30)]
+    for s in bgs:
+        sch.add(s)
+    while any(s.num_uncomputed_tokens > 1 for s in bgs):
+        run_step(sch.schedule())
+    fs = [decoding(sch, f"f{i}", 50) for i in range(2)]
+    batch = sch.schedule()
+    assert sum(not s.background for s, _ in batch) == 2 and all(f in [s for s, _ in batch] for f in fs)
+    rows = sum(s.background for s, _ in batch)
+    a, b, _ = sch.cost.theta   # the fitted model (recursive least squares: ~10 ms, ~2 ms)
+    budget = tbt_slo_ms / 1000 * BACKGROUND_STEP_SHARE
+    assert abs(rows - expected) <= 1
+    assert rows == BACKGROUND_ROWS or a + b * (2 + rows) <= budget < a + b * (2 + rows + 1)
+    sch.cost.steps = 0   # not fitted: one row a step
+    assert sum(s.background for s, _ in sch.schedule()) == BACKGROUND_ROWS
 
 
 # ---- the waiting order: class, then deadline (issue 27) ---------------------------------------

@@ -37,8 +37,10 @@ the others leave, and give it back at the next step:
   ``BACKGROUND_PROMPT_TOKENS_BESIDE``, and only in steps that compute foreground prompt
   tokens anyway: any prompt token in a step of decodes makes it a mixed step, which gathers
   every row's K/V (decode_kv.py);
-- decode rows: while foreground sequences run or wait, at most ``BACKGROUND_ROWS`` background
-  decodes per step, in turn; while foreground prompt tokens wait to be computed, none,
+- decode rows: while foreground sequences run or wait, ``BACKGROUND_ROWS`` background
+  decodes a step, in turn, or with a TBT target as many as keep the step within
+  ``BACKGROUND_STEP_SHARE`` of it (the step cost model's estimate); while foreground
+  prompt tokens wait to be computed, none,
   except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode keeps its
   KV: nothing is recomputed;
 - preemption: the newest background sequence goes before any foreground one.
@@ -73,7 +75,12 @@ BACKGROUND_EVERY = 4  # paused background decodes still run every this many step
 # costs ~7 ms and a prompt token ~2 ms beside a ~31 ms step of one decode, so beside online
 # decodes background gets one row a step and a few prompt tokens in the steps that prefill
 # online prompts; alone, steps of at most ~150-200 ms (an online request then waits half that).
-BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences
+BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences, at least
+# ... and as many more as keep the step within this share of the TBT target (``tbt_slo_ms``,
+# by the step cost model): with the q4_1 kernels a decode row costs ~2.5 ms beside a ~14 ms
+# step of one decode (docs/performance.md, session 13), so one row a step left most of the
+# capacity the online decodes leave unused (batch got 0.29-0.38 of it, session 12).
+BACKGROUND_STEP_SHARE = 0.5
 BACKGROUND_PROMPT_TOKENS = 64   # background prompt tokens per step, nothing else running
 BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (in steps with foreground prompt tokens)
 
@@ -287,8 +294,21 @@ class Scheduler:
             return 0
         self.num_paused_steps = 0
         if foreground_waiting or any(not s.background for s in self.running):
-            return BACKGROUND_ROWS
+            return max(BACKGROUND_ROWS, self._rows_within_budget())
         return None
+
+    def _rows_within_budget(self) -> int:
+        """Background decodes that a step of the foreground decodes can add and still end
+        within ``BACKGROUND_STEP_SHARE`` of the TBT target (0 without a target or a fitted
+        cost model)."""
+        if self.tbt_step_s is None or not self.cost.ready:
+            return 0
+        a, b, _ = self.cost.theta
+        if b <= 0:
+            return 0
+        foreground = sum(1 for s in self.running if not s.background and s.num_uncomputed_tokens == 1)
+        budget = self.tbt_step_s / STEP_SHARE * BACKGROUND_STEP_SHARE
+        return max(0, int((budget - max(a, 0.0)) / b) - foreground)
 
     def _victim(self) -> Sequence:
         """The sequence to preempt: the newest background one, else the newest."""
