@@ -316,6 +316,35 @@ def test_a_prefill_worker_refuses_a_classed_request_whose_deadline_passes_in_its
     assert cluster.workers()["p0"]["load"]["leases"] == 1   # the pool was still held: it waited in the engine
 
 
+def test_a_handoff_whose_deadline_passes_while_it_waits_for_kv_is_answered_then(cluster):
+    """A decode worker with a 2 MB pool (4096 tiny tokens), 2000 of them held by a long
+    request that grows to 4000; a second request's first token comes from the prefill worker
+    (which does not decode here) and its handoff (a 2500-token prompt) waits in the decode
+    worker's backlog for blocks. Its 1 s deadline passes there: it ends done / expired with
+    that one token within a second of the deadline, long before the blocks free
+    (DecodeRole.housekeeping reads the backlog's deadlines too), its lease given back; the
+    long request runs on to its end."""
+    cluster.start("prefill", *FAST, "--decode-here", "off", worker_id="p0")
+    cluster.start("decode", *FAST, "--kv-cache-mb", "2", worker_id="d0")
+    client = Client(cluster.redis_url)
+    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(2000)], max_tokens=2000, temperature=0.0,
+                         ignore_eos=True, service_class="standard")
+    wait_for(lambda: len(cluster.r.xrange(KEYS.out(long.request_id))) > 3, timeout=60, what="the long one decoding")
+    deadline_ms = 1000
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(2500)], max_tokens=8, temperature=0.0,
+                         ignore_eos=True, deadline_ms=deadline_ms, service_class="standard")
+    result = late.result(timeout=60)
+    answered_ms = time.time() * 1000
+    assert result.finish_reason == "expired" and len(result.token_ids) == 1, result   # its first token only
+    waited = answered_ms - entry_id_ms(late.entry_id)
+    assert deadline_ms <= waited < deadline_ms + 1000, waited   # not when the long one's blocks free
+    assert all(f[b"type"] != b"done" for _, f in cluster.r.xrange(KEYS.out(long.request_id))), \
+        "the long request ended first: the answer came when the blocks freed, not at the deadline"
+    assert long.result(timeout=120).finish_reason == "length"
+    done = collections.Counter(f[b"id"].decode() for _, f in cluster.r.xrange(KEYS.done))
+    assert done[late.request_id] == 1 and done[long.request_id] == 1, done
+
+
 def test_the_gateway_answers_deadline_exceeded_as_a_timeout():
     from pdqueue.frontends.openai_compat import worker_error
 

@@ -332,16 +332,22 @@ class DecodeRole(Role):
 
     # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:
-        """Every ~100 ms: stop cancelled and expired requests (blocks freed, done published)."""
+        """Every ~100 ms: stop cancelled and expired requests, running (blocks freed) or
+        waiting in the backlog for room (their leases given back), done published."""
         if not self._check.due():
             return
-        running = {job.request_id: job.handoff.request for job in self.in_state(JobState.RUNNING)}
-        for rid, reason in self.shell.to_stop(running).items():
-            seq = self.engine.abort(rid, reason.value)
-            if reason is FinishReason.EXPIRED:
-                self.answer_expired(self.jobs[rid], seq.output_ids)
+        held = {job.request_id: job.handoff.request for job in self.jobs.values()
+                if job.state in (JobState.RUNNING, JobState.BACKLOG)}
+        for rid, reason in self.shell.to_stop(held).items():
+            job = self.jobs[rid]
+            if job.state is JobState.RUNNING:
+                output_ids = self.engine.abort(rid, reason.value).output_ids
             else:
-                self.answer_done(self.jobs[rid], seq.output_ids, reason)
+                output_ids = job.handoff.output_ids
+            if reason is FinishReason.EXPIRED:
+                self.answer_expired(job, output_ids)
+            else:
+                self.answer_done(job, output_ids, reason)
 
     def answer_expired(self, job: Job, output_ids) -> None:
         """Past its deadline: a classed prompt handoff with no token out yet (placed here,
