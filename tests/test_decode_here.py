@@ -64,10 +64,10 @@ def small_load(tiny, n: int, seed: int):
 
 
 def test_requests_decode_on_the_prefill_worker_while_the_decode_worker_is_full(cluster, tiny):
+    prompts, params, runs = small_load(tiny, 6, seed=11)   # before d0 stops (its heartbeat lives 10 s)
     cluster.start("prefill", *FAST, *AUTO, worker_id="p0")
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
-    prompts, params, runs = small_load(tiny, 6, seed=11)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
     results = check_answers(cluster, tiny, client, handles, runs)
     p0 = cluster.id("p0")
@@ -79,10 +79,10 @@ def test_requests_decode_on_the_prefill_worker_while_the_decode_worker_is_full(c
 
 
 def test_with_decode_here_off_they_wait_for_the_decode_worker(cluster, tiny):
+    prompts, params, runs = small_load(tiny, 3, seed=12)   # before d0 stops (its heartbeat lives 10 s)
     cluster.start("prefill", *FAST, worker_id="p0")   # off: the default
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
-    prompts, params, runs = small_load(tiny, 3, seed=12)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
     wait_for(lambda: cluster.r.xlen(Keys().requests) == 0 and not cluster.workers()["p0"]["load"].get("running"),
              what="p0 done with the three prompts")
@@ -95,12 +95,14 @@ def test_with_decode_here_off_they_wait_for_the_decode_worker(cluster, tiny):
 
 
 def test_a_warm_stopped_prefill_worker_finishes_what_it_decodes(cluster, tiny):
+    prompts, params, _ = small_load(tiny, 3, seed=13)
+    params = [{**kw, "max_tokens": 300} for kw in params]
+    # Before d0 is stopped: its heartbeat lives 10 s after that, and on a loaded machine this
+    # oracle took longer (d0 then looked gone, and p0 handed the requests off instead).
+    runs = oracle(tiny, prompts, params)
     cluster.start("prefill", *FAST, *AUTO, worker_id="p0")
     client = Client(cluster.redis_url)
     long = full_decode_worker(cluster, client)
-    prompts, params, _ = small_load(tiny, 3, seed=13)
-    params = [{**kw, "max_tokens": 300} for kw in params]
-    runs = oracle(tiny, prompts, params)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
     wait_for(lambda: cluster.workers()["p0"]["load"].get("decoded_here") == len(handles),
              what="p0 decoding the three requests")
