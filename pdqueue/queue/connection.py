@@ -147,7 +147,10 @@ class ClusterUnavailable(redis.ConnectionError):
 
 
 _TRANSIENT_CLUSTER_ERRORS = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
-                             redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError)
+                             redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError,
+                             # redis-py >= 8.2 raises this subclass of RedisClusterException
+                             # when no node answers (before: the base class, "cannot be connected").
+                             *filter(None, [getattr(redis.exceptions, "RedisClusterUnreachableError", None)]))
 # RedisClusterException is also raised for a programming error (keys in two slots in one
 # transaction): only these messages mean "the cluster cannot be reached or agree right now".
 _TRANSIENT_MESSAGES = ("cannot be connected", "could not agree", "not covered", "No targets were found")
@@ -158,7 +161,7 @@ def _transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, _TRANSIENT_CLUSTER_ERRORS):
         return True
-    return (type(exc) is redis.exceptions.RedisClusterException
+    return (isinstance(exc, redis.exceptions.RedisClusterException)
             and any(m in str(exc) for m in _TRANSIENT_MESSAGES))
 
 
