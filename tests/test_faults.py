@@ -257,10 +257,13 @@ def test_decode_killed_mid_generation(cluster, tiny):
 def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
     """A decode worker hangs (SIGSTOP) holding handoffs: its heartbeat expires and the other
     one claims every handoff it held and answers them; the hung one, resumed, finds them
-    taken and drops them. One answer per request, all from the worker that took over."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
+    taken and drops them. One answer per request, all from the worker that took over.
+    p0 never decodes a request itself (--decode-here off): with its default (auto) it keeps
+    one whenever its view of the decode workers' heartbeats says they have no room, and such
+    a request is pending on no decode worker (a full run once saw 7 of 8 held at the freeze;
+    the assertion now says what p0's heartbeat and the answer streams showed)."""
+    cluster.start_together(("prefill", *FAST, "--decode-here", "off", {"worker_id": "p0"}),
+                           ("decode", *FAST, {"worker_id": "d0"}), ("decode", *FAST, {"worker_id": "d1"}))
     client, handles, ids, expected = submit(cluster, tiny, 8, 300)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
     r, keys = cluster.r, cluster.keys
@@ -281,7 +284,8 @@ def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
     hung, other = ("d0", "d1") if before["d0"] >= before["d1"] else ("d1", "d0")
     cluster.signal(other, signal.SIGCONT)
     try:
-        assert before[hung] > 0 and sum(before.values()) == len(handles), before
+        assert before[hung] > 0 and sum(before.values()) == len(handles), \
+            (before, cluster.workers()["p0"]["load"], [out_len(cluster, h.request_id) for h in handles])
         # Only a claim can empty a stopped worker's pending list: that is the takeover.
         wait_for(lambda: held()[hung] == 0, timeout=60, what=f"{other} to claim the handoffs of the hung {hung}")
     finally:
