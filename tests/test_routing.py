@@ -72,7 +72,10 @@ def test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once(cluster, t
     convs = [conversation(100 + i) for i in range(4)]
     for t1, _ in convs:
         assert client.submit(t1, **greedy()).result(timeout=60).prefill_worker == cluster.id("a")
-    cluster.start("colocated", worker_id="b")
+    # b reclaims after 3 s (not the default 15): a, stopped while blocked in its idle read of
+    # `requests`, still gets the first turn sent (Redis serves a blocked XREADGROUP whether
+    # or not its client runs); b takes that entry of a hung worker once it has been idle that long.
+    cluster.start("colocated", "--reclaim-idle-ms", "3000", worker_id="b")
     wait_for(lambda: cluster.r.scard(Keys(cluster.cluster).routed_streams) == 2, 10, "both own streams")
     time.sleep(2 * REFRESH_S)   # b's view of its peers, re-read every REFRESH_S, includes a
     cluster.signal("a", signal.SIGSTOP)
