@@ -100,10 +100,11 @@ def test_prefill_killed_mid_batch(cluster, tiny):
     wait_pools_free(cluster)
 
 
-def kill_prefill_after_handoffs(cluster, tiny, n: int):
-    """Start prefill p0, submit ``n`` requests, SIGKILL p0 once all their handoffs are out
-    (no decode worker runs yet, so none was fetched). Returns what ``check_all`` needs."""
-    cluster.start("prefill", *FAST, worker_id="p0")
+def kill_prefill_after_handoffs(cluster, tiny, n: int, *args: str):
+    """Start prefill p0 (with FAST and ``args``), submit ``n`` requests, SIGKILL p0 once all
+    their handoffs are out (no decode worker runs yet, so none was fetched). Returns what
+    ``check_all`` needs."""
+    cluster.start("prefill", *FAST, *args, worker_id="p0")
     client, handles, ids, expected = submit(cluster, tiny, n, 10)
     r = redis.Redis.from_url(cluster.redis_url)
     wait_for(lambda: r.xlen(Keys().handoff) == n, what=f"{n} handoffs")
@@ -130,7 +131,8 @@ def test_prefill_killed_and_its_segment_removed_before_fetch(cluster, tiny):
     """Once the dead worker's segment is removed, its tickets cannot be served by any path
     (no segment, a refused TCP connection, a silent ZeroMQ endpoint): every request is
     recomputed by the decode worker and still gives the colocated engine's tokens."""
-    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4)
+    # p0's leases last 3 s (FAST's 10 s: its segment waited that long for them to end)
+    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4, "--lease-s", "3")
     wait_for(lambda: "p0" not in cluster.workers(), what="p0's heartbeat to expire")
     cluster.start("prefill", *FAST, worker_id="p1")   # its sweeps remove p0's segment
     wait_for(lambda: not cluster.segments(["p0"]), timeout=30, what="p0's segment removed (its leases ended)")
