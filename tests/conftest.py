@@ -86,6 +86,7 @@ SLOW_FIRST = (
     "test_switching.py::test_worker_killed_mid_switch",
     "test_routing.py::test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once",   # ~12 s
     "test_placement.py::test_a_decode_worker_killed_holding_placed_prompts_loses_nothing",   # ~7 s (400 tokens)
+    "test_placement.py::test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token",
     "test_faults.py::test_hung_decode_worker_is_taken_over_and_answers_once",
     "test_service_classes.py::test_interactive_requests_start_before_batch_work_queued_ahead_of_them",
     "test_gateway_runtime.py::test_bench_gateway_variants_runs_one_gateway_each",
