@@ -82,8 +82,7 @@ def pending_request_ids(cluster, consumer: str) -> set[str]:
 def test_prefill_killed_mid_batch(cluster, tiny):
     """p0 dies holding requests it took and never handed off; p1 takes them over (they
     are pending under p0 in the group) and every request is answered once."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, ids, expected = submit(cluster, tiny, 24, 8)
     p0 = cluster.id("p0")
     wait_for(lambda: pending_request_ids(cluster, p0), what="p0 to hold requests", interval=0.005)
@@ -243,8 +242,7 @@ def test_live_segment_of_another_cluster_in_another_pid_namespace_is_never_remov
 
 
 def test_decode_killed_mid_generation(cluster, tiny):
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, ids, expected = submit(cluster, tiny, 6, 300)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 5 for h in handles), what="tokens flowing")
     cluster.signal("d0", signal.SIGKILL)
@@ -307,8 +305,7 @@ def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
     server = RedisServer(appendonly=True).start()
     c = Cluster(server.url, tmp_path)
     try:
-        c.start("prefill", *FAST, worker_id="p0")
-        c.start("decode", *FAST, worker_id="d0")
+        c.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
         client, handles, ids, expected = submit(c, tiny, 12, 200)
         wait_for(lambda: sum(out_len(c, h.request_id) > 0 for h in handles) >= 4, what="first answers")
         server.restart()
@@ -331,8 +328,7 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
     server = RedisServer(appendonly=True).start()
     c = Cluster(server.url, tmp_path)
     try:
-        c.start("prefill", *FAST, worker_id="p0")
-        c.start("decode", *FAST, worker_id="d0")
+        c.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
         prompt_ids, expected, sampling = oracle(tiny, ["lost and found"], [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
         r = redis.Redis.from_url(server.url)
         with r.pipeline(transaction=True) as pipe:
@@ -357,8 +353,7 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
 @pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
 def test_cancel_and_deadline_stop_the_work_and_free_blocks(cluster, layout):
     if layout == "disaggregated":
-        cluster.start("prefill", *FAST, worker_id="p0")
-        cluster.start("decode", *FAST, worker_id="d0")
+        cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     else:
         cluster.start("colocated", *FAST, worker_id="c0")
     client = Client(cluster.redis_url)
@@ -390,9 +385,8 @@ def test_a_handoff_cancelled_before_its_fetch_gives_its_lease_back(cluster):
 
 def test_warm_stop_drains_a_decode_worker(cluster, tiny):
     """The first SIGTERM: running sequences finish; what it had not started goes to others."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
+                           ("decode", *FAST, {"worker_id": "d1"}))
     client, handles, ids, expected = submit(cluster, tiny, 12, 150)
     wait_for(lambda: sum(out_len(cluster, h.request_id) > 2 for h in handles) >= 6, what="tokens flowing")
     assert cluster.stop("d0") == 0
