@@ -1,4 +1,5 @@
-"""Run a private redis-server (or valkey-server) on a free loopback port.
+"""Run a private redis-server (or valkey-server) on a free loopback port (below the kernel's
+ephemeral range, so that a restart on it cannot find it taken by an outgoing connection).
 
 Used by the test fixture and by ``pdqueue up``. It listens on 127.0.0.1 only. ``password``
 sets ``requirepass`` (written to a 0600 config file in the server's directory, never on the
