@@ -258,13 +258,15 @@ def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
     """A decode worker hangs (SIGSTOP) holding handoffs: its heartbeat expires and the other
     one claims every handoff it held and answers them; the hung one, resumed, finds them
     taken and drops them. One answer per request, all from the worker that took over.
-    p0 never decodes a request itself (--decode-here off): with its default (auto) it keeps
-    one whenever its view of the decode workers' heartbeats says they have no room, and such
-    a request is pending on no decode worker (a full run once saw 7 of 8 held at the freeze;
-    the assertion now says what p0's heartbeat and the answer streams showed)."""
+    1000 tokens each: the freeze comes once every request streams, and their starts spread
+    over seconds on a loaded machine (a prompt of 600 tokens prefilled after seven others, a
+    fetch given up after --fetch-timeout-s and recomputed); with 300 (~2 s of decoding) the
+    first ones had ended by then (seen: 7 of 8 held at the freeze, the others' answer streams
+    all at 149 entries and none held by d0). p0 never decodes a request itself (--decode-here off): such a
+    request would be pending on no decode worker either."""
     cluster.start_together(("prefill", *FAST, "--decode-here", "off", {"worker_id": "p0"}),
                            ("decode", *FAST, {"worker_id": "d0"}), ("decode", *FAST, {"worker_id": "d1"}))
-    client, handles, ids, expected = submit(cluster, tiny, 8, 300)
+    client, handles, ids, expected = submit(cluster, tiny, 8, 1000)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
     r, keys = cluster.r, cluster.keys
     streams = keys.handoff_streams(cluster.workers()["d0"]["node"])
