@@ -47,6 +47,19 @@ class Cluster:
             self.wait_registered(name)
         return name
 
+    def start_together(self, *specs: tuple) -> list[str]:
+        """Start several workers at once and wait until all have registered (their starts,
+        mostly `import torch`, overlap instead of running one after another). Each spec is
+        ``(role, *args)`` or ``(role, *args, {"worker_id": ..., ...})``: ``start``'s arguments."""
+        names = []
+        for spec in specs:
+            kw = spec[-1] if spec and isinstance(spec[-1], dict) else {}
+            args = spec[:-1] if kw else spec
+            names.append(self.start(*args, **kw, wait=False))
+        for name in names:
+            self.wait_registered(name)
+        return names
+
     def id(self, name: str) -> str:
         """The real worker id (consumer name) of the worker started as ``name``."""
         return f"{name}-{self.tag}"

@@ -45,11 +45,12 @@ ONE_WORKER_MODULES = {
 # Left out: tests of modules with costly module-scoped fixtures (test_gateway_batches' workers
 # and gateway), which a worker would start again for the one test taken out of their order.
 SLOW_FIRST = (
+    "test_chaos.py::test_chaos_kill_and_restart",                                  # ~45 s
+    "test_migration.py::test_a_receiver_killed_mid_move_loses_nothing",            # ~40 s
     "test_elastic_chaos.py::test_levers_and_kills_under_load_lose_nothing_and_double_nothing",   # ~40 s
-    "test_chaos.py::test_chaos_kill_and_restart",                                  # ~70 s
-    "test_migration.py::test_a_receiver_killed_mid_move_loses_nothing",            # ~60 s
-    "test_switching.py::test_roles_flipping_under_load",                           # ~55 s
-    "test_placement.py::test_a_decode_worker_killed_holding_placed_prompts_loses_nothing",
+    "test_switching.py::test_roles_flipping_under_load",                           # ~35 s
+    "test_migration.py::test_a_sender_killed_while_it_serves_the_moved_kv_loses_nothing",   # ~30 s
+    "test_supervision.py::test_a_worker_rides_out_a_short_outage_and_exits_once_redis_stays_gone",
     "test_switching.py::test_last_worker_of_a_role_refuses_to_leave_a_backlog",
     "test_cli.py::test_two_local_clusters_side_by_side",
     "test_pipeline.py::test_pipeline_matches_colocated_engine[2-2-zmq-zmq]",
@@ -62,7 +63,6 @@ SLOW_FIRST = (
     "test_pipeline.py::test_pipeline_matches_colocated_engine[2-2-auto-shm]",
     "test_pipeline.py::test_smollm2_pipeline_matches_colocated_engine",
     "test_migration.py::test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker",
-    "test_supervision.py::test_a_worker_rides_out_a_short_outage_and_exits_once_redis_stays_gone",
     "test_bench.py::test_serve_tiny_json_has_the_figures_per_mode",
     "test_faults.py::test_prefill_killed_and_its_segment_removed_before_fetch",
     "test_cli.py::test_up_keeps_the_logs_when_the_redis_server_dies",
@@ -84,7 +84,8 @@ SLOW_FIRST = (
     "test_faults.py::test_decode_killed_mid_generation",
     "test_pipeline.py::test_bad_input_gets_an_error_and_nothing_is_lost",
     "test_switching.py::test_worker_killed_mid_switch",
-    "test_routing.py::test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once",
+    "test_routing.py::test_requests_routed_to_a_hung_worker_are_taken_over_exactly_once",   # ~12 s
+    "test_placement.py::test_a_decode_worker_killed_holding_placed_prompts_loses_nothing",   # ~7 s (400 tokens)
     "test_placement.py::test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token",
     "test_faults.py::test_hung_decode_worker_is_taken_over_and_answers_once",
     "test_service_classes.py::test_interactive_requests_start_before_batch_work_queued_ahead_of_them",

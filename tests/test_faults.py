@@ -82,8 +82,7 @@ def pending_request_ids(cluster, consumer: str) -> set[str]:
 def test_prefill_killed_mid_batch(cluster, tiny):
     """p0 dies holding requests it took and never handed off; p1 takes them over (they
     are pending under p0 in the group) and every request is answered once."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, ids, expected = submit(cluster, tiny, 24, 8)
     p0 = cluster.id("p0")
     wait_for(lambda: pending_request_ids(cluster, p0), what="p0 to hold requests", interval=0.005)
@@ -100,10 +99,11 @@ def test_prefill_killed_mid_batch(cluster, tiny):
     wait_pools_free(cluster)
 
 
-def kill_prefill_after_handoffs(cluster, tiny, n: int):
-    """Start prefill p0, submit ``n`` requests, SIGKILL p0 once all their handoffs are out
-    (no decode worker runs yet, so none was fetched). Returns what ``check_all`` needs."""
-    cluster.start("prefill", *FAST, worker_id="p0")
+def kill_prefill_after_handoffs(cluster, tiny, n: int, *args: str):
+    """Start prefill p0 (with FAST and ``args``), submit ``n`` requests, SIGKILL p0 once all
+    their handoffs are out (no decode worker runs yet, so none was fetched). Returns what
+    ``check_all`` needs."""
+    cluster.start("prefill", *FAST, *args, worker_id="p0")
     client, handles, ids, expected = submit(cluster, tiny, n, 10)
     r = redis.Redis.from_url(cluster.redis_url)
     wait_for(lambda: r.xlen(Keys().handoff) == n, what=f"{n} handoffs")
@@ -130,7 +130,8 @@ def test_prefill_killed_and_its_segment_removed_before_fetch(cluster, tiny):
     """Once the dead worker's segment is removed, its tickets cannot be served by any path
     (no segment, a refused TCP connection, a silent ZeroMQ endpoint): every request is
     recomputed by the decode worker and still gives the colocated engine's tokens."""
-    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4)
+    # p0's leases last 3 s (FAST's 10 s: its segment waited that long for them to end)
+    client, handles, ids, expected = kill_prefill_after_handoffs(cluster, tiny, 4, "--lease-s", "3")
     wait_for(lambda: "p0" not in cluster.workers(), what="p0's heartbeat to expire")
     cluster.start("prefill", *FAST, worker_id="p1")   # its sweeps remove p0's segment
     wait_for(lambda: not cluster.segments(["p0"]), timeout=30, what="p0's segment removed (its leases ended)")
@@ -241,8 +242,7 @@ def test_live_segment_of_another_cluster_in_another_pid_namespace_is_never_remov
 
 
 def test_decode_killed_mid_generation(cluster, tiny):
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, ids, expected = submit(cluster, tiny, 6, 300)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 5 for h in handles), what="tokens flowing")
     cluster.signal("d0", signal.SIGKILL)
@@ -257,11 +257,16 @@ def test_decode_killed_mid_generation(cluster, tiny):
 def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
     """A decode worker hangs (SIGSTOP) holding handoffs: its heartbeat expires and the other
     one claims every handoff it held and answers them; the hung one, resumed, finds them
-    taken and drops them. One answer per request, all from the worker that took over."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
-    client, handles, ids, expected = submit(cluster, tiny, 8, 300)
+    taken and drops them. One answer per request, all from the worker that took over.
+    1000 tokens each: the freeze comes once every request streams, and their starts spread
+    over seconds on a loaded machine (a prompt of 600 tokens prefilled after seven others, a
+    fetch given up after --fetch-timeout-s and recomputed); with 300 (~2 s of decoding) the
+    first ones had ended by then (seen: 7 of 8 held at the freeze, the others' answer streams
+    all at 149 entries and none held by d0). p0 never decodes a request itself (--decode-here off): such a
+    request would be pending on no decode worker either."""
+    cluster.start_together(("prefill", *FAST, "--decode-here", "off", {"worker_id": "p0"}),
+                           ("decode", *FAST, {"worker_id": "d0"}), ("decode", *FAST, {"worker_id": "d1"}))
+    client, handles, ids, expected = submit(cluster, tiny, 8, 1000)
     wait_for(lambda: all(out_len(cluster, h.request_id) > 3 for h in handles), what="tokens flowing")
     r, keys = cluster.r, cluster.keys
     streams = keys.handoff_streams(cluster.workers()["d0"]["node"])
@@ -281,7 +286,8 @@ def test_hung_decode_worker_is_taken_over_and_answers_once(cluster, tiny):
     hung, other = ("d0", "d1") if before["d0"] >= before["d1"] else ("d1", "d0")
     cluster.signal(other, signal.SIGCONT)
     try:
-        assert before[hung] > 0 and sum(before.values()) == len(handles), before
+        assert before[hung] > 0 and sum(before.values()) == len(handles), \
+            (before, cluster.workers()["p0"]["load"], [out_len(cluster, h.request_id) for h in handles])
         # Only a claim can empty a stopped worker's pending list: that is the takeover.
         wait_for(lambda: held()[hung] == 0, timeout=60, what=f"{other} to claim the handoffs of the hung {hung}")
     finally:
@@ -301,8 +307,7 @@ def test_redis_restart_with_requests_in_flight(tmp_path, tiny):
     server = RedisServer(appendonly=True).start()
     c = Cluster(server.url, tmp_path)
     try:
-        c.start("prefill", *FAST, worker_id="p0")
-        c.start("decode", *FAST, worker_id="d0")
+        c.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
         client, handles, ids, expected = submit(c, tiny, 12, 200)
         wait_for(lambda: sum(out_len(c, h.request_id) > 0 for h in handles) >= 4, what="first answers")
         server.restart()
@@ -325,8 +330,7 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
     server = RedisServer(appendonly=True).start()
     c = Cluster(server.url, tmp_path)
     try:
-        c.start("prefill", *FAST, worker_id="p0")
-        c.start("decode", *FAST, worker_id="d0")
+        c.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
         prompt_ids, expected, sampling = oracle(tiny, ["lost and found"], [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
         r = redis.Redis.from_url(server.url)
         with r.pipeline(transaction=True) as pipe:
@@ -351,8 +355,7 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
 @pytest.mark.parametrize("layout", ["disaggregated", "colocated"])
 def test_cancel_and_deadline_stop_the_work_and_free_blocks(cluster, layout):
     if layout == "disaggregated":
-        cluster.start("prefill", *FAST, worker_id="p0")
-        cluster.start("decode", *FAST, worker_id="d0")
+        cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
     else:
         cluster.start("colocated", *FAST, worker_id="c0")
     client = Client(cluster.redis_url)
@@ -384,9 +387,8 @@ def test_a_handoff_cancelled_before_its_fetch_gives_its_lease_back(cluster):
 
 def test_warm_stop_drains_a_decode_worker(cluster, tiny):
     """The first SIGTERM: running sequences finish; what it had not started goes to others."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
+                           ("decode", *FAST, {"worker_id": "d1"}))
     client, handles, ids, expected = submit(cluster, tiny, 12, 150)
     wait_for(lambda: sum(out_len(cluster, h.request_id) > 2 for h in handles) >= 6, what="tokens flowing")
     assert cluster.stop("d0") == 0

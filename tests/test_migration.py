@@ -19,7 +19,12 @@ from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
 
-N, MAX_TOKENS = 8, 1500   # tiny decodes ~150 steps/s: long enough to be caught mid-way
+# Tiny decodes ~150 steps/s: 600 tokens (~4 s alone, more under load) are long enough to be
+# caught mid-way where every worker is started before the load. LONG_TOKENS for the two
+# tests that must start a decode worker while the load runs (one started before it would
+# read some of the prefill worker's burst of handoffs: a blocked XREADGROUP is served even
+# to a frozen worker): that start (`import torch`, seconds under load) falls inside the window.
+N, MAX_TOKENS, LONG_TOKENS = 8, 600, 1500
 
 
 @pytest.fixture
@@ -32,6 +37,7 @@ def cluster(redis_url, tmp_path):
 PROMPTS = mixed_prompts(N, seed=7)
 PARAMS = [{"max_tokens": MAX_TOKENS, "temperature": 0.0 if i % 2 else 0.9, "seed": 40 + i, "ignore_eos": True}
           for i in range(N)]
+LONG_PARAMS = [{**p, "max_tokens": LONG_TOKENS} for p in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +46,15 @@ def runs(tiny):
     return oracle(tiny, PROMPTS, PARAMS)
 
 
-def submit(cluster, runs):
+@pytest.fixture(scope="module")
+def long_runs(tiny):
+    """The same with LONG_PARAMS."""
+    return oracle(tiny, PROMPTS, LONG_PARAMS)
+
+
+def submit(cluster, runs, params=PARAMS):
     client = Client(cluster.redis_url)
-    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(PROMPTS, PARAMS)])
+    handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(PROMPTS, params)])
     return client, handles, runs
 
 
@@ -80,9 +92,8 @@ def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(c
     the requests ended, on a loaded machine); one of them stops while it decodes some of
     them (either: the prefill worker's handoffs come in one burst, which one read may take
     whole)."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
+                           ("decode", *FAST, {"worker_id": "d1"}))
     client, handles, runs = submit(cluster, runs)
 
     def holder() -> str | None:
@@ -110,9 +121,8 @@ def test_a_warm_stopped_decode_worker_moves_its_running_requests_with_their_kv(c
 def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny, runs):
     """Two decode workers stopped at once (as `pdqueue up` stops them) must not hand their
     requests to each other: nobody would be left to take them."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    cluster.start("decode", *FAST, worker_id="d1")
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
+                           ("decode", *FAST, {"worker_id": "d1"}))
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles), what="tokens flowing")
     cluster.signal("d0", signal.SIGTERM)
@@ -122,14 +132,14 @@ def test_decode_workers_stopped_together_finish_their_own_requests(cluster, tiny
     assert all(res.transfer_path != "recompute" for res in results)
 
 
-def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
+def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, long_runs):
     """d0 moves its requests to d1, which is frozen and then killed before it serves them;
     a new decode worker takes them (fetching the KV while d0 still serves it, or
     recomputing): every request still gives the colocated engine's tokens, once."""
-    cluster.start("prefill", *FAST, worker_id="p0")
     # d0's leases last 4 s (FAST's 10 s would keep it serving the KV nobody fetches that long)
-    cluster.start("decode", *FAST, "--lease-s", "4", worker_id="d0")
-    client, handles, runs = submit(cluster, runs)
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}),
+                           ("decode", *FAST, "--lease-s", "4", {"worker_id": "d0"}))
+    client, handles, runs = submit(cluster, long_runs, LONG_PARAMS)
     wait_for(lambda: all(len(out_of(cluster, h.request_id)) > 5 for h in handles)
              and cluster.workers()["d0"]["load"].get("running", 0) > 0, what="tokens flowing, some on d0")
     # d1 only now: started with d0, it could read the prefill worker's whole burst of handoffs.
@@ -150,8 +160,8 @@ def test_a_receiver_killed_mid_move_loses_nothing(cluster, tiny, runs):
 def test_a_stopped_colocated_worker_moves_its_decodes_to_a_decode_worker(cluster, tiny, runs):
     """A colocated worker finishes its request entries with handoffs of its running
     requests (prompt, tokens so far, KV): a decode worker goes on with them."""
-    cluster.start("colocated", *FAST, worker_id="c0")
-    cluster.start("decode", *FAST, worker_id="d0")   # (reads handoffs only: c0 takes every request)
+    # (d0 reads handoffs only: c0 takes every request)
+    cluster.start_together(("colocated", *FAST, {"worker_id": "c0"}), ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
     stopped = time.monotonic()
@@ -174,8 +184,8 @@ def test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker(
     colocated engine's, once; a budget command sets c0's TBT budget and is refused by d0."""
     from pdqueue.control import commands
 
-    cluster.start("colocated", *FAST, "--policy", "chunked", "--tbt-slo-ms", "200", worker_id="c0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("colocated", *FAST, "--policy", "chunked", "--tbt-slo-ms", "200", {"worker_id": "c0"}),
+                           ("decode", *FAST, {"worker_id": "d0"}))
     c0, keys = cluster.id("c0"), cluster.keys
     assert cluster.workers()["c0"]["load"].get("tbt_budget_ms") == 200
     client, handles, runs = submit(cluster, runs)
@@ -205,8 +215,8 @@ def test_a_sender_killed_mid_move_loses_nothing(cluster, tiny, runs):
     from what out:<id> shows. Every answer the colocated engine's, once."""
     from pdqueue.control import commands
 
-    cluster.start("colocated", *FAST, "--switchable", worker_id="c0")
-    cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d0")   # alive to c0 while frozen
+    cluster.start_together(("colocated", *FAST, "--switchable", {"worker_id": "c0"}),
+                           ("decode", *FAST, "--heartbeat-ttl-s", "20", {"worker_id": "d0"}))   # alive to c0 while frozen
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
     cluster.signal("d0", signal.SIGSTOP)
@@ -225,14 +235,13 @@ def test_a_sender_killed_mid_move_loses_nothing(cluster, tiny, runs):
     wait_pools_free(cluster)
 
 
-def test_a_sender_killed_while_it_serves_the_moved_kv_loses_nothing(cluster, tiny, runs):
+def test_a_sender_killed_while_it_serves_the_moved_kv_loses_nothing(cluster, tiny, long_runs):
     """d0 (a plain pool: its KV goes over TCP) is stopped warm and moves every running
     request to d1, which is frozen; d0 is SIGKILLed while it waits to serve that KV (its
     drain). d1 then finds the sender gone, the fetch fails, and it recomputes from prompt +
     tokens so far: every answer the colocated engine's, once."""
-    cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.start("decode", *FAST, worker_id="d0")
-    client, handles, runs = submit(cluster, runs)
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
+    client, handles, runs = submit(cluster, long_runs, LONG_PARAMS)
     wait_for(lambda: all_streaming_on(cluster, handles, "d0"), what="every request decoding on d0")
     cluster.start("decode", *FAST, "--heartbeat-ttl-s", "20", worker_id="d1")   # alive to d0 while frozen
     cluster.signal("d1", signal.SIGSTOP)
@@ -271,9 +280,9 @@ def test_a_move_to_a_decode_worker_whose_pool_is_full_waits_and_loses_nothing(cl
               {"max_tokens": 300, "temperature": 0.9, "seed": 2, "ignore_eos": True}]
     ids, expected, sampling = oracle(tiny, prompts, params)
     block, pool_blocks = 16, 128
-    cluster.start("colocated", *FAST, worker_id="c0")
-    # (its heartbeat lives 20 s: alive to c0 while frozen)
-    cluster.start("decode", *FAST, "--kv-cache-mb", "1", "--heartbeat-ttl-s", "20", worker_id="d0")
+    # (d0's heartbeat lives 20 s: alive to c0 while frozen)
+    cluster.start_together(("colocated", *FAST, {"worker_id": "c0"}),
+                           ("decode", *FAST, "--kv-cache-mb", "1", "--heartbeat-ttl-s", "20", {"worker_id": "d0"}))
     assert cluster.workers()["d0"]["load"]["kv_total"] == pool_blocks
     client = Client(cluster.redis_url)
 
@@ -321,8 +330,8 @@ def test_a_colocated_worker_that_moved_decodes_on_command_then_switches_and_stop
     stop had been announced, and the worker died with a TypeError at its next switch or stop.)"""
     from pdqueue.control import commands
 
-    cluster.start("colocated", *FAST, "--switchable", worker_id="c0")
-    cluster.start("decode", *FAST, worker_id="d0")
+    cluster.start_together(("colocated", *FAST, "--switchable", {"worker_id": "c0"}),
+                           ("decode", *FAST, {"worker_id": "d0"}))
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
     done = commands.wait_switch(cluster.r, cluster.keys,

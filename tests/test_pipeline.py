@@ -64,10 +64,8 @@ def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | No
     (2, 2, "zmq", "zmq"),
 ])
 def test_pipeline_matches_colocated_engine(cluster, tiny, num_prefill, num_decode, transfer, path):
-    for i in range(num_prefill):
-        cluster.start("prefill", "--transfer", transfer, worker_id=f"prefill{i}")
-    for i in range(num_decode):
-        cluster.start("decode", "--transfer", transfer, worker_id=f"decode{i}")
+    cluster.start_together(*[("prefill", "--transfer", transfer, {"worker_id": f"prefill{i}"}) for i in range(num_prefill)],
+                           *[("decode", "--transfer", transfer, {"worker_id": f"decode{i}"}) for i in range(num_decode)])
     results = run_and_compare(cluster, tiny, n=32, expect_path=path)
     if num_decode > 1:
         assert len({r.decode_worker for r in results}) > 1, "work should spread over decode workers"
@@ -93,8 +91,7 @@ def test_cross_host_path_is_chosen_by_itself(cluster, tiny):
 
 def test_plain_redis_producer(cluster):
     """Any Redis client can produce and read: flat string fields in, flat fields out."""
-    cluster.start("prefill")
-    cluster.start("decode")
+    cluster.start_together(("prefill",), ("decode",))
     raw = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
     prefix = "pdq:{default}:"
     raw.xadd(prefix + "requests", {"id": "plain-1", "prompt": "hello there", "max_tokens": "5",
@@ -130,8 +127,7 @@ BAD_ENTRIES = [
 
 
 def test_bad_input_gets_an_error_and_nothing_is_lost(cluster):
-    cluster.start("prefill")
-    cluster.start("decode")
+    cluster.start_together(("prefill",), ("decode",))
     r = redis.Redis.from_url(cluster.redis_url)
     keys = Keys()
     good = []
@@ -194,8 +190,7 @@ def test_smollm2_pipeline_matches_colocated_engine(redis_url, tmp_path):
 
 def test_timing_breakdown_adds_up(cluster):
     """queue + prefill + handoff + transfer + first decode step ~= time to the second token."""
-    cluster.start("prefill", worker_id="prefill-t")
-    cluster.start("decode", worker_id="decode-t")
+    cluster.start_together(("prefill", {"worker_id": "prefill-t"}), ("decode", {"worker_id": "decode-t"}))
     client = Client(cluster.redis_url)
     for i in range(6):
         c = client.submit(f"timing {i} " * (i * 10 + 1), max_tokens=4, temperature=0).result(timeout=60)

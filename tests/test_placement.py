@@ -43,8 +43,8 @@ def load(tiny, n: int, max_tokens: int, seed: int):
 
 
 def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(cluster, tiny):
-    cluster.start("prefill", *FAST, "--placement", "always", worker_id="p0")
-    cluster.start("decode", *FAST, *TAKES, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
+                           ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
     wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
     prompts, params, runs = load(tiny, N, 24, seed=3)
     client = Client(cluster.redis_url)
@@ -67,10 +67,13 @@ def test_a_decode_worker_killed_holding_placed_prompts_loses_nothing(cluster, ti
     """d0 holds placed prompts, some prefilled and streaming; SIGKILL; d1 (started after,
     so that d0 took them all) takes its entries over: prompts not started are prefilled
     there, the others go on from what out:<id> shows (recompute). Each answer once, exact."""
-    cluster.start("prefill", *FAST, "--placement", "always", worker_id="p0")
-    cluster.start("decode", *FAST, *TAKES, worker_id="d0")
+    cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
+                           ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
     wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
-    prompts, params, runs = load(tiny, N, 1500, seed=5)
+    # 400 tokens (~3 s of decoding alone, more under load): the kill comes as soon as d0's
+    # heartbeat shows the placed prompts running, and d1 starts only after it (1500 before:
+    # the oracle and d1's recompute decoded 4x as much for the same check).
+    prompts, params, runs = load(tiny, N, 400, seed=5)
     short = [i for i, p in enumerate(prompts) if len(tiny.tokenizer.encode(p)) <= MAX_PROMPT_TOKENS]
     client = Client(cluster.redis_url)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])

@@ -616,8 +616,8 @@ def test_only_the_missing_blocks_travel_between_workers(cluster, tiny, transfer)
     from pdqueue.client import Client
     from tests.helpers import oracle, wait_pools_free
 
-    cluster.start("prefill", "--transfer", transfer, worker_id="prefill0")
-    cluster.start("decode", "--transfer", transfer, worker_id="decode0")
+    cluster.start_together(("prefill", "--transfer", transfer, {"worker_id": "prefill0"}),
+                           ("decode", "--transfer", transfer, {"worker_id": "decode0"}))
     turn1 = "You are a careful assistant. Answer in one short sentence. " * 3 + "What is a fox?"
     turn2 = turn1 + " A fox is a small wild dog. And what is a raven?"
     turn3 = turn2[:-6] + "ravine?"   # shares all but the last block or two
@@ -653,8 +653,7 @@ def test_a_prefill_worker_killed_while_its_cached_blocks_are_leased_loses_nothin
     from pdqueue.keys import Keys
     from tests.helpers import oracle, wait_for
 
-    cluster.start("prefill", "--lease-s", "3", worker_id="prefill0")
-    cluster.start("decode", worker_id="decode0")
+    cluster.start_together(("prefill", "--lease-s", "3", {"worker_id": "prefill0"}), ("decode", {"worker_id": "decode0"}))
     prefix = "A long shared instruction that every request starts with, to be cached. " * 2
     prompts = [prefix + f"Question {i}?" for i in range(4)]
     params = [{"max_tokens": 5, "temperature": 0.0, "seed": 0}, {"max_tokens": 5, "temperature": 0.9, "seed": 7}] * 2

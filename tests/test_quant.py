@@ -199,8 +199,8 @@ def test_pipeline_with_quantized_weights_matches_colocated(cluster, weights, req
     """Both roles quantized alike: the disaggregated pipeline returns the colocated engine's
     tokens (same weights) token for token, and the heartbeats show the weights."""
     loaded = request.getfixturevalue(f"tiny_{weights}")
-    cluster.start("prefill", "--weights", weights, worker_id="prefill0")
-    cluster.start("decode", "--weights", weights, worker_id="decode0")
+    cluster.start_together(("prefill", "--weights", weights, {"worker_id": "prefill0"}),
+                           ("decode", "--weights", weights, {"worker_id": "decode0"}))
     assert {w["weights"] for w in cluster.workers().values()} == {weights}
     prompts = mixed_prompts(8)
     params = greedy(8)
@@ -253,8 +253,7 @@ def test_fp32_prefill_int8_decode_end_to_end(cluster, tiny, tiny_int8):
     finishes, the first token is float32's and the rest is what int8 decodes from that
     KV (the same mix run in this process); the outputs are not all-float32's, so the
     decode worker really used its own weights."""
-    cluster.start("prefill", worker_id="prefill0")
-    cluster.start("decode", "--weights", "int8", worker_id="decode0")
+    cluster.start_together(("prefill", {"worker_id": "prefill0"}), ("decode", "--weights", "int8", {"worker_id": "decode0"}))
     assert {n: w["weights"] for n, w in cluster.workers().items()} == {"prefill0": "fp32", "decode0": "int8"}
     assert "int8" in status_text(cluster) and "fp32" in status_text(cluster)
     prompts = mixed_prompts(8)

@@ -1,4 +1,5 @@
-"""Run a private redis-server (or valkey-server) on a free loopback port.
+"""Run a private redis-server (or valkey-server) on a free loopback port (below the kernel's
+ephemeral range, so that a restart on it cannot find it taken by an outgoing connection).
 
 Used by the test fixture and by ``pdqueue up``. It listens on 127.0.0.1 only. ``password``
 sets ``requirepass`` (written to a 0600 config file in the server's directory, never on the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -84,6 +86,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux; else 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def server_port(host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A free port below the ephemeral range, for a server that may be restarted on it: a
+    port of that range (what ``free_port`` gives) is free for any outgoing connection to
+    take as its local port while the server is down (a restart then fails with "Address
+    already in use" and the server stays down). ``free_port`` when none is found."""
+    top = min(ephemeral_low(), 65536) - 1
+    if top > 10000:
+        for _ in range(tries):
+            port = random.randint(10000, top)
+            if port_is_free(port, host):
+                return port
+    return free_port(host)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -213,7 +237,7 @@ class RedisServer:
         attempts = 1 if fixed else 5
         for attempt in range(attempts):
             if not fixed:
-                self.port = free_port(self.host)
+                self.port = server_port(self.host)
             try:
                 self._spawn()
                 return self
@@ -286,10 +310,19 @@ class RedisServer:
         """SIGKILL, like a crash; ``start()`` brings it back on the same port and dir."""
         self._terminate(sig=signal.SIGKILL)
 
-    def restart(self, hard: bool = False) -> "RedisServer":
-        """Stop (SIGTERM, or SIGKILL if ``hard``) and start again on the same port and dir."""
+    def restart(self, hard: bool = False, bind_wait_s: float = 5.0) -> "RedisServer":
+        """Stop (SIGTERM, or SIGKILL if ``hard``) and start again on the same port and dir.
+        A start that fails (the port taken meanwhile, e.g. by an outgoing connection when
+        it lies in the ephemeral range) is tried again for ``bind_wait_s``."""
         self._terminate(sig=signal.SIGKILL if hard else signal.SIGTERM)
-        return self.start()
+        deadline = time.monotonic() + bind_wait_s
+        while True:
+            try:
+                return self.start()
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     def __enter__(self) -> "RedisServer":
         return self.start()
