@@ -205,16 +205,9 @@ class DecodeRole(Role):
     def accept(self, entries: list, resumed: bool) -> None:
         with self.shell.unit() as unit:
             for stream, entry_id, fields in entries:
-                try:
-                    if fields is None:
-                        raise HandoffError("entry was deleted")
-                    h = decode_handoff(fields)
-                except HandoffError as exc:
-                    unit.reject(stream, entry_id, fields, None, f"bad handoff: {exc}", ErrorCode.BAD_REQUEST)
-                    continue
-                problem = handoff_problem(h, self.engine)
+                h, problem = read_handoff(fields, self.engine)
                 if problem:
-                    unit.reject(stream, entry_id, fields, h.request.id, f"bad handoff: {problem}",
+                    unit.reject(stream, entry_id, fields, h and h.request.id, f"bad handoff: {problem}",
                                 ErrorCode.BAD_REQUEST)
                     continue
                 if h.request.id in self.jobs:   # a second delivery of a request in hand
@@ -446,6 +439,17 @@ def prompt_load(engine: LLMEngine, spare: SpareTime, recent_steps, jobs: dict, t
     held += sum(len(j.handoff.prompt_ids) for j in jobs.values()
                 if j.state is JobState.BACKLOG and j.handoff.prompt_only)
     return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(share, 2), "prompt_backlog": held}
+
+
+def read_handoff(fields, engine: LLMEngine) -> tuple[Handoff | None, str | None]:
+    """The handoff in a stream entry (None if malformed) and what is wrong with it, if anything."""
+    if fields is None:
+        return None, "entry was deleted"
+    try:
+        h = decode_handoff(fields)
+    except HandoffError as exc:
+        return None, str(exc)
+    return h, handoff_problem(h, engine)
 
 
 def handoff_problem(h: Handoff, engine: LLMEngine) -> str | None:
