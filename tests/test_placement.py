@@ -84,6 +84,10 @@ def test_a_decode_worker_killed_holding_placed_prompts_loses_nothing(cluster, ti
     cluster.start("decode", *FAST, *TAKES, worker_id="d1")
     results = check_answers(cluster, tiny, client, handles, runs)
     assert {results[i].decode_worker for i in short} == {cluster.id("d1")}
+    # The times stay true across the takeover: token 0 of a prompt d0 prefilled came out when
+    # d0 published it (its out:<id> entry), not at the epoch (a TTFT of minus 56 years).
+    for res in results:
+        assert 0 < res.ttft_ms < 600_000 and 0 <= res.prefill_ms <= res.ttft_ms, res
 
 
 # ---- the rule, on heartbeats in Redis and a real engine's cost model ------------------------

@@ -466,18 +466,26 @@ def caught_up(r, keys, h: Handoff) -> Handoff | None:
     owner are kept (recompute from prompt + those), so the stream continues at the next
     index with no gap, no duplicate and no divergence. None if already answered."""
     tokens: dict[int, list[int]] = {}
-    for _eid, fields in r.xrange(keys.out(h.request.id)):
+    first_ms = 0.0
+    for eid, fields in r.xrange(keys.out(h.request.id)):
         kind = fields.get(b"type")
         if kind in (b"done", b"error"):
             return None
         if kind == b"token":
-            tokens[int(fields[b"index"])] = json.loads(fields[b"token_ids"])
+            index = int(fields[b"index"])
+            tokens[index] = json.loads(fields[b"token_ids"])
+            if index == 0:   # an entry id is the ms it was added at
+                first_ms = float(eid.split(b"-")[0])
     output: list[int] = []
     while len(output) in tokens:
         output += tokens[len(output)]
     if len(output) <= len(h.output_ids):
         return h
     log.info("resuming %s after %d published tokens", h.request.id, len(output))
+    if h.prompt_only:
+        # A prompt placed on the previous owner, which prefilled it there: its token 0 came
+        # out when it was published (else the completion's TTFT and prefill_ms are garbage).
+        h = replace(h, prefill_end_ms=first_ms, first_token_ms=first_ms)
     return replace(h, output_ids=output, ticket=None)   # the exported KV covers fewer tokens: recompute
 
 
