@@ -345,6 +345,42 @@ def test_a_handoff_whose_deadline_passes_while_it_waits_for_kv_is_answered_then(
     assert done[late.request_id] == 1 and done[long.request_id] == 1, done
 
 
+def test_a_placed_prompt_whose_deadline_passes_on_the_decode_worker_is_refused_there(cluster):
+    """A prefill worker placing every short prompt (<= 1024 tokens) on a decode worker that
+    takes prompts, whose 2 MB pool (4096 tokens) a long request handed over with its KV
+    holds (3100 prompt tokens, growing to 4090); a classed request's 1000-token prompt is
+    placed there and waits in its backlog for blocks. Its 1 s deadline passes with no token
+    out: the decode worker answers deadline_exceeded, as a colocated or prefill worker would
+    (DecodeRole.answer_expired), within a second of it, before the long one ends."""
+    from pdqueue.client import RequestFailed
+
+    cluster.start("prefill", *FAST, "--placement", "always", "--decode-here", "off", worker_id="p0")
+    cluster.start("decode", *FAST, "--kv-cache-mb", "2", "--take-prompts", "--policy", "chunked",
+                  "--tbt-slo-ms", "200", worker_id="d0")
+    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    client = Client(cluster.redis_url)
+    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(3100)], max_tokens=990, temperature=0.0,
+                         ignore_eos=True, service_class="standard")
+    wait_for(lambda: len(cluster.r.xrange(KEYS.out(long.request_id))) > 3, timeout=60, what="the long one decoding")
+    deadline_ms = 1000
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(1000)], max_tokens=8, temperature=0.0,
+                         deadline_ms=deadline_ms, service_class="standard")
+    with pytest.raises(RequestFailed) as failed:
+        late.result(timeout=60)
+    assert all(f[b"type"] != b"done" for _, f in cluster.r.xrange(KEYS.out(long.request_id))), \
+        "the long request ended first: the refusal came when the blocks freed, not at the deadline"
+    refused_ms = time.time() * 1000
+    assert failed.value.code == ErrorCode.DEADLINE_EXCEEDED.value, failed.value
+    assert f"placed on worker {cluster.id('d0')}" in failed.value.reason, failed.value.reason
+    waited = refused_ms - entry_id_ms(late.entry_id)
+    assert deadline_ms <= waited < deadline_ms + 1000, waited
+    assert all(f[b"type"] != b"token" for _, f in cluster.r.xrange(KEYS.out(late.request_id)))   # nothing computed
+    assert long.result(timeout=120).finish_reason == "length"
+    assert long.result().decode_worker == cluster.id("d0")
+    wait_for(lambda: cluster.workers()["d0"]["load"]["kv_free"] == cluster.workers()["d0"]["load"]["kv_total"],
+             timeout=10, what="every block back in d0's pool")
+
+
 def test_the_gateway_answers_deadline_exceeded_as_a_timeout():
     from pdqueue.frontends.openai_compat import worker_error
 
