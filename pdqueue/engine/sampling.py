@@ -111,7 +111,9 @@ def candidate_scores(logits: torch.Tensor, params: SamplingParams,
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-    """One token per row; greedy rows are decided in one batched argmax."""
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    """One token per row; greedy rows are decided in one batched argmax (``max(dim).indices``:
+    the same first maximal index as ``argmax``, whose CPU kernel is ~1.6x slower: 0.70 against
+    0.44 ms for [8, 49152] on one thread)."""
+    greedy_ids = logits.max(dim=-1).indices.tolist() if any(p.greedy for p in params) else []
     return [greedy_ids[row] if p.greedy else sample_one(logits[row], p, index)
             for row, (p, index) in enumerate(zip(params, indices))]
