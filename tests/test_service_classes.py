@@ -316,6 +316,19 @@ def test_a_prefill_worker_refuses_a_classed_request_whose_deadline_passes_in_its
     assert cluster.workers()["p0"]["load"]["leases"] == 1   # the pool was still held: it waited in the engine
 
 
+def long_then_late(cluster, long_tokens: int, long_max_tokens: int, late_tokens: int, deadline_ms: int):
+    """A long standard request, once it decodes (holding the decode worker's pool), then a
+    standard request of ``late_tokens`` with ``deadline_ms``, which cannot get its blocks
+    there until the long one ends. Returns their handles."""
+    client = Client(cluster.redis_url)
+    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(long_tokens)], max_tokens=long_max_tokens,
+                         temperature=0.0, ignore_eos=True, service_class="standard")
+    wait_for(lambda: len(cluster.r.xrange(KEYS.out(long.request_id))) > 3, timeout=60, what="the long one decoding")
+    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(late_tokens)], max_tokens=8, temperature=0.0,
+                         ignore_eos=True, deadline_ms=deadline_ms, service_class="standard")
+    return long, late
+
+
 def test_a_handoff_whose_deadline_passes_while_it_waits_for_kv_is_answered_then(cluster):
     """A decode worker with a 2 MB pool (4096 tiny tokens), 2000 of them held by a long
     request that grows to 4000; a second request's first token comes from the prefill worker
@@ -326,13 +339,8 @@ def test_a_handoff_whose_deadline_passes_while_it_waits_for_kv_is_answered_then(
     long request runs on to its end."""
     cluster.start("prefill", *FAST, "--decode-here", "off", worker_id="p0")
     cluster.start("decode", *FAST, "--kv-cache-mb", "2", worker_id="d0")
-    client = Client(cluster.redis_url)
-    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(2000)], max_tokens=2000, temperature=0.0,
-                         ignore_eos=True, service_class="standard")
-    wait_for(lambda: len(cluster.r.xrange(KEYS.out(long.request_id))) > 3, timeout=60, what="the long one decoding")
     deadline_ms = 1000
-    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(2500)], max_tokens=8, temperature=0.0,
-                         ignore_eos=True, deadline_ms=deadline_ms, service_class="standard")
+    long, late = long_then_late(cluster, 2000, 2000, 2500, deadline_ms)
     result = late.result(timeout=60)
     answered_ms = time.time() * 1000
     assert result.finish_reason == "expired" and len(result.token_ids) == 1, result   # its first token only
@@ -358,13 +366,8 @@ def test_a_placed_prompt_whose_deadline_passes_on_the_decode_worker_is_refused_t
     cluster.start("decode", *FAST, "--kv-cache-mb", "2", "--take-prompts", "--policy", "chunked",
                   "--tbt-slo-ms", "200", worker_id="d0")
     wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
-    client = Client(cluster.redis_url)
-    long = client.submit(prompt_ids=[(3 * i) % 250 + 3 for i in range(3100)], max_tokens=990, temperature=0.0,
-                         ignore_eos=True, service_class="standard")
-    wait_for(lambda: len(cluster.r.xrange(KEYS.out(long.request_id))) > 3, timeout=60, what="the long one decoding")
     deadline_ms = 1000
-    late = client.submit(prompt_ids=[(5 * i) % 250 + 3 for i in range(1000)], max_tokens=8, temperature=0.0,
-                         deadline_ms=deadline_ms, service_class="standard")
+    long, late = long_then_late(cluster, 3100, 990, 1000, deadline_ms)
     with pytest.raises(RequestFailed) as failed:
         late.result(timeout=60)
     assert all(f[b"type"] != b"done" for _, f in cluster.r.xrange(KEYS.out(long.request_id))), \
