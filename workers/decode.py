@@ -46,7 +46,8 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff,
+                              entry_id_ms)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -475,7 +476,7 @@ def caught_up(r, keys, h: Handoff) -> Handoff | None:
             index = int(fields[b"index"])
             tokens[index] = json.loads(fields[b"token_ids"])
             if index == 0:   # an entry id is the ms it was added at
-                first_ms = float(eid.split(b"-")[0])
+                first_ms = float(entry_id_ms(eid))
     output: list[int] = []
     while len(output) in tokens:
         output += tokens[len(output)]

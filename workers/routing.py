@@ -38,7 +38,7 @@ import redis
 
 from pdqueue.engine.block_manager import chain_hashes
 from pdqueue.keys import PREFILL_GROUP, Keys
-from pdqueue.protocol import REQUEST_ROLES, as_str
+from pdqueue.protocol import REQUEST_ROLES, as_str, entry_id_ms
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
 from pdqueue.queue.registry import list_workers
@@ -254,7 +254,7 @@ class Router:
                 if owner not in self.all_workers and owner != self.worker_id:   # gone for good
                     self.r.eval(_DROP_IF_EMPTY, 2, s, self.keys.routed_streams, PREFILL_GROUP)
                 continue
-            waited = wall_ms - int(as_str(first[0][0]).split("-")[0])
+            waited = wall_ms - entry_id_ms(first[0][0])
             if owner in alive and waited < TAKEOVER_AFTER_MS:
                 continue
             got = streams.parse_read_reply(

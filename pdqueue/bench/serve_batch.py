@@ -29,6 +29,7 @@ import time
 import uuid
 
 from pdqueue.bench.serve_load import Settings
+from pdqueue.protocol import entry_id_ms
 
 MIN_TAIL = 10        # batch answers after the window needed to measure the capacity
 OUT_CHECK_TRIES = 10
@@ -90,7 +91,7 @@ class BatchBeside:
                     if rid in self.answered:
                         self.duplicates += 1
                     else:
-                        self.answered[rid] = int(entry_id.split(b"-")[0]) / 1000
+                        self.answered[rid] = entry_id_ms(entry_id) / 1000
                     try:
                         if len(json.loads(fields.get(b"token_ids", b"[]"))) != self.tokens:
                             self.short.add(rid)

@@ -29,7 +29,7 @@ import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.control.observation import CompletionObs, Observation, WorkerObs
-from pdqueue.protocol import ProtocolError, ResultType, as_str, parse_result
+from pdqueue.protocol import ProtocolError, ResultType, as_str, entry_id_ms, parse_result
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
@@ -101,9 +101,8 @@ def completion_obs(entry_id: Any, fields: dict) -> CompletionObs | None:
     c = event.completion
     if event.type is not ResultType.DONE or c is None:
         return None
-    try:
-        finish_ms = int(as_str(entry_id, "replace").split("-")[0])
-    except ValueError:
+    finish_ms = entry_id_ms(entry_id)   # 0: not an entry id
+    if not finish_ms:
         return None
     return CompletionObs(
         finish_time=finish_ms / 1000.0, ttft_ms=c.ttft_ms, tbt_p50_ms=c.tbt_p50_ms,

@@ -39,9 +39,10 @@
 /* Quantize one row of K floats to int8 blocks of 32 (llama.cpp's Q8_1, but rounding to the
  * nearest even like torch.round): da = amax / 127, qa = rint(x / da), sa = da * sum(qa).
  * AVX2 (the kernel's baseline): the scalar loop called libm's nearbyintf per element; this
- * made a q4_1 step ~5% faster at batch 8 and 32 (docs/performance.md, session 13). The same bits: the max is order-free (a NaN skipped as in
- * `a > amax ? a : amax`), each product x * id is one IEEE multiply, vroundps rounds to the
- * nearest even as nearbyintf does, and the integer sum is exact. */
+ * made a q4_1 step ~5% faster at batch 8 and 32 (docs/performance.md, session 13). The same
+ * bits: the max is order-free (a NaN skipped as in `a > amax ? a : amax`), each product
+ * x * id is one IEEE multiply, vroundps rounds to the nearest even as nearbyintf does, and
+ * the integer sum is exact. */
 __attribute__((target("avx2,fma,f16c")))
 static void quantize_row(const float *x, int64_t K, int8_t *qa, float *da, float *sa, int32_t *asum) {
     const int64_t nb = K / QK;

@@ -147,12 +147,10 @@ class ClusterUnavailable(redis.ConnectionError):
 
 
 _TRANSIENT_CLUSTER_ERRORS = (redis.exceptions.ClusterError, redis.exceptions.TryAgainError,
-                             redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError,
-                             # redis-py >= 8.2 raises this subclass of RedisClusterException
-                             # when no node answers (before: the base class, "cannot be connected").
-                             *filter(None, [getattr(redis.exceptions, "RedisClusterUnreachableError", None)]))
+                             redis.exceptions.AskError, redis.exceptions.SlotNotCoveredError)
 # RedisClusterException is also raised for a programming error (keys in two slots in one
 # transaction): only these messages mean "the cluster cannot be reached or agree right now".
+# Its subclasses too: redis-py >= 8.2 raises RedisClusterUnreachableError ("cannot be connected").
 _TRANSIENT_MESSAGES = ("cannot be connected", "could not agree", "not covered", "No targets were found")
 
 

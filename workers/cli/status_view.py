@@ -27,7 +27,7 @@ import redis
 
 from pdqueue.control import commands
 from pdqueue.keys import PREFILL_GROUP, Keys
-from pdqueue.protocol import as_str
+from pdqueue.protocol import as_str, entry_id_ms
 from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
@@ -120,7 +120,7 @@ def _recent(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> dict:
             e2e.append(e2e_ms)
         if n > 1:
             tbt.append(tbt_ms)
-        done_ms = int(as_str(entry_id, "replace").split("-")[0])
+        done_ms = entry_id_ms(entry_id)
         first_start_ms = min(first_start_ms, done_ms - int(e2e_ms))
     # Rates over the active part of the window: from the arrival of its first request.
     span_s = max(1e-3, min(window_s, (now_ms - first_start_ms) / 1000)) if entries else window_s
