@@ -380,6 +380,7 @@ class AsyncRequestHandle(_Handle):
         reading = _Reading(self, timeout)
         r = self.client.redis
         while not reading.done:
+            raise_dropped_cancellation()   # (before a read that may block for long, too)
             try:
                 reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -402,6 +403,7 @@ class AsyncRequestHandle(_Handle):
         r = self.client.redis
         idle_ms = max(1, int(idle_s * 1000)) if idle_s is not None else None
         while not reading.done:
+            raise_dropped_cancellation()
             block = reading.block_ms() if idle_ms is None else min(reading.block_ms(), idle_ms)
             try:
                 reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
@@ -452,6 +454,7 @@ class AsyncClient(_Settled):
             except redis.RedisError as exc:
                 if not transient(exc):
                     raise
+                raise_dropped_cancellation()   # (a cancelled submit is not sent again)
                 await asyncio.sleep(submitting.failed(exc))
                 continue
             submitting.sent()

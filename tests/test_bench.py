@@ -136,6 +136,40 @@ def test_serve_stopped_with_sigterm_leaves_no_worker_behind(tmp_path, when):
     assert ours() == [], "workers left running after the bench got SIGTERM"
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 has no Task.cancelling(): a cancellation "
+                    "that redis-py drops cannot be told from none there")
+def test_the_timeline_sampler_stops_when_cancelled_mid_read(redis_url):
+    """The bench's timeline sampler is cancelled when the load ends, or when a SIGTERM ends
+    the bench; ``asyncio.run`` then waits for it. A cancellation landing in one of its Redis
+    reads could be dropped by redis.asyncio (Python 3.11, redis-py 8.2: about one in twenty
+    here), and the sampler then sampled for ever: the SIGTERM test's bench never exited."""
+    import asyncio
+
+    import redis as redis_sync
+
+    from pdqueue.bench.serve_bench import _sample_timeline
+    from pdqueue.keys import Keys
+
+    keys = Keys("sampled")
+    r = redis_sync.Redis.from_url(redis_url)
+    for i in range(30):   # enough workers that a round's reads take a while
+        r.hset(keys.worker(f"w{i}"), mapping={"role": "decode", "load": json.dumps({"running": i})})
+
+    async def main():
+        for i in range(120):
+            timeline: list[dict] = []
+            task = asyncio.ensure_future(_sample_timeline(redis_url, "sampled", timeline, every_s=0.5))
+            await asyncio.sleep(0.0005 * (i % 11))
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=3.0)
+            assert done and task.cancelled(), f"round {i}: the cancelled sampler kept sampling"
+
+    try:
+        asyncio.run(main())
+    finally:
+        r.delete(*[keys.worker(f"w{i}") for i in range(30)])
+
+
 def wait_until(check, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():

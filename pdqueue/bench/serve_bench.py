@@ -43,6 +43,7 @@ from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
 from pdqueue.bench.serve_report import (chaos_event_line, claim, metrics, phase_claim, phase_metrics, pool_rates,
                                        rate_key, workload_dict)
 from pdqueue.bench.stats import summary
+from pdqueue.queue.connection import raise_dropped_cancellation
 
 
 def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] = print,
@@ -342,6 +343,9 @@ async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s
                 timeline.append(sample)
             except redis.RedisError:
                 pass
+            # A cancellation redis.asyncio dropped (queue/connection.py) would keep this loop
+            # sampling for ever, and the bench's exit waits for it (seen: a SIGTERM under load).
+            raise_dropped_cancellation()
             await asyncio.sleep(every_s)
     finally:
         await r.aclose()

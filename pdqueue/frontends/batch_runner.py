@@ -24,7 +24,7 @@ import redis
 from pdqueue.frontends.batch import BatchError, BatchRun
 from pdqueue.frontends.batch_store import RETENTION_S, BatchKeys, LeaseLost, RedisInput, RedisOutput, file_ids_of
 from pdqueue.keys import Keys
-from pdqueue.queue.connection import connect
+from pdqueue.queue.connection import connect, raise_dropped_cancellation
 
 log = logging.getLogger("pdqueue.frontends.gateway")
 
@@ -73,6 +73,7 @@ class BatchRunner:
                 if not failed:
                     log.warning("batches: cannot read them from Redis (%s); retrying", exc)
                 failed = True
+            raise_dropped_cancellation()   # (one redis.asyncio dropped would keep this loop going)
             try:
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
             except asyncio.TimeoutError:
@@ -163,6 +164,7 @@ class BatchRunner:
                 stop.set()
             if cancelled or self.stopping:
                 stop.set()
+            raise_dropped_cancellation()
         try:
             await task
         except LeaseLost:
