@@ -237,7 +237,12 @@ def test_publisher_units_are_atomic_and_isolate_bad_ones(r, redis_url):
 @pytest.mark.processes
 def test_publisher_survives_a_redis_restart(tmp_path):
     with RedisServer(dir=tmp_path, appendonly=True) as server:
-        pub = Publisher(lambda: redis.Redis.from_url(server.url), backoff_max_s=0.2)
+        # redis-py's own retries off (redis-py 6+ retries a lost connection 3 times by default,
+        # which could ride out the 0.3 s outage unseen): the publisher's retries are tested.
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        pub = Publisher(lambda: redis.Redis.from_url(server.url, retry=Retry(NoBackoff(), 0)), backoff_max_s=0.2)
         total, restart_at = 3000, 1000
         for seq in range(total):
             pub.submit([XAdd("seq", {"seq": str(seq)})])

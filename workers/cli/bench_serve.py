@@ -215,7 +215,7 @@ def _write_partial(out: str, partial: dict) -> None:
               help="SLO on each request's p90 time between tokens (default: per model).")
 @click.option("--phases", default=None,
               help="A load that changes, instead of --rates: phases sent back to back, each a kind "
-                   "(chat: 10%% documents at 2 req/s; docs: 50%% at 1 req/s) or name:long_fraction:rate:seconds; "
+                   "(chat: 10% documents at 2 req/s; docs: 50% at 1 req/s) or name:long_fraction:rate:seconds; "
                    "e.g. chat,docs,chat.")
 @click.option("--phase-s", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds of each phase given by kind.")
