@@ -15,6 +15,7 @@ from pathlib import Path
 from pdqueue.keys import Keys
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
+from tests import forked
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ class Cluster:
         self.log_dir = Path(log_dir)
         self.model = model
         self.cluster = cluster
-        self.procs: dict[str, subprocess.Popen] = {}  # by short name
+        self.procs: dict[str, subprocess.Popen | forked.Forked] = {}  # by short name
         # Worker ids carry a per-cluster tag: other test runs on this host (sharing /dev/shm)
         # must never be mistaken for ours.
         self.tag = secrets.token_hex(3)
@@ -33,16 +34,24 @@ class Cluster:
         self.keys = Keys(cluster)
 
     def start(self, role: str, *args: str, worker_id: str | None = None, prefix: list[str] | None = None,
-              env: dict | None = None, wait: bool = True) -> str:
+              env: dict | None = None, wait: bool = True, fork: bool = True) -> str:
+        """``fork``: forked from the test process's forkserver (tests/forked.py: the same
+        command line without paying `import torch` again); False (or a ``prefix``): a
+        `python -m workers` process of its own."""
         name = worker_id or f"{role}-{len(self.procs)}"
-        cmd = [sys.executable, "-m", "workers", "worker", role, "--model", self.model,
-               "--redis-url", self.redis_url, "--cluster", self.cluster, "--worker-id", self.id(name),
-               "--threads", "1", "--kv-cache-mb", "16", *args]
-        if prefix:  # e.g. ["unshare", "--mount", "sh", "-c", "mount ... && exec {cmd}"]
-            cmd = [*prefix[:-1], prefix[-1].format(cmd=" ".join(_quote(c) for c in cmd))]
-        log = open(self.log_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                            env={**os.environ, **(env or {})}, start_new_session=True)
+        argv = ["worker", role, "--model", self.model, "--redis-url", self.redis_url, "--cluster", self.cluster,
+                "--worker-id", self.id(name), "--threads", "1", "--kv-cache-mb", "16", *args]
+        env = {**os.environ, **(env or {})}
+        log_path = self.log_dir / f"{name}.log"
+        if fork and not prefix and forked.enabled():
+            self.procs[name] = forked.Forked(argv, env, str(ROOT), str(log_path))
+        else:
+            cmd = [sys.executable, "-m", "workers", *argv]
+            if prefix:  # e.g. ["unshare", "--mount", "sh", "-c", "mount ... && exec {cmd}"]
+                cmd = [*prefix[:-1], prefix[-1].format(cmd=" ".join(_quote(c) for c in cmd))]
+            with open(log_path, "ab") as log:
+                self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                                    start_new_session=True)
         if wait:
             self.wait_registered(name)
         return name
