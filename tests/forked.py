@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 PRELOAD = ["torch", "workers.cli", "pdqueue.models", "pdqueue.engine", "pdqueue.transfer"]
 _context = None
@@ -64,10 +65,22 @@ class Forked:
 
     def __init__(self, argv: list[str], env: dict, cwd: str, log_path: str):
         self.args = argv
+        with open(log_path, "ab"):   # there when this returns, as with Popen (tests read it at once)
+            pass
         self._process = _ctx().Process(target=_run, args=(argv, env, cwd, log_path), daemon=True)
         self._process.start()
         self.pid = self._process.pid
         self.returncode: int | None = None
+        # As with Popen(start_new_session=True): its process group exists when this returns
+        # (Cluster.signal is a killpg; one sent before the fork's setsid found no group).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if os.getpgid(self.pid) == self.pid:
+                    break
+            except ProcessLookupError:   # gone already (reaped by the forkserver)
+                break
+            time.sleep(0.001)
 
     def poll(self) -> int | None:
         if self.returncode is None and not self._process.is_alive():

@@ -765,7 +765,14 @@ def test_expired_tickets_are_recomputed(cluster, tiny, tmp_path):
     prompts = prompts_alike(tiny, 3)
     params, handles = submit_all(cluster, prompts)
     wait_for(lambda: cluster.r.xlen(Keys(cluster.cluster).handoff) == 3, 60, "three handoffs")
-    wait_for(lambda: load_of(cluster, "prefill0").get("leases") == 0, 15, "the leases expired")
+    # A heartbeat written after the leases' end says none is left (one written before the
+    # handoffs says 0 too: with a decode worker that starts fast, that one let it fetch in time).
+    expired_ms = time.time() * 1000 + 500
+
+    def leases_gone() -> bool:
+        w = cluster.workers()["prefill0"]
+        return w.get("beat_ms", 0) > expired_ms and w.get("load", {}).get("leases") == 0
+    wait_for(leases_gone, 15, "the leases expired")
     cluster.start("decode", "--transfer", "tcp", "--kv-secret-file", key, worker_id="decode0")
     check_results(cluster, tiny, prompts, params, handles, "recompute")
     assert "lease_expired" in cluster.log("decode0")

@@ -151,15 +151,19 @@ def test_a_decode_worker_with_a_prompt_backlog_or_not_taking_prompts_gets_none(r
 
 
 def test_spare_time_follows_what_the_decodes_leave_of_the_clock():
-    spare = SpareTime(tau_s=0.1)
+    now = [0.0]   # its own clock (time.sleep(0.01) under load slept 15 ms: "all the time" read 0.14)
+    spare = SpareTime(tau_s=0.1, clock=lambda: now[0])
     for _ in range(40):   # decodes stepping half the time
-        time.sleep(0.01)
+        now[0] += 0.01
         spare.add(0.005)
-    assert 0.3 < spare.share < 0.7, spare.share
+    assert 0.45 < spare.share < 0.55, spare.share
     for _ in range(60):   # stepping all the time
-        time.sleep(0.01)
-        spare.add(0.0101)
-    assert spare.share < 0.1, spare.share
+        now[0] += 0.01
+        spare.add(0.01)
+    assert spare.share < 0.01, spare.share
+    now[0] += 0.5   # idle for 5 tau: nearly all of it spare again
+    spare.add(0.0)
+    assert spare.share > 0.99, spare.share
 
 
 def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redis_url, tiny):

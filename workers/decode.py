@@ -71,11 +71,12 @@ class SpareTime:
     steps without prompt tokens count whole, steps with some count what the step cost model
     gives their decode rows alone (the prompt tokens in them are the spare time's use)."""
 
-    def __init__(self, tau_s: float = SPARE_TAU_S):
-        self.share, self.tau_s, self._at = 1.0, tau_s, time.monotonic()
+    def __init__(self, tau_s: float = SPARE_TAU_S, clock=time.monotonic):
+        self.share, self.tau_s, self.clock = 1.0, tau_s, clock
+        self._at = clock()
 
     def add(self, decode_s: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         wall, self._at = now - self._at, now
         if wall <= 0:
             return
