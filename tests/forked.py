@@ -10,8 +10,9 @@ tests use). Only its /proc cmdline differs (the forkserver's), so a test that lo
 up by command line starts them with ``fork=False`` (`Cluster.start`), and
 ``PDQ_TEST_FORK_WORKERS=0`` turns this off for a whole run.
 
-Forking after `import torch` is safe while the forkserver has run no torch op (no OpenMP
-pool, no other thread): it only imports.
+The forkserver only imports: it runs no torch op, so no OpenMP pool exists when it forks.
+`import torch` leaves one idle native thread, which a fork does not copy; PyTorch's own
+DataLoader forks from processes that have run far more of torch than this.
 """
 
 from __future__ import annotations
