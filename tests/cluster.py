@@ -150,12 +150,15 @@ class Cluster:
 
 
 def owner_alive(segment_path: str) -> bool:
+    from pdqueue.transfer.errors import TransferError
     from pdqueue.transfer.shm import pid_alive, read_segment_info
 
     try:
         return pid_alive(read_segment_info(segment_path).pid)
-    except FileNotFoundError:
-        return True
+    except (FileNotFoundError, TransferError):
+        # Removed between the listing and this read (read_segment_info raises TransferError
+        # for a missing file): gone, so not leaked. One still there but unreadable is leaked.
+        return not os.path.exists(segment_path)
 
 
 def _quote(s: str) -> str:

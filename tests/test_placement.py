@@ -130,6 +130,36 @@ def test_a_queued_prefill_worker_places_short_prompts_while_the_decode_worker_an
     assert placer.placed == 3
 
 
+def test_with_a_ttft_target_a_prompt_that_would_miss_it_there_stays_here(r, tiny):
+    decode_beat(r, "d0", prompt_tok_s=400.0, free_slots=8)
+    engine = prefill_engine(tiny, 0.003)
+    queue(engine, 500)   # 1.5 s of prompt tokens ahead here
+    placer = Placement(r, Keys(), "p0", ttft_slo_ms=1000)
+    now_ms = time.time() * 1000
+    # 400 tokens there: 1.0 s at 400 tok/s, past what the target leaves of a request 100 ms old
+    assert placer.place(engine, 400, enqueued_ms=now_ms - 100) is None
+    # 40 tokens there: 0.1 s, within the 0.9 s it leaves
+    assert placer.place(engine, 40, enqueued_ms=now_ms - 100) == Keys().handoff_node("n1")
+    # a request that waited 950 ms in the stream: 50 ms left, less than even 40 tokens there take
+    assert placer.place(engine, 40, enqueued_ms=now_ms - 950) is None
+    # one past its target already is not placed (nothing to save there)
+    assert placer.place(engine, 40, enqueued_ms=now_ms - 5000) is None
+    # without a target: the 1 s cap from now, whatever the request waited
+    untargeted = Placement(r, Keys(), "p1")
+    assert untargeted.place(engine, 200, enqueued_ms=now_ms - 5000) == Keys().handoff_node("n1")
+    assert placer.placed == 1 and untargeted.placed == 1
+
+
+def test_a_heartbeat_with_an_interval_beats_that_often_and_never_slower_than_ttl_over_3(r):
+    fast = Heartbeat(r, Keys(), "fast", role="decode", ttl_s=9.0, interval_s=0.2).start()
+    capped = Heartbeat(r, Keys(), "capped", role="decode", ttl_s=0.6, interval_s=5.0)
+    try:
+        assert capped.interval_s == pytest.approx(0.2)
+        wait_for(lambda: fast.beats >= 4, timeout=5, what="4 beats of a heartbeat beating every 0.2 s")
+    finally:
+        fast.stop()
+
+
 def test_a_decode_worker_with_a_prompt_backlog_or_not_taking_prompts_gets_none(r, tiny):
     engine = prefill_engine(tiny, 0.003)
     queue(engine, 200)   # 0.6 s here

@@ -73,7 +73,8 @@ class PrefillRole(RequestRole):
         self.peers = DecodePeers(shell.r, shell.keys)
         # Short prompts go to a decode worker taking prompts when it would answer sooner.
         if config.placement != "off":
-            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers)
+            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers,
+                                           ttft_slo_ms=config.ttft_slo_ms)
         # The process's pool (the shell's: a switch allocates nothing), in shared memory on
         # CPU, so decode workers on this node copy from it.
         kv_cache = shell.kv_pool(shared=True)

@@ -76,6 +76,7 @@ log = logging.getLogger("pdqueue.worker")
 MAX_CONSECUTIVE_FAILURES = 20
 PUBLISHER_FLUSH_S = 10.0       # what close() waits for unpublished answers
 PUBLISHER_FLUSH_GONE_S = 1.0   # ... when Redis is known to be gone
+PLACEMENT_BEAT_S = 0.5         # a decode worker taking placed prompts beats this often (its load is read)
 
 
 class WorkerShell:
@@ -98,8 +99,12 @@ class WorkerShell:
         # The role epoch starts at the process's start time (ms) and grows by one per switch,
         # so a command aimed at an earlier process under this worker id is stale too.
         self.role_epoch = self.role_since_ms = int(now_ms())
+        # A decode worker taking placed prompts beats every PLACEMENT_BEAT_S: prefill workers
+        # place by its load (workers/placement.py), which a beat every ttl/3 (3.3 s) left stale
+        # across a change of load.
         self.heartbeat = Heartbeat(self.r, self.keys, self.worker_id, role=role.name, incarnation=self.incarnation,
-                                   model=config.engine.model, ttl_s=config.heartbeat_ttl_s)
+                                   model=config.engine.model, ttl_s=config.heartbeat_ttl_s,
+                                   interval_s=PLACEMENT_BEAT_S if config.take_prompts else None)
         self.heartbeat.update(role_epoch=self.role_epoch, switchable=int(config.switchable),
                               role_since_ms=self.role_since_ms, switching_to="",
                               weights=getattr(loaded, "weights", "fp32"),

@@ -6,7 +6,8 @@ Each worker keeps a hash ``worker:<id>`` with a TTL (``Heartbeat``): fields ``ro
 ``weights`` (``fp32``, ``int8`` or ``int4``: how its linear layers are held), and
 what role switching needs (``pdqueue.control.commands``): ``role_epoch``, ``switchable`` (0/1),
 ``role_since_ms`` and ``switching_to`` (the role an accepted switch goes to; empty
-otherwise). The whole hash is rewritten and its TTL renewed every ``ttl_s / 3`` seconds,
+otherwise). The whole hash is rewritten and its TTL renewed every ``ttl_s / 3`` seconds
+(or ``interval_s``, where readers need a fresher load: a decode worker taking placed prompts),
 so a worker that dies (or loses Redis for longer than the TTL) simply disappears, and one
 that comes back re-registers in full. Nobody trusts a
 worker to report its own death; ``remove()`` on a clean stop only makes it quicker.
@@ -59,12 +60,13 @@ class Heartbeat:
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, *, role: str, node: str = "",
                  endpoints: dict | None = None, load: dict | None = None, model: str = "",
                  incarnation: str | None = None, ttl_s: float = HEARTBEAT_TTL_S,
-                 backoff_max_s: float = 2.0):
+                 backoff_max_s: float = 2.0, interval_s: float | None = None):
         self._r = r
         self.key = keys.worker(worker_id)
         self.worker_id = worker_id
         self.incarnation = incarnation or uuid.uuid4().hex
         self.ttl_s = ttl_s
+        self.interval_s = ttl_s / 3 if interval_s is None else min(interval_s, ttl_s / 3)
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()   # one beat at a time: a later snapshot is never overwritten by an earlier one
@@ -117,7 +119,7 @@ class Heartbeat:
             self.beats += 1
 
     def _run(self) -> None:
-        interval = self.ttl_s / 3
+        interval = self.interval_s
         delay = interval
         while not self._stop.wait(delay):
             try:
