@@ -15,7 +15,8 @@ from pdqueue.client import Client
 from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
-from pdqueue.keys import Keys
+from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import as_str
 from pdqueue.queue.registry import Heartbeat, list_workers
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
@@ -61,6 +62,47 @@ def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(clust
     assert total(scrape(p0), "pdqueue:prompts_placed_total") == len(placed)
     assert total(scrape(d0), "pdqueue:placed_prompt_tokens_total") == sum(res.num_prompt_tokens for res in placed)
     wait_pools_free(cluster)
+
+
+def test_a_prefill_worker_with_prompts_waiting_reads_on_and_places_the_short_ones_behind_them(cluster):
+    """Placement decides at intake, so a prefill worker whose engine holds waiting prompts still
+    reads the stream while a decode worker has room (``reads_ahead``): the short prompts queued
+    behind long ones are placed at once, not once the long ones have started."""
+    # One prompt at a time, 8 tokens a step: each long prompt takes ~150 steps.
+    cluster.start_together(("prefill", *FAST, "--placement", "always", "--max-num-seqs", "1", "--policy", "chunked",
+                            "--max-batched-tokens", "8", {"worker_id": "p0"}),
+                           ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
+    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    client = Client(cluster.redis_url)
+    text = "the quick brown fox " * 60   # 1200 tokens: past MAX_PROMPT_TOKENS, never placed
+    longs = client.submit_many([dict(prompt=f"{i} {text}", max_tokens=2, temperature=0.0) for i in range(12)])
+    # Once p0 holds all 12, 11 of them wait in its engine
+    wait_for(lambda: cluster.r.xpending(cluster.keys.requests, PREFILL_GROUP)["pending"] == len(longs),
+             what="p0 holding the long prompts")
+    shorts = client.submit_many([dict(prompt=f"short prompt {i}", max_tokens=4, temperature=0.0) for i in range(4)])
+    results = [h.result(timeout=60) for h in shorts]
+    finished = {as_str(f.get(b"id", f.get("id"))) for _, f in cluster.r.xrange(cluster.keys.done)}
+    longs_done = sum(h.request_id in finished for h in longs)
+    assert all(res.prefill_worker == cluster.id("d0") for res in results), results
+    # Read only once no prompt waited, they would have come after 11 of the 12 had started.
+    assert longs_done <= 5, f"the short prompts were answered after {longs_done} of 12 long ones"
+    assert all(h.result(timeout=120).num_prompt_tokens > MAX_PROMPT_TOKENS for h in longs)
+    wait_pools_free(cluster)
+
+
+def test_has_room_while_a_decode_worker_taking_prompts_has_a_free_slot_and_a_short_wait(r):
+    hb = decode_beat(r, "d0", prompt_tok_s=100.0, free_slots=1)
+    placer = Placement(r, Keys(), "p0")
+    assert placer.has_room(time.monotonic())
+    hb.update(prompt_backlog=300)   # 3 s of prompt tokens there
+    hb.beat()
+    time.sleep(0.6)   # the placer reads heartbeats every 0.5 s
+    assert not placer.has_room(time.monotonic())
+    assert Placement(r, Keys(), "p1", mode="always").has_room(time.monotonic())   # always: a free slot is enough
+    hb.update(prompt_backlog=0, free_slots=0)
+    hb.beat()
+    time.sleep(0.6)
+    assert not placer.has_room(time.monotonic())
 
 
 def test_a_decode_worker_killed_holding_placed_prompts_loses_nothing(cluster, tiny):
@@ -128,26 +170,6 @@ def test_a_queued_prefill_worker_places_short_prompts_while_the_decode_worker_an
     assert placer.place(engine, 40) == Keys().handoff_node("n1")
     assert placer.place(engine, 40) is None   # its 3 free slots are taken by what we sent
     assert placer.placed == 3
-
-
-def test_with_a_ttft_target_a_prompt_that_would_miss_it_there_stays_here(r, tiny):
-    decode_beat(r, "d0", prompt_tok_s=400.0, free_slots=8)
-    engine = prefill_engine(tiny, 0.003)
-    queue(engine, 500)   # 1.5 s of prompt tokens ahead here
-    placer = Placement(r, Keys(), "p0", ttft_slo_ms=1000)
-    now_ms = time.time() * 1000
-    # 400 tokens there: 1.0 s at 400 tok/s, past what the target leaves of a request 100 ms old
-    assert placer.place(engine, 400, enqueued_ms=now_ms - 100) is None
-    # 40 tokens there: 0.1 s, within the 0.9 s it leaves
-    assert placer.place(engine, 40, enqueued_ms=now_ms - 100) == Keys().handoff_node("n1")
-    # a request that waited 950 ms in the stream: 50 ms left, less than even 40 tokens there take
-    assert placer.place(engine, 40, enqueued_ms=now_ms - 950) is None
-    # one past its target already is not placed (nothing to save there)
-    assert placer.place(engine, 40, enqueued_ms=now_ms - 5000) is None
-    # without a target: the 1 s cap from now, whatever the request waited
-    untargeted = Placement(r, Keys(), "p1")
-    assert untargeted.place(engine, 200, enqueued_ms=now_ms - 5000) == Keys().handoff_node("n1")
-    assert placer.placed == 1 and untargeted.placed == 1
 
 
 def test_a_heartbeat_with_an_interval_beats_that_often_and_never_slower_than_ttl_over_3(r):

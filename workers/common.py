@@ -49,7 +49,6 @@ class WorkerConfig:
     migrate: bool = True            # decode: a warm stop or switch moves running requests to a peer (migration.py)
     take_prompts: bool = False      # decode: prefill the short prompts prefill workers place here (placement.py)
     placement: str = "auto"         # prefill: auto | always | off: place short prompts on decode workers (placement.py)
-    ttft_slo_ms: float | None = None  # prefill: place a prompt only where its first token comes within this of its arrival
     decode_here: str = "off"        # prefill: auto: decode a request here when no decode worker has room (prefill.py)
     worker_id: str | None = None
     burst: bool = False             # exit when there is nothing left to do (tests, batch jobs)
@@ -85,8 +84,6 @@ class WorkerConfig:
             port = getattr(self, name)
             if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):
                 bad(name, "must be None or a port in 0-65535")
-        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
-            bad("ttft_slo_ms", "must be None or > 0 ms")
         for name in ("lease_s", "fetch_timeout_s", "max_step_s", "heartbeat_ttl_s"):
             if not getattr(self, name) > 0:
                 bad(name, "must be > 0 seconds")

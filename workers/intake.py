@@ -113,7 +113,7 @@ class Intake:
                     return None
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             if self.placer is not None and not req.background:
-                target = self.placer.place(engine, len(prompt_ids), req.enqueued_ms)
+                target = self.placer.place(engine, len(prompt_ids))
                 if target is not None:
                     handoff = Handoff(request=req, prompt_ids=prompt_ids, output_ids=[], seed=seed, ticket=None,
                                       prefill_worker=self.worker_id, enqueued_ms=req.enqueued_ms,

@@ -11,15 +11,7 @@ handoff* (no KV, no token: protocol/handoff.py) instead of prefilling it, when
 - it is online (not batch) and at most ``max_tokens`` long;
 - it would wait here at least ``MIN_WAIT_S``: an unloaded split stays a split, so the
   placement can only matter where the prefill side queues;
-- its first token comes sooner there: ``remote < local * MARGIN``;
-- and there within ``MAX_REMOTE_WAIT_S`` or, with a TTFT target (``--ttft-slo-ms``), within
-  what the target leaves since the request's arrival, whichever is less. A prompt that misses
-  its target anyway (a document behind a queue, under a tight target) is not worth the decode
-  worker's gaps: it stays here, and the decode worker's spare time goes to prompts that can
-  still make it (measured: under TTFT <= 1 s, placed documents that all missed it left the
-  decode worker prefilling them when the chats came back; docs/performance.md, session 15),
-
-with
+- and its first token comes sooner there: ``remote < local * MARGIN`` with
 
       local  = seconds per step here (a) + seconds per prompt token here (c)
                x (prompt tokens queued in this engine + the prompt)
@@ -67,9 +59,8 @@ class Placement:
     decode worker taking prompts while it has a free slot: tests, decode-heavy setups)."""
 
     def __init__(self, r, keys, worker_id: str, mode: str = "auto", max_tokens: int = MAX_PROMPT_TOKENS,
-                 peers: DecodePeers | None = None, ttft_slo_ms: float | None = None):
+                 peers: DecodePeers | None = None):
         self.worker_id, self.mode, self.max_tokens = worker_id, mode, max_tokens
-        self.ttft_slo_s = None if ttft_slo_ms is None else ttft_slo_ms / 1000
         self.view = peers if peers is not None else DecodePeers(r, keys)
         self.keys = keys
         self.peers: dict[str, Peer] = {}
@@ -98,10 +89,16 @@ class Placement:
                                          int(load.get("free_slots") or 0), sent)
         self.peers = peers
 
-    def place(self, engine, num_tokens: int, enqueued_ms: float = 0) -> str | None:
+    def has_room(self, now: float) -> bool:
+        """Whether some decode worker taking prompts has a free slot and would start a prompt
+        within ``MAX_REMOTE_WAIT_S`` (``always``: a free slot)."""
+        self.refresh(now)
+        return any(p.free_slots > len(p.sent) and (self.mode == "always" or p.wait_s(now, 0) <= MAX_REMOTE_WAIT_S)
+                   for p in self.peers.values())
+
+    def place(self, engine, num_tokens: int) -> str | None:
         """The handoff stream of the decode worker that should prefill a prompt of
-        ``num_tokens`` (this worker's ``engine`` holding what it has queued; the request
-        arrived at ``enqueued_ms``, unix ms, 0 if unknown), or None: here."""
+        ``num_tokens`` (this worker's ``engine`` holding what it has queued), or None: here."""
         if num_tokens > self.max_tokens:
             return None
         now = time.monotonic()
@@ -110,7 +107,7 @@ class Placement:
             return None
         best = min((p for p in self.peers.values() if p.free_slots > len(p.sent)),
                    key=lambda p: p.wait_s(now, num_tokens), default=None)
-        if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > self.remote_limit_s(enqueued_ms):
+        if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > MAX_REMOTE_WAIT_S:
             return None
         if self.mode != "always":
             local = local_wait_s(engine, num_tokens)
@@ -120,15 +117,6 @@ class Placement:
         self.view.handed_off()
         self.placed += 1
         return best.stream
-
-
-    def remote_limit_s(self, enqueued_ms: float) -> float:
-        """How long a placed prompt may wait there for its first token: ``MAX_REMOTE_WAIT_S``,
-        or less when the TTFT target leaves less since the request's arrival (0: none left)."""
-        if self.ttft_slo_s is None or not enqueued_ms:
-            return MAX_REMOTE_WAIT_S
-        left = self.ttft_slo_s - max(0.0, time.time() - enqueued_ms / 1000)
-        return max(0.0, min(MAX_REMOTE_WAIT_S, left))
 
 
 def local_wait_s(engine, num_tokens: int) -> float | None:

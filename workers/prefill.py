@@ -73,8 +73,7 @@ class PrefillRole(RequestRole):
         self.peers = DecodePeers(shell.r, shell.keys)
         # Short prompts go to a decode worker taking prompts when it would answer sooner.
         if config.placement != "off":
-            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers,
-                                           ttft_slo_ms=config.ttft_slo_ms)
+            self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers)
         # The process's pool (the shell's: a switch allocates nothing), in shared memory on
         # CPU, so decode workers on this node copy from it.
         kv_cache = shell.kv_pool(shared=True)
@@ -109,6 +108,15 @@ class PrefillRole(RequestRole):
         """The online prompts this step may finish stay here when no decode worker has room."""
         if self.shell.config.decode_here == "auto":   # off: nothing is ever marked
             self.engine.keep_decoding(self.shell.accepting and self.peers.room() is False)
+
+    def reads_ahead(self) -> bool:
+        """With placement, while a decode worker has room for prompts: the placement decides
+        at intake, so a short prompt queued in Redis behind the prompts waiting here would
+        otherwise wait for them before it could be placed (measured under overload: the chats
+        after a burst of documents waited seconds in Redis while the decode worker idled)."""
+        placer = self.intake.placer
+        return (placer is not None and self.engine.scheduler.num_waiting_foreground < self.read_limit()
+                and placer.has_room(time.monotonic()))
 
     def batch_room(self) -> int:
         """Batch entries only while the decode side is close to taking the ones already

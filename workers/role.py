@@ -183,6 +183,8 @@ class RequestRole(Role):
                     self.accept(taken, resumed=False)
             if self.shell.accepting:
                 self.take_batch()
+        elif self.shell.accepting and self.reads_ahead():
+            self.shell.take(self.read_limit() - self.engine.scheduler.num_waiting_foreground, block_ms=0)
         elif self.shell.accepting and not self.engine.scheduler.num_waiting_rank(0):
             self.take_interactive()
         elif not busy:
@@ -201,6 +203,12 @@ class RequestRole(Role):
     def read_limit(self) -> int:
         """How many request entries to take at once."""
         return self.shell.config.max_batch_requests
+
+    def reads_ahead(self) -> bool:
+        """Whether to read the request streams although online prompts wait in the engine
+        (then up to ``read_limit`` waiting in all); no by default: they wait in Redis, where
+        any worker may take them."""
+        return False
 
     def batch_room(self) -> int:
         """How many more batch entries the role's own downstream can take (no bound here)."""

@@ -59,15 +59,15 @@ PLACED_CHUNK_TOKENS = 64
 
 
 def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> Callable[[Settings], Workers]:
-    """1 prefill worker (float32, or ``prefill_weights``) placing prompts by cost, within the
-    bench's TTFT SLO, + 1 decode worker (``weights``) taking them within the TBT budget of the
-    bench's TBT SLO; both switchable."""
+    """1 prefill worker (float32, or ``prefill_weights``) placing prompts by cost + 1 decode
+    worker (``weights``) taking them within the TBT budget of the bench's TBT SLO; both
+    switchable."""
     def workers(settings: Settings) -> Workers:
         decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(PLACED_CHUNK_TOKENS),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:
             decode = ("--weights", weights, *decode)
-        prefill = ("--placement", "auto", "--ttft-slo-ms", f"{settings.slo_ttft_ms:g}", "--switchable")
+        prefill = ("--placement", "auto", "--switchable")
         if prefill_weights:
             prefill = ("--weights", prefill_weights, *prefill)
         return [("prefill", prefill), ("decode", decode)]

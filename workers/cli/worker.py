@@ -121,10 +121,6 @@ def limit_options(f):
               help="Prefill: where short prompts are prefilled. auto: on a decode worker started with "
                    "--take-prompts when its first token would come sooner there (by both workers' measured step "
                    "costs); always: there whenever it has a free slot; off: here.")
-@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=config_default("ttft_slo_ms"),
-              help="Prefill with --placement auto: place a prompt on a decode worker only when its first token "
-                   "comes there within this many ms of the request's arrival (a prompt that misses its target "
-                   "anyway stays here rather than lengthen the decode worker's gaps). Default: within 1 s of now.")
 @click.option("--decode-here", type=click.Choice(DECODE_HERE), default=config_default("decode_here"), show_default=True,
               help="Prefill: auto decodes a request in this worker, after its first token, when every live decode "
                    "worker is full (no free slot or KV); off always hands it over (it waits for room).")
@@ -154,8 +150,8 @@ def limit_options(f):
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, policy,
            tbt_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement, ttft_slo_ms,
-           decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
+           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement, decode_here,
+           worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -175,8 +171,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
                           reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s,
-                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts, placement=placement, ttft_slo_ms=ttft_slo_ms,
-                          decode_here=decode_here,
+                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts, placement=placement, decode_here=decode_here,
                           worker_id=worker_id, burst=burst, switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
