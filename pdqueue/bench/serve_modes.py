@@ -52,18 +52,14 @@ def _colocated_chunked(*, slo: bool = False, weights: str | None = None,
     return workers
 
 
-# A decode worker taking prompts computes at most this many tokens a step: with 256, steps of
-# placed chunks (~0.6-0.8 s in int4) left handoffs waiting seconds past the split's capacity
-# (5 req/s: 0.80x the fixed split; with 64: 1.00x median, docs/performance.md).
-PLACED_CHUNK_TOKENS = 64
-
-
 def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> Callable[[Settings], Workers]:
     """1 prefill worker (float32, or ``prefill_weights``) placing prompts by cost + 1 decode
     worker (``weights``) taking them within the TBT budget of the bench's TBT SLO; both
     switchable."""
     def workers(settings: Settings) -> Workers:
-        decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(PLACED_CHUNK_TOKENS),
+        # (``--placed-chunk-tokens``, 64 by default: with 256, steps of placed chunks, ~0.6-0.8 s
+        # in int4, left handoffs waiting seconds past the split's capacity; docs/performance.md)
+        decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(settings.placed_chunk_tokens),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:
             decode = ("--weights", weights, *decode)

@@ -231,6 +231,9 @@ def _write_partial(out: str, partial: dict) -> None:
               help="Requests sent (and not counted) before each mode's first rate.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
+@click.option("--placed-chunk-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="placement and elastic modes: the decode worker's token budget of one step, placed prompt "
+                   "chunks and decodes together (--max-batched-tokens; up --take-prompts uses 64).")
 @click.option("--batch-lines", type=click.IntRange(min=0), default=0, show_default=True,
               help="Batch-class requests queued at the start of each rate, beside the online load; the figures "
                    "say how many were answered during the online load and what share of the capacity it left "
@@ -259,7 +262,8 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
-                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, batch_lines, batch_max_tokens,
+                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, placed_chunk_tokens,
+                batch_lines, batch_max_tokens,
                 chaos, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
@@ -290,7 +294,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     settings = Settings.for_model(
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=csv_values(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
-        slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens, openai_url=openai_url,
+        slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens,
+        placed_chunk_tokens=placed_chunk_tokens, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
         batch_max_tokens=batch_max_tokens, chaos=chaos_events, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))

@@ -32,7 +32,7 @@ DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea."
                 "Explain in one sentence why the sky is blue.")
 DEMO_MAX_TOKENS = 64
 # A decode worker of `up --take-prompts`: placed prompts in chunks of at most 64 tokens a step
-# beside its decodes (pdqueue.bench.serve_modes.PLACED_CHUNK_TOKENS says why).
+# beside its decodes (`bench serve --placed-chunk-tokens`; docs/performance.md says why).
 TAKE_PROMPTS_ARGS = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", "64")
 
 
