@@ -93,8 +93,16 @@ class Placement:
         """Whether some decode worker taking prompts has a free slot and would start a prompt
         within ``MAX_REMOTE_WAIT_S`` (``always``: a free slot)."""
         self.refresh(now)
-        return any(p.free_slots > len(p.sent) and (self.mode == "always" or p.wait_s(now, 0) <= MAX_REMOTE_WAIT_S)
-                   for p in self.peers.values())
+        return self._soonest(now, 0) is not None
+
+    def _soonest(self, now: float, num_tokens: int) -> Peer | None:
+        """The peer with a free slot that would give a prompt of ``num_tokens`` its first token
+        soonest, if within ``MAX_REMOTE_WAIT_S`` (``always``: however long)."""
+        best = min((p for p in self.peers.values() if p.free_slots > len(p.sent)),
+                   key=lambda p: p.wait_s(now, num_tokens), default=None)
+        if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > MAX_REMOTE_WAIT_S:
+            return None
+        return best
 
     def place(self, engine, num_tokens: int) -> str | None:
         """The handoff stream of the decode worker that should prefill a prompt of
@@ -103,11 +111,8 @@ class Placement:
             return None
         now = time.monotonic()
         self.refresh(now)
-        if not self.peers:
-            return None
-        best = min((p for p in self.peers.values() if p.free_slots > len(p.sent)),
-                   key=lambda p: p.wait_s(now, num_tokens), default=None)
-        if best is None or self.mode != "always" and best.wait_s(now, num_tokens) > MAX_REMOTE_WAIT_S:
+        best = self._soonest(now, num_tokens)
+        if best is None:
             return None
         if self.mode != "always":
             local = local_wait_s(engine, num_tokens)
