@@ -53,6 +53,8 @@ class EngineConfig:
     # Background (batch-class) sequences admitted at once (scheduler.py); None: 3/4 of
     # max_num_seqs, so that online requests always find a slot.
     max_background_seqs: int | None = None
+    # On a CUDA device, decode steps replay CUDA graphs (engine/cuda_graphs.py); ignored elsewhere.
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "policy", PrefillPolicy(self.policy))

@@ -39,6 +39,7 @@ import torch
 from pdqueue.engine.block_manager import BlockManager, prefix_root
 from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.cuda_graphs import GraphedDecode
 from pdqueue.engine.model_runner import ModelRunner
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams, sample
@@ -104,7 +105,10 @@ class LLMEngine:
                                           enable_caching=config.prefix_caching,
                                           root=self._prefix_root(loaded), on_rewrite=on_rewrite)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, kv_cache, config.block_size, config.device)
+        graphs = None
+        if config.cuda_graphs and GraphedDecode.usable(self.model, kv_cache.device):
+            graphs = GraphedDecode(self.model, kv_cache, config.block_size, config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, kv_cache, config.block_size, config.device, graphs=graphs)
         self.prefill_only = prefill_only
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self.stats = StepStats()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pdqueue.engine.cuda_graphs import GraphedDecode
 from pdqueue.engine.decode_kv import DecodeKV
 from pdqueue.engine.sequence import Sequence
 from pdqueue.models.attention import AttentionBatch
@@ -18,7 +19,7 @@ from pdqueue.models.attention import AttentionBatch
 
 class ModelRunner:
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: str | torch.device = "cpu",
-                 decode_kv: bool | None = None):
+                 decode_kv: bool | None = None, graphs: GraphedDecode | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -30,12 +31,16 @@ class ModelRunner:
         if decode_kv is None:
             decode_kv = self.device.type == "cpu"
         self.decode_kv = DecodeKV(kv_cache, block_size) if decode_kv else None
+        # Decode steps replayed from CUDA graphs (engine/cuda_graphs.py); None: always eager.
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]],
             paused: tuple = ()) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run one step; returns (float32 logits [R, vocab] on CPU, the R sequences they belong to).
         ``paused``: decodes that sit this step out and keep their K/V copies (decode_kv.py)."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch), [seq for seq, _ in batch]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -210,3 +210,37 @@ def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         slot[layer].copy_(new[i])
         outs.append(F.scaled_dot_product_attention(queries[i], keys[layer], values[layer], scale=scale))
     return _joined(outs, q.shape)
+
+
+@dataclass
+class PaddedDecode:
+    """A decode step in fixed shapes, so that it can be captured once and replayed (CUDA
+    graphs: pdqueue.engine.cuda_graphs). Rows past the real sequences repeat a real row.
+
+    ``slot_mapping`` [B]; ``block_tables`` [B, nb] (unused entries name any block: masked);
+    ``context_lens`` [B]; ``write_rows`` [B]: the row whose new K/V each row stores (a padded
+    row stores its source row's bytes into its source row's slot, so the duplicate write
+    cannot change what is there)."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    write_rows: torch.Tensor
+
+
+def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                            batch: PaddedDecode, scale: float) -> torch.Tensor:
+    """``paged_attention`` for a decode step without data-dependent shapes or host syncs:
+    every sequence gathers ``nb`` blocks and a mask hides the positions past its context.
+    The same attention as ``_decode_attention`` up to float rounding (one SDPA over the
+    padded batch instead of one per sequence)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rows = batch.write_rows
+    write_kv(k.index_select(0, rows), v.index_select(0, rows), layer_cache[0], layer_cache[1], batch.slot_mapping)
+    # [2, B, nb, block, Hkv, D] -> [2, B, Hkv, nb * block, D]
+    kv = layer_cache[:, batch.block_tables].flatten(2, 3).transpose(2, 3)
+    visible = torch.arange(kv.shape[3], device=q.device)[None, :] < batch.context_lens[:, None]   # [B, C]
+    queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)

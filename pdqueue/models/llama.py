@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdqueue.models.attention import AttentionBatch, causal_attention, paged_attention
+from pdqueue.models.attention import (AttentionBatch, PaddedDecode, causal_attention, padded_decode_attention,
+                                      paged_attention)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,15 @@ class LlamaModel(nn.Module):
         def attend(layer_index, q, k, v):
             return paged_attention(q, k, v, kv_cache[layer_index], batch, self.scale, layer_index, self.fused)
         return self._run(input_ids, positions, attend)
+
+    def padded_decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PaddedDecode,
+                             kv_cache: torch.Tensor) -> torch.Tensor:
+        """A decode step in fixed shapes (``models.attention.PaddedDecode``): new K/V into
+        ``kv_cache``, returns the logits of every row [B, vocab]; no host sync, so it can be
+        captured in a CUDA graph."""
+        def attend(layer_index, q, k, v):
+            return padded_decode_attention(q, k, v, kv_cache[layer_index], batch, self.scale)
+        return self.compute_logits(self._run(input_ids, positions, attend))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_head is not None:

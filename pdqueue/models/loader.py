@@ -97,9 +97,7 @@ def _fingerprint(path: Path | None) -> str:
 
 def _load_float(name, path: Path | None, device, dtype, use_cache: bool) -> LoadedModel:
     if path is None:
-        config = TINY_CONFIG
-        model = _build(config, tiny_weights(config).items(), device, dtype)
-        return LoadedModel(config, model, ByteTokenizer())
+        return random_model(TINY_CONFIG, device, dtype)
     if path.is_dir():
         return _load_hf_dir(path, device, dtype)
     model_name = _model_name(name, path)
@@ -150,6 +148,13 @@ def _allocate(model: torch.nn.Module, device, dtype) -> None:
 
 
 # --- tiny -------------------------------------------------------------------------------
+
+def random_model(config: ModelConfig = TINY_CONFIG, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedModel:
+    """A model of ``config``'s shape with ``tiny_weights`` (the test model; benchmarks of a
+    real model's shape where its file cannot go, e.g. scripts/bench_cuda_graphs.py)."""
+    return LoadedModel(config, _build(config, tiny_weights(config, seed).items(), device, dtype), ByteTokenizer())
+
 
 def tiny_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights in Hugging Face names, drawn in a fixed order from one seeded generator.

@@ -1,7 +1,7 @@
 """The ``nixl`` path: one-sided RDMA-capable reads of leased KV blocks with NIXL (UCX).
 
 NIXL (``pip install pdqueue[rdma]``: the ``nixl-cu12`` wheel, import name ``nixl_cu12``, with
-UCX bundled) moves registered memory between agents; UCX picks the transports it finds
+UCX bundled; on a CUDA 13 machine the ``nixl-cu13`` wheel, ``nixl_cu13``) moves registered memory between agents; UCX picks the transports it finds
 (RDMA verbs where there is an InfiniBand/RoCE device, else TCP, and for two processes of
 one host also ``cma``/shared memory), with no change here. Only this module imports it,
 and only when a sender or receiver is asked for the ``nixl`` path.
@@ -33,11 +33,12 @@ and only when a sender or receiver is asked for the ``nixl`` path.
   (its connection closed, the transfer cancelled) before the blocks are given back to the
   caller, and forgotten, so the next ticket fetches the metadata afresh.
 
-Imports torch and numpy; nixl_cu12 lazily.
+Imports torch and numpy; nixl_cu12 (or nixl_cu13) lazily.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import secrets
@@ -60,13 +61,28 @@ HOLD_MARGIN = 0.8         # a read must end within this share of the lease windo
 _SPIN_POLLS = 200         # polls of a transfer's state before sleeping between polls
 
 
+def _nixl_module():
+    """NIXL's Python package: the wheel built for torch's CUDA major version first (a CUDA 13
+    torch with nixl_cu12's UCX plugins cannot register device memory), else whichever is
+    installed. ImportError when none is."""
+    cuda = (torch.version.cuda or "").split(".")[0]
+    names = ("nixl_cu13", "nixl_cu12") if cuda == "13" else ("nixl_cu12", "nixl_cu13")
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    raise ImportError(f"no module named {' or '.join(names)}")
+
+
 def nixl_missing() -> str | None:
     """None when NIXL can be used here, else why not (for errors and test skips)."""
     try:
-        import nixl_cu12  # noqa: F401
+        _nixl_module()
     except Exception as exc:   # ImportError, or a shared library that fails to load
         return (f"NIXL is not importable ({exc.__class__.__name__}: {exc}); install it with "
-                "`pip install 'pdqueue[rdma]'` (the nixl-cu12 wheel)")
+                "`pip install 'pdqueue[rdma]'` (the nixl-cu12 wheel; nixl-cu13 for CUDA 13)")
     return None
 
 
@@ -86,7 +102,8 @@ def make_agent(name: str):
     missing = nixl_missing()
     if missing:
         raise RuntimeError(missing)
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    api = importlib.import_module(f"{_nixl_module().__name__}._api")
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL's Python logger prints INFO lines to stdout (where `bench --json` writes its
@@ -240,7 +257,7 @@ class NixlTransport(Transport):
             self.agent.make_connection(name)   # the first read then pays no connection set-up
         except TransferError:
             raise
-        except Exception as exc:   # nixl_cu12's errors (a malformed or unloadable metadata blob)
+        except Exception as exc:   # NIXL's errors (a malformed or unloadable metadata blob)
             raise TransferError(f"cannot load NIXL agent {name} of {ticket.endpoint}: {exc!r}",
                                 FailureCode.BAD_REPLY) from None
         remote = _Remote(name, header["addr"], header["nbytes"], header["mem"], header["dev"])
@@ -285,7 +302,7 @@ class NixlTransport(Transport):
                 if polls > _SPIN_POLLS:
                     time.sleep(min(0.001, 1e-5 * (polls - _SPIN_POLLS)))
                 state = agent.check_xfer_state(handle)
-        except Exception as exc:   # nixl_cu12's errors: a peer that disconnected, a bad descriptor
+        except Exception as exc:   # NIXL's errors: a peer that disconnected, a bad descriptor
             self._abandon(ticket, handle)
             raise TransferError(f"NIXL read of {ticket.request_id!r} from {remote.name} failed: {exc!r}",
                                 FailureCode.PEER_TIMEOUT) from None

@@ -56,6 +56,9 @@ def engine_options(f):
         click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
                      help="Reuse the KV of prompt prefixes already computed (full 16-token blocks)."),
         weights_option,
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="With --device cuda: decode steps replay CUDA graphs (captured per batch and context "
+                          "size when first needed); ignored on CPU."),
     ]):
         f = opt(f)
     return f

@@ -31,11 +31,11 @@ from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @engine_options
 def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, chat, device, dtype,
-             threads, kv_cache_mb, prefix_caching, weights):
+             threads, kv_cache_mb, prefix_caching, weights, cuda_graphs):
     """Generate in this process with the colocated engine, streaming tokens (the reference)."""
     check_model(model)
     config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
-                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, weights=weights)
+                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, weights=weights)
     check_device(device)
     check_kv_pool(model, config)
     if seed is None:
