@@ -16,6 +16,7 @@ from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.cuda_graphs import GraphedDecode, padded_decode, padded_inputs
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
+from pdqueue.models.loader import load_model
 from tests.helpers import mixed_prompts
 from tests.oracle import assert_same_tokens
 
@@ -75,12 +76,13 @@ def test_cuda_graph_decode_replays_give_the_eager_steps_tokens(tiny):
     prompts = _prompts(tiny, 12)
     max_tokens = [8 + 3 * i for i in range(12)]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    graphed = LLMEngine(tiny, EngineConfig(model="tiny", device="cuda", kv_cache_mb=16))
-    eager = LLMEngine(tiny, EngineConfig(model="tiny", device="cuda", kv_cache_mb=16, cuda_graphs=False))
+    on_gpu = load_model("tiny", device="cuda")
+    graphed = LLMEngine(on_gpu, EngineConfig(model="tiny", device="cuda", kv_cache_mb=16))
+    eager = LLMEngine(on_gpu, EngineConfig(model="tiny", device="cuda", kv_cache_mb=16, cuda_graphs=False))
     cpu = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16))
-    got = [out.token_ids for out in graphed.generate(prompts, params)]
-    want = [out.token_ids for out in eager.generate(prompts, params)]
-    reference = [out.token_ids for out in cpu.generate(prompts, params)]
+    got = graphed.generate(prompts, params)
+    want = eager.generate(prompts, params)
+    reference = cpu.generate(prompts, params)
     assert graphed.runner.graphs.replays > 20 and len(graphed.runner.graphs.graphs) >= 3
     assert eager.runner.graphs is None
     assert got == want

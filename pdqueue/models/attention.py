@@ -193,7 +193,7 @@ def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionB
 
 def _joined(outs: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """Per-sequence decode outputs [1, Hkv, group, D] -> [B, H, D] (no copy for one)."""
-    return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(shape)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(shape)   # CUDA SDPA may give a strided output
 
 
 def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
