@@ -220,6 +220,25 @@ def test_tbt_budget_cuts_prompt_chunks_only_for_decodes_without_slow_gaps_left()
     assert sch2.num_budgeted_steps == 1
 
 
+def test_a_step_that_spends_a_slow_gap_stays_within_slow_step_targets():
+    """A decode that may still have a slow gap lets prompts take more than fits in the target,
+    but not the whole 2048-token budget: what the cost model fits in SLOW_STEP_TARGETS targets
+    (50 ms x 1.5 = 75 ms: (75 - 10 - 2 x 1) / 0.1 ms = 630 tokens); cold, COLD_CHUNK."""
+    from pdqueue.engine.scheduler import COLD_CHUNK, SLOW_STEP_TARGETS
+
+    sch = budgeted(budget=2048)
+    decoding(sch, "a", max_tokens=31)          # 30 gaps: 2 may be slow at p90
+    sch.add(seq("doc", 2000))
+    batch = dict((s.request_id, n) for s, n in sch.schedule())
+    assert SLOW_STEP_TARGETS == 1.5 and batch["doc"] == pytest.approx(630, abs=2)
+
+    config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=2048, max_num_seqs=8, tbt_slo_ms=50)
+    cold = Scheduler(config, BlockManager(1024, 4))
+    decoding(cold, "a", max_tokens=31)
+    cold.add(seq("doc", 2000))
+    assert dict((s.request_id, n) for s, n in cold.schedule())["doc"] == COLD_CHUNK
+
+
 def test_tbt_budget_counts_earned_gaps_without_ignore_eos_and_keeps_a_minimum_chunk():
     from pdqueue.engine.scheduler import MIN_CHUNK
 

@@ -57,8 +57,8 @@ def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> C
     worker (``weights``) taking them within the TBT budget of the bench's TBT SLO; both
     switchable."""
     def workers(settings: Settings) -> Workers:
-        # (``--placed-chunk-tokens``, 64 by default: with 256, steps of placed chunks, ~0.6-0.8 s
-        # in int4, left handoffs waiting seconds past the split's capacity; docs/performance.md)
+        # (``--placed-chunk-tokens``, 512 by default: a cap; the TBT budget sizes the chunks by the
+        # TBT SLO, ~64 tokens at 60 ms and ~256 at 250 ms in q4_1: docs/performance.md, session 16)
         decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(settings.placed_chunk_tokens),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:

@@ -13,7 +13,8 @@ A step is a list of ``(sequence, num_new_tokens)``. Two policies:
 the ``tbt_percentile``-th percentile of its gaps is within it, so a few of its gaps may be
 slow: with n gaps, ``n - 1 - ceil(p (n - 1) / 100)`` of them (``slow_gaps_allowed``; 2 of 30
 at p90, none of 8). While every decode in the step can still afford one slow gap, prompt
-chunks take the whole token budget (TTFT first); otherwise they take only what fits beside
+chunks take what fits in ``SLOW_STEP_TARGETS`` targets (TTFT first, but no gap of seconds
+behind a whole token budget of prompt); otherwise they take only what fits beside
 the decodes within the target, as predicted by ``StepCostModel`` from this engine's own
 steps (at least ``MIN_CHUNK`` tokens, so prompts always progress; exactly that while the
 model has not learned the cost of a prompt token). A request's allowance is
@@ -70,6 +71,12 @@ ScheduledBatch = list[tuple[Sequence, int]]
 
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
+# A step that spends a slow gap ends within this many TBT targets. Measured (docs/performance.md,
+# sessions 15-16): a decode worker taking placed prompts did best with 64-token chunks under a
+# 60 ms target and 256 under 250 ms, steps of ~1.2-1.5 targets either way; a fixed chunk is
+# right for one target only.
+SLOW_STEP_TARGETS = 1.5
+COLD_CHUNK = 64       # prompt tokens of a slow-gap step before the cost model is ready
 BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
 # What background work may add to a step. Measured on SmolLM2 int4, one thread: a decode row
 # costs ~7 ms and a prompt token ~2 ms beside a ~31 ms step of one decode, so beside online
@@ -223,7 +230,11 @@ class Scheduler:
                 s.num_uncomputed_tokens > 1 for s in self.running):
             return full
         if all(slow_gaps_left(seq, self.tbt_percentile) > 0 for seq, _ in decodes):
-            return full
+            # A slow gap to spend: prompts take more, but the step stays within
+            # SLOW_STEP_TARGETS targets (a gap of 2 s behind a 2048-token chunk is one no
+            # stream should see); before the cost is learned, COLD_CHUNK.
+            fit = self.cost.prefill_tokens_within(self.tbt_step_s / STEP_SHARE * SLOW_STEP_TARGETS, len(decodes))
+            return min(full, COLD_CHUNK if fit is None else max(MIN_CHUNK, fit))
         fit = self.cost.prefill_tokens_within(self.tbt_step_s, len(decodes))
         if fit is not None and fit >= full:   # the whole budget fits
             return full

@@ -231,9 +231,10 @@ def _write_partial(out: str, partial: dict) -> None:
               help="Requests sent (and not counted) before each mode's first rate.")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="colocated-chunked: token budget of one step (--max-batched-tokens).")
-@click.option("--placed-chunk-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+@click.option("--placed-chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="placement and elastic modes: the decode worker's token budget of one step, placed prompt "
-                   "chunks and decodes together (--max-batched-tokens; up --take-prompts uses 64).")
+                   "chunks and decodes together (--max-batched-tokens; up --take-prompts uses 512); within it "
+                   "the TBT budget sizes the chunks by --slo-tbt-ms.")
 @click.option("--batch-lines", type=click.IntRange(min=0), default=0, show_default=True,
               help="Batch-class requests queued at the start of each rate, beside the online load; the figures "
                    "say how many were answered during the online load and what share of the capacity it left "

@@ -31,9 +31,10 @@ from workers.cli.common import (Target, UserError, check_model, connect, planner
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")
 DEMO_MAX_TOKENS = 64
-# A decode worker of `up --take-prompts`: placed prompts in chunks of at most 64 tokens a step
-# beside its decodes (`bench serve --placed-chunk-tokens`; docs/performance.md says why).
-TAKE_PROMPTS_ARGS = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", "64")
+# A decode worker of `up --take-prompts`: placed prompts in chunks beside its decodes, sized by
+# its TBT target (the engine's TBT budget, scheduler.py: ~64 tokens at 60 ms, ~256 at 250 ms
+# with q4_1 on this machine), at most 512 a step (docs/performance.md, sessions 15-16).
+TAKE_PROMPTS_ARGS = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", "512")
 
 
 def check_port_free(port: int) -> None:
