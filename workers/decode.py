@@ -304,7 +304,8 @@ class DecodeRole(Role):
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background,
-                                rank=h.request.rank, deadline_ms=h.request.deadline_at_ms)
+                                rank=h.request.rank, deadline_ms=h.request.deadline_at_ms,
+                                enqueued_ms=h.request.enqueued_ms)
         self.shell.metrics.prefilled_placed(len(h.prompt_ids))
 
     # ---- recompute: -> RUNNING | answered ------------------------------------------------------

@@ -173,8 +173,9 @@ class RequestRole(Role):
         self.router.refresh()
         busy = self.engine.has_unfinished
         # Online streams are read while no online request waits in the engine (batch ones
-        # waiting there queue behind whatever this brings).
-        if self.shell.accepting and self.engine.scheduler.num_waiting_foreground == 0:
+        # waiting there queue behind whatever this brings), nor one that can still make its TTFT
+        # target (the late ones wait behind what this brings; at most read_limit of them held).
+        if self.shell.accepting and self.nothing_waits_on_time():
             self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS)
             if self.engine.scheduler.num_waiting_foreground == 0 and self.shell.accepting:
                 # Entries routed to a dead worker (or, when idle, to one that lags)
@@ -203,6 +204,14 @@ class RequestRole(Role):
     def read_limit(self) -> int:
         """How many request entries to take at once."""
         return self.shell.config.max_batch_requests
+
+    def nothing_waits_on_time(self) -> bool:
+        """No online prompt waits in the engine, except late ones (past their TTFT target,
+        scheduler.mark_late), fewer than ``--max-batch-requests`` of them."""
+        scheduler = self.engine.scheduler
+        return (scheduler.num_waiting_on_time == 0
+                and scheduler.num_waiting_foreground - scheduler.num_waiting_on_time
+                < self.shell.config.max_batch_requests)
 
     def reads_ahead(self) -> bool:
         """Whether to read the request streams although online prompts wait in the engine

@@ -76,6 +76,7 @@ class Settings:
     probes: int = 10                   # one at a time, for the idle queue overhead
     chunk_tokens: int = 256            # colocated-chunked: token budget per step
     placed_chunk_tokens: int = 512     # placement and elastic modes: the decode worker's token budget per step
+    late_last: bool = True             # every worker gets --ttft-slo-ms slo_ttft_ms (prompts past it wait last)
     kv_cache_mb: int = 256
     drain_timeout_s: float = 180.0     # after the last arrival, unfinished requests are failed
     phases: tuple[Phase, ...] = ()     # a load that changes (instead of ``rates``)

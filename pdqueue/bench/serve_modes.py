@@ -142,7 +142,10 @@ def mode_workers(mode: str, settings: Settings) -> Workers:
     """(role, extra worker options) of each process of ``mode``."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
-    return MODES[mode].workers(settings)
+    workers = MODES[mode].workers(settings)
+    if settings.late_last:   # the same TTFT order in every mode (engine/scheduler.py, mark_late)
+        workers = [(role, (*extra, "--ttft-slo-ms", f"{settings.slo_ttft_ms:g}")) for role, extra in workers]
+    return workers
 
 
 class Running(Protocol):

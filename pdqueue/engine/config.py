@@ -50,6 +50,9 @@ class EngineConfig:
     # should keep at its ``tbt_percentile``-th percentile; None: chunks fill the token budget.
     tbt_slo_ms: float | None = None
     tbt_percentile: int = 90
+    # A TTFT target: a waiting prompt whose first token can no longer come within it of its
+    # request's enqueue time waits behind those that still can (scheduler.py); None: off.
+    ttft_slo_ms: float | None = None
     # Background (batch-class) sequences admitted at once (scheduler.py); None: 3/4 of
     # max_num_seqs, so that online requests always find a slot.
     max_background_seqs: int | None = None
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms}")
         if self.tbt_slo_ms is not None and self.policy != PrefillPolicy.CHUNKED:
             raise ValueError("a TBT target (tbt_slo_ms, --tbt-slo-ms) needs the chunked policy (--policy chunked)")
+        if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
+            raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         if not 0 < self.tbt_percentile <= 100:
             raise ValueError(f"tbt_percentile must be in (0, 100], got {self.tbt_percentile}")
         if self.max_background_seqs is not None and not 0 <= self.max_background_seqs <= self.max_num_seqs:

@@ -156,11 +156,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     output_ids: list[int] | None = None, background: bool = False, rank: int = 0,
-                    deadline_ms: float | None = None) -> Sequence:
+                    deadline_ms: float | None = None, enqueued_ms: float | None = None) -> Sequence:
         """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute);
         ``background``: the batch class, which yields to the others; ``rank`` (the service
         class's, 0 first) and ``deadline_ms`` (epoch ms, None: none): where it waits among
-        the others (scheduler.py)."""
+        the others (scheduler.py); ``enqueued_ms`` (epoch ms): when its request was sent, from
+        which a TTFT target (``ttft_slo_ms``) counts."""
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in the engine")
         reason = self.check_prompt(len(prompt_ids) + len(output_ids or ()))
@@ -168,6 +169,8 @@ class LLMEngine:
             raise ValueError(reason)
         seq = Sequence(request_id, prompt_ids, params, output_ids, background=background, rank=rank,
                        deadline_ms=deadline_ms)
+        if self.config.ttft_slo_ms is not None and enqueued_ms is not None and not output_ids:
+            seq.ttft_due_ms = enqueued_ms + self.config.ttft_slo_ms
         self._track(seq, output_ids or [])
         self.scheduler.add(seq)
         return seq
@@ -268,7 +271,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(time.time() * 1000)
         if not batch:
             return []
         started = time.perf_counter()

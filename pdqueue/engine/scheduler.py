@@ -46,8 +46,10 @@ the others leave, and give it back at the next step:
   KV: nothing is recomputed;
 - preemption: the newest background sequence goes before any foreground one.
 
-**The waiting order** (``waiting_key``): foreground before background; a preempted sequence
-before new ones; then the service class's rank (``Sequence.rank``: interactive before
+**The waiting order** (``waiting_key``): foreground before background; with a TTFT target
+(``ttft_slo_ms``), prompts that can still make it before those that cannot (``mark_late``,
+each step: due time against now plus the prompt's cost by the step cost model; under overload
+serving the lost ones first only loses the next ones too); a preempted sequence before new ones; then the service class's rank (``Sequence.rank``: interactive before
 standard); then the deadline (``Sequence.deadline_ms``), the earliest first, those without
 one last; then arrival. Admission takes the head of the queue while it fits, so prompts
 start in that order (their tokens are the same in any order: per-row batch invariance).
@@ -107,10 +109,11 @@ def slow_gaps_left(seq: Sequence, percentile: int) -> int:
 
 
 def waiting_key(seq: Sequence) -> tuple:
-    """Where a sequence waits (smallest first): foreground before background; a preempted
+    """Where a sequence waits (smallest first): foreground before background; then those
+    that can still make their TTFT target before those that cannot (``late``); a preempted
     one (it has started: its tokens are out) before new ones; then the service class's rank;
     then the deadline, earliest first, those without one last; then arrival."""
-    return (seq.background, seq.num_preemptions == 0, seq.rank,
+    return (seq.background, seq.late, seq.num_preemptions == 0, seq.rank,
             seq.deadline_ms is None, seq.deadline_ms or 0.0, seq.arrival)
 
 
@@ -171,6 +174,27 @@ class Scheduler:
     def num_waiting_foreground(self) -> int:
         return sum(not s.background for s in self.waiting)
 
+    @property
+    def num_waiting_on_time(self) -> int:
+        """Foreground sequences waiting that can still make their TTFT target (all of them
+        without one)."""
+        return sum(not s.background and not s.late for s in self.waiting)
+
+    def mark_late(self, now_ms: float) -> None:
+        """Waiting prompts whose first token can no longer come by its due time (now, plus
+        what computing the prompt costs by the step cost model) move behind those that still
+        can: under overload, serving the ones already lost first only loses the next ones
+        too. Their order among themselves stays."""
+        changed = False
+        for seq in self.waiting:
+            if seq.late or seq.ttft_due_ms is None or seq.background or seq.num_output_tokens:
+                continue   # (a preempted sequence's first token is out: it keeps its place)
+            cost_ms = 1000 * self.cost.predict(0, seq.num_uncomputed_tokens) if self.cost.ready else 0.0
+            if now_ms + cost_ms > seq.ttft_due_ms:
+                seq.late = changed = True
+        if changed:
+            self.waiting = deque(sorted(self.waiting, key=waiting_key))
+
     def num_waiting_rank(self, rank: int) -> int:
         """Waiting sequences of service-class rank ``rank`` (0: interactive)."""
         return sum(s.rank == rank for s in self.waiting)
@@ -179,7 +203,10 @@ class Scheduler:
         """Whether one more background sequence may take a slot now."""
         return self.num_background < self.max_background
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, now_ms: float | None = None) -> ScheduledBatch:
+        """The next step; ``now_ms`` (epoch ms): the clock for TTFT targets (``mark_late``)."""
+        if now_ms is not None:
+            self.mark_late(now_ms)
         alone = not any(not s.background for s in self.running) and not any(not s.background for s in self.waiting)
         self._background_tokens = BACKGROUND_PROMPT_TOKENS if alone else 0
         if self.policy == PrefillPolicy.PREFILL_FIRST:

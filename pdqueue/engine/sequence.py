@@ -51,6 +51,10 @@ class Sequence:
         # deadline (epoch ms; None: after those with one), then arrival.
         self.rank = rank
         self.deadline_ms = deadline_ms
+        # With a TTFT target (EngineConfig.ttft_slo_ms): when its first token is due (epoch ms),
+        # and whether it can no longer make that (then it waits behind those that still can).
+        self.ttft_due_ms: float | None = None
+        self.late = False
         self.arrival = 0   # set by the scheduler when it queues the sequence
 
     def __repr__(self) -> str:

@@ -235,6 +235,9 @@ def _write_partial(out: str, partial: dict) -> None:
               help="placement and elastic modes: the decode worker's token budget of one step, placed prompt "
                    "chunks and decodes together (--max-batched-tokens; up --take-prompts uses 512); within it "
                    "the TBT budget sizes the chunks by --slo-tbt-ms.")
+@click.option("--late-last/--no-late-last", default=True, show_default=True,
+              help="Every worker gets --ttft-slo-ms (the bench's TTFT SLO): prompts that can no longer make it "
+                   "wait behind those that still can. --no-late-last: arrival order, as before session 16.")
 @click.option("--batch-lines", type=click.IntRange(min=0), default=0, show_default=True,
               help="Batch-class requests queued at the start of each rate, beside the online load; the figures "
                    "say how many were answered during the online load and what share of the capacity it left "
@@ -264,7 +267,7 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
                 phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, placed_chunk_tokens,
-                batch_lines, batch_max_tokens,
+                late_last, batch_lines, batch_max_tokens,
                 chaos, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
@@ -296,7 +299,7 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=csv_values(rates, float, "--rates"), duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens,
-        placed_chunk_tokens=placed_chunk_tokens, openai_url=openai_url,
+        placed_chunk_tokens=placed_chunk_tokens, late_last=late_last, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
         batch_max_tokens=batch_max_tokens, chaos=chaos_events, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))

@@ -330,7 +330,8 @@ def planner_options(f):
                      show_default=True, help="reactive: SLO breaches and backlog, one step at a time; "
                                              "predictive: demand over measured capacity."),
         click.option("--ttft-slo-ms", type=click.FloatRange(min=1), default=4000.0, show_default=True,
-                     help="Time-to-first-token target."),
+                     help="Time-to-first-token target (`up` gives it to every worker too: prompts that can no "
+                          "longer make it wait behind those that still can)."),
         click.option("--tbt-slo-ms", type=click.FloatRange(min=1), default=250.0, show_default=True,
                      help="Target for each request's p90 time between tokens."),
         click.option("--dwell-s", type=click.FloatRange(min=0), default=30.0, show_default=True,

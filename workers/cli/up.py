@@ -169,7 +169,9 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 redis_password=redis_password, prefill_weights=prefill_weights or weights,
                                 decode_weights=decode_weights or weights,
                                 decode_args=TAKE_PROMPTS_ARGS + ("--tbt-slo-ms", f"{tbt_slo_ms:g}")
-                                if take_prompts else (), restart_backoff_s=restart_backoff_s)
+                                if take_prompts else (), restart_backoff_s=restart_backoff_s,
+                                # prompts that can no longer make --ttft-slo-ms wait behind those that can
+                                worker_args=("--ttft-slo-ms", f"{ttft_slo_ms:g}"))
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):

@@ -65,8 +65,12 @@ def limit_options(f):
 @click.option("--tbt-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
               help="With --policy chunked: the inter-token gap (p90 of each request's) to keep while prompts "
                    "are prefilled beside running decodes; a step then takes only the prompt tokens that fit, "
-                   "except while every running request can still afford a slow gap (the engine's scheduler). "
-                   "Default: none (chunks fill --max-batched-tokens).")
+                   "or what fits in 1.5 targets while every running request can still afford a slow gap (the "
+                   "engine's scheduler). Default: none (chunks fill --max-batched-tokens).")
+@click.option("--ttft-slo-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="A TTFT target: prompts whose first token can no longer come within it of their request's "
+                   "enqueue time wait behind those that still can, and the worker keeps reading the request "
+                   "streams past them (up to --max-batch-requests of them held). Default: none (arrival order).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=config_default("max_num_seqs", EngineConfig),
               show_default=True)
 @click.option("--max-batched-tokens", type=click.IntRange(min=1),
@@ -149,7 +153,7 @@ def limit_options(f):
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs, policy,
-           tbt_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
+           tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
            fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement, decode_here,
            worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
@@ -160,7 +164,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     engine = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
                                  kv_cache_mb=kv_cache_mb, policy=policy, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
-                                 weights=weights, tbt_slo_ms=tbt_slo_ms)
+                                 weights=weights, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms)
     check_device(device)
     check_transfer(transfer)
     check_redis(redis_url)
