@@ -138,7 +138,8 @@ def workload_dict(settings: Settings) -> dict:
             "long_output": w.long_output, "long_fraction": w.long_fraction, "seed": settings.seed,
             "requests_per_rate": {rate_key(r): settings.requests_at(r) for r in settings.rates},
             "warmup": settings.warmup, "chunk_tokens": settings.chunk_tokens,
-            "placed_chunk_tokens": settings.placed_chunk_tokens, "late_last": settings.late_last, "threads_per_worker": 1,
+            "placed_chunk_tokens": settings.placed_chunk_tokens, "late_last": settings.late_last,
+            "threads_per_worker": 1,
             "sampling": "greedy, ignore_eos", "kind": settings.workload_kind,
             **({"system_prompts": SYSTEM_PROMPTS, "system_len": SYSTEM_LEN, "conversations": CONVERSATIONS,
                 "user_len": USER_LEN, "assistant_len": ASSISTANT_LEN, "max_turns": MAX_TURNS}

@@ -49,7 +49,8 @@ the others leave, and give it back at the next step:
 **The waiting order** (``waiting_key``): foreground before background; with a TTFT target
 (``ttft_slo_ms``), prompts that can still make it before those that cannot (``mark_late``,
 each step: due time against now plus the prompt's cost by the step cost model; under overload
-serving the lost ones first only loses the next ones too); a preempted sequence before new ones; then the service class's rank (``Sequence.rank``: interactive before
+serving the lost ones first only loses the next ones too); a preempted sequence before new
+ones; then the service class's rank (``Sequence.rank``: interactive before
 standard); then the deadline (``Sequence.deadline_ms``), the earliest first, those without
 one last; then arrival. Admission takes the head of the queue while it fits, so prompts
 start in that order (their tokens are the same in any order: per-row batch invariance).

@@ -1,7 +1,8 @@
 """The ``nixl`` path: one-sided RDMA-capable reads of leased KV blocks with NIXL (UCX).
 
 NIXL (``pip install pdqueue[rdma]``: the ``nixl-cu12`` wheel, import name ``nixl_cu12``, with
-UCX bundled; on a CUDA 13 machine the ``nixl-cu13`` wheel, ``nixl_cu13``) moves registered memory between agents; UCX picks the transports it finds
+UCX bundled; on a CUDA 13 machine the ``nixl-cu13`` wheel, ``nixl_cu13``) moves registered
+memory between agents; UCX picks the transports it finds
 (RDMA verbs where there is an InfiniBand/RoCE device, else TCP, and for two processes of
 one host also ``cma``/shared memory), with no change here. Only this module imports it,
 and only when a sender or receiver is asked for the ``nixl`` path.

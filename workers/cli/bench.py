@@ -35,14 +35,16 @@ bench.add_command(bench_serve)
               help="Weights formats to measure alternately, the first the baseline (e.g. fp32,int4,q4_1); "
                    "instead of --weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs, prompt_lens, batch_sizes,
+def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs, prompt_lens,
+                 batch_sizes,
                  rounds, formats, as_json):
     """Prefill tokens/s and decode ms/step beside the memory-bandwidth bound; with quantized
     --weights (int8, int4, q4_1), beside float32 weights in the same run (decode_b1_vs_fp32)."""
     check_model(model)
     lens, sizes = positive_ints("--prompt-lens", prompt_lens), positive_ints("--batch-sizes", batch_sizes)
     config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
-                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, weights=weights)
+                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
+                                 weights=weights)
     check_device(device)
     check_kv_pool(model, config)
     from pdqueue.bench import engine_bench

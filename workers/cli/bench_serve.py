@@ -196,7 +196,8 @@ def _write_partial(out: str, partial: dict) -> None:
                    "worker that a planner switches between roles as the load changes), colocated-slo (chunked "
                    "under the TBT budget of --slo-tbt-ms), disagg-int8, disagg-int4, disagg-q4_1, "
                    "colocated-chunked-int4, colocated-chunked-q4_1, colocated-slo-int4, placement-int4, "
-                   "placement-fp32, placement-q4_1 (1 prefill worker placing prompts by cost + 1 decode worker taking them), "
+                   "placement-fp32, placement-q4_1 (1 prefill worker placing prompts by cost + 1 decode worker "
+                   "taking them), "
                    "elastic, elastic-q4_1, elastic-fp32 (the same with a planner over roles, budgets and "
                    "migrations), elastic-colocated, prefix-off, prefix-blind, prefix-aware "
                    "(pdqueue/bench/serve_modes.py says what each starts).")

@@ -35,7 +35,8 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
     """Generate in this process with the colocated engine, streaming tokens (the reference)."""
     check_model(model)
     config = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
-                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs, weights=weights)
+                                 kv_cache_mb=kv_cache_mb, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
+                                 weights=weights)
     check_device(device)
     check_kv_pool(model, config)
     if seed is None:

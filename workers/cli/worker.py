@@ -152,10 +152,10 @@ def limit_options(f):
 @click.option("--no-metrics", is_flag=True, help="Serve no metrics endpoint.")
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
-def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs, policy,
-           tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port, advertise_host, lease_s,
-           fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s, migrate, take_prompts, placement, decode_here,
-           worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
+def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs,
+           policy, tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port,
+           advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s,
+           migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -163,8 +163,9 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
     check_model(model)
     engine = check_engine_config(model=model, device=device, dtype=dtype, num_threads=threads,
                                  kv_cache_mb=kv_cache_mb, policy=policy, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching, cuda_graphs=cuda_graphs,
-                                 weights=weights, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms)
+                                 max_num_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching,
+                                 cuda_graphs=cuda_graphs, weights=weights, tbt_slo_ms=tbt_slo_ms,
+                                 ttft_slo_ms=ttft_slo_ms)
     check_device(device)
     check_transfer(transfer)
     check_redis(redis_url)
