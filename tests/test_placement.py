@@ -218,11 +218,36 @@ def test_spare_time_follows_what_the_decodes_leave_of_the_clock():
     assert spare.share > 0.99, spare.share
 
 
+def test_spare_time_counts_a_step_against_the_tbt_step_budget():
+    """A decode worker stepping back to back has no idle time, but decode steps of 60 ms
+    under a 100 ms step budget leave 40 % of what each step may take: the spare share reads
+    that, not 0; steps that use the spare for prompt chunks (decode part 60 ms of 100 ms
+    steps) read the same; and decodes longer than the budget leave nothing."""
+    now = [0.0]
+    spare = SpareTime(tau_s=0.1, clock=lambda: now[0])
+    for _ in range(40):   # 60 ms decode steps, back to back
+        now[0] += 0.06
+        spare.add(0.06, frame_s=0.1)
+    assert 0.38 < spare.share < 0.42, spare.share
+    for _ in range(40):   # 100 ms steps: 60 ms of decodes + 40 ms of a prompt chunk
+        now[0] += 0.1
+        spare.add(0.06, frame_s=0.1)
+    assert 0.38 < spare.share < 0.42, spare.share
+    for _ in range(40):   # 150 ms of decodes alone
+        now[0] += 0.15
+        spare.add(0.15, frame_s=0.1)
+    assert spare.share < 0.01, spare.share
+    for _ in range(40):   # without a budget the same 60 ms steps back to back leave nothing
+        now[0] += 0.06
+        spare.add(0.06)
+    assert spare.share < 0.01, spare.share
+
+
 def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redis_url, tiny):
     """The decode role's own heartbeat (a real WorkerShell on a real Redis, its engine on the
     chunked policy with a 200 ms TBT target): with plenty of spare time it advertises a
     prompt rate and a prefill worker places a prompt there; once the p90 of its last 32
-    steps with decodes passes 0.6 x 200 = 120 ms, it advertises 0 and gets none, though its
+    steps with decodes passes GAP_GUARD x 200 ms, it advertises 0 and gets none, though its
     spare share is unchanged; back under, it takes prompts again. Fewer than 8 steps
     recorded are no evidence either way."""
     from workers.common import WorkerConfig
@@ -258,8 +283,8 @@ def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redi
 
         guard_ms = GAP_GUARD * target_ms
         fast = [0.05] * RECENT_STEPS                                    # p90 50 ms
-        edge_under = [0.05] * 28 + [(guard_ms - 5) / 1000] * 4          # p90 just under 120 ms
-        slow = [0.05] * 24 + [(guard_ms + 5) / 1000] * 8                # p90 just past 120 ms
+        edge_under = [0.05] * 28 + [(guard_ms - 5) / 1000] * 4          # p90 just under the guard
+        slow = [0.05] * 24 + [(guard_ms + 5) / 1000] * 8                # p90 just past the guard
         few_slow = [1.0] * 7                                            # too few to judge
         for steps, open_ in ((fast, True), (slow, False), (edge_under, True), ([1.0] * RECENT_STEPS, False),
                              (few_slow, True), (fast, True)):
