@@ -220,6 +220,28 @@ def test_tbt_budget_cuts_prompt_chunks_only_for_decodes_without_slow_gaps_left()
     assert sch2.num_budgeted_steps == 1
 
 
+def test_a_gap_past_the_target_counts_slow_though_its_step_was_within_the_share():
+    """The gap a client sees runs from one token to the next, the time between the steps
+    included: a 30 ms step (within 50 ms x STEP_SHARE) that ends 55 ms after the decode's
+    previous token is a slow gap; one that ends 45 ms after it is not; a 45 ms step is one
+    whatever the gap; without the step's end (a caller that has none) only the step counts."""
+    sch = budgeted()
+    a = decoding(sch, "a", max_tokens=31)
+    a.last_token_s = 100.0
+    batch = sch.schedule()
+    run_step(batch)
+    sch.observe_step(batch, 0.030, 100.045)
+    assert a.slow_gaps == 0
+    a.last_token_s = 100.0
+    sch.observe_step(batch, 0.030, 100.055)
+    assert a.slow_gaps == 1
+    a.last_token_s = 100.0
+    sch.observe_step(batch, 0.045, 100.045)
+    assert a.slow_gaps == 2
+    sch.observe_step(batch, 0.030)
+    assert a.slow_gaps == 2
+
+
 def test_a_step_that_spends_a_slow_gap_stays_within_slow_step_targets():
     """A decode that may still have a slow gap lets prompts take more than fits in the target,
     but not the whole 2048-token budget: what the cost model fits in SLOW_STEP_TARGETS targets

@@ -90,6 +90,13 @@ class SpareTime:
         keep = math.exp(-wall / self.tau_s)
         self.share = keep * self.share + (1 - keep) * max(0.0, 1 - decode_s / max(wall, frame_s))
 
+    def add_step(self, scheduler, decode_rows: int, prompts: bool, step_s: float) -> None:
+        """An engine step of ``step_s`` with ``decode_rows`` decodes (and prompt tokens when
+        ``prompts``), against the scheduler's TBT step budget."""
+        cost = scheduler.cost
+        decode_s = min(step_s, max(0.0, cost.predict(decode_rows, 0))) if prompts and cost.ready else step_s
+        self.add(decode_s, frame_s=scheduler.tbt_step_s or 0.0)
+
 
 class JobState(Enum):
     BACKLOG = "backlog"     # taken from Redis, waiting for room
@@ -198,8 +205,7 @@ class DecodeRole(Role):
             outputs = self.engine.step()
             dt = time.perf_counter() - t0
             self._step_s = 0.8 * self._step_s + 0.2 * dt
-            decode_s = min(dt, max(0.0, scheduler.cost.predict(rows, 0))) if prompts and scheduler.cost.ready else dt
-            self.spare.add(decode_s, frame_s=scheduler.tbt_step_s or 0.0)
+            self.spare.add_step(scheduler, rows, prompts, dt)
             if rows:
                 self.recent_steps.append(dt)
             self.publish(outputs)

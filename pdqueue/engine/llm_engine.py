@@ -285,8 +285,11 @@ class LLMEngine:
             token_ids = sample(logits, [seq.params for seq in sample_seqs], indices)
             for seq, index, token_id in zip(sample_seqs, indices, token_ids):
                 outputs.append(self._append(seq, index, token_id))
-        elapsed = time.perf_counter() - started
-        self.scheduler.observe_step(batch, elapsed)
+        ended = time.perf_counter()
+        elapsed = ended - started
+        self.scheduler.observe_step(batch, elapsed, ended)
+        for seq in sample_seqs:
+            seq.last_token_s = ended
         num_tokens = sum(n for _, n in batch)
         self.stats.num_seqs += len(batch)
         self.stats.num_tokens += num_tokens
