@@ -242,39 +242,6 @@ def test_a_gap_past_the_target_counts_slow_though_its_step_was_within_the_share(
     assert a.slow_gaps == 2
 
 
-def test_the_step_budget_leaves_room_for_the_time_measured_between_steps():
-    """A 50 ms target: a step may take 42.5 ms (STEP_SHARE) while little happens between the
-    steps; once the decodes' gaps run 20 ms past their steps (publishing, fetches), 30 ms;
-    never less than MIN_STEP_SHARE of the target however long the time between; and back
-    to 42.5 ms as the time between falls again. A decode that sat steps out (its gap is long)
-    does not count as time between."""
-    from pdqueue.engine.scheduler import MIN_STEP_SHARE, STEP_SHARE
-
-    sch = budgeted()
-    a = decoding(sch, "a", max_tokens=200)
-    b = decoding(sch, "b", max_tokens=200)
-    assert sch.tbt_step_s == pytest.approx(0.05 * STEP_SHARE)
-
-    def steps(n, step_s, between_s, b_gap_s=None):
-        t = 1000.0
-        for _ in range(n):
-            a.last_token_s = t
-            b.last_token_s = t - (b_gap_s or 0.0)
-            t += between_s + step_s
-            batch = [(a, 1), (b, 1)]
-            run_step(batch)
-            sch.observe_step(batch, step_s, t)
-
-    steps(40, 0.010, 0.001, b_gap_s=1.0)
-    assert sch.tbt_step_s == pytest.approx(0.05 * STEP_SHARE)
-    steps(40, 0.010, 0.020)
-    assert sch.tbt_step_s == pytest.approx(0.030, abs=0.001)
-    steps(40, 0.010, 0.040)
-    assert sch.tbt_step_s == pytest.approx(0.05 * MIN_STEP_SHARE)
-    steps(40, 0.010, 0.0)
-    assert sch.tbt_step_s == pytest.approx(0.05 * STEP_SHARE)
-
-
 def test_a_step_that_spends_a_slow_gap_stays_within_slow_step_targets():
     """A decode that may still have a slow gap lets prompts take more than fits in the target,
     but not the whole 2048-token budget: what the cost model fits in SLOW_STEP_TARGETS targets

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pdqueue.control.commands import MIGRATE
 from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.scheduler import STEP_SHARE
 from pdqueue.protocol import Handoff, encode_handoff
 from workers.common import Every, now_ms
 from workers.migration import Migrator
@@ -79,7 +80,7 @@ class ColocatedRole(RequestRole):
         scheduler = self.engine.scheduler
         if scheduler.policy != PrefillPolicy.CHUNKED:
             return "the TBT budget needs the chunked policy (--policy chunked)"
-        scheduler.tbt_target_s = None if tbt_slo_ms is None else tbt_slo_ms / 1000
+        scheduler.tbt_step_s = None if tbt_slo_ms is None else tbt_slo_ms / 1000 * STEP_SHARE
         self.tbt_budget_ms = tbt_slo_ms
         return None
 

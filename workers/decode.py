@@ -62,7 +62,7 @@ FETCH_WAIT_S = 0.05    # nothing to step: wait this long for a fetch to land
 SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
 TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost before this engine has measured one (int4 SmolLM2 ~2-5 ms)
 SPARE_TAU_S = 2.0      # the time constant of the spare-time average
-RECENT_STEPS = 32      # steps with decodes the gap guard looks at (each with the time measured between steps)
+RECENT_STEPS = 32      # steps with decodes the gap guard looks at
 GAP_GUARD = 1.0        # of the TBT target: a step p90 past it stops placed prompts
 
 
@@ -207,7 +207,7 @@ class DecodeRole(Role):
             self._step_s = 0.8 * self._step_s + 0.2 * dt
             self.spare.add_step(scheduler, rows, prompts, dt)
             if rows:
-                self.recent_steps.append(dt + scheduler.between_s)   # the gap its clients see
+                self.recent_steps.append(dt)
             self.publish(outputs)
             return True
         self.spare.add(0.0)

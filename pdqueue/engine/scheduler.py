@@ -74,12 +74,7 @@ from pdqueue.engine.step_cost import StepCostModel
 ScheduledBatch = list[tuple[Sequence, int]]
 
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
-STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest) ...
-# ... or less: the target less the time measured between a decode's steps, when that is more
-# than the rest (a float32 decode worker fetching and admitting handoffs spent 40-60 ms between
-# its steps: p90 gaps of 255-278 ms at 250), but never below this share.
-MIN_STEP_SHARE = 0.5
-BETWEEN_EMA = 0.2     # weight of the newest step in the between-steps average
+STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
 # A step that spends a slow gap ends within this many TBT targets. Measured (docs/performance.md,
 # sessions 15-16): a decode worker taking placed prompts did best with 64-token chunks under a
 # 60 ms target and 256 under 250 ms, steps of ~1.2-1.5 targets either way; a fixed chunk is
@@ -115,22 +110,6 @@ def slow_gaps_left(seq: Sequence, percentile: int) -> int:
     return slow_gaps_allowed(num_gaps, percentile) - seq.slow_gaps
 
 
-def count_slow_gaps(decodes: list[Sequence], seconds: float, ended_s: float | None, step_s: float,
-                    target_s: float) -> float | None:
-    """A step of ``seconds`` past ``step_s`` is a slow gap for each of its decodes; so is a
-    decode's gap since its previous token here past the whole target, the time between the
-    steps included (publishing, intake, fetch waits), though the step alone was within its
-    share (counting the steps alone left p90 gaps of 253-258 ms at a 250 ms target). Returns
-    the time between this step and the previous one (None: no decode's previous token known)."""
-    gaps = {} if ended_s is None else {seq: ended_s - seq.last_token_s for seq in decodes
-                                       if seq.last_token_s is not None}
-    for seq in decodes:
-        if seconds > step_s or gaps.get(seq, 0.0) > target_s:
-            seq.slow_gaps += 1
-    # the shortest: a decode that sat out steps (paused, background) says nothing of the time between
-    return max(0.0, min(gaps.values()) - seconds) if gaps else None
-
-
 def waiting_key(seq: Sequence) -> tuple:
     """Where a sequence waits (smallest first): foreground before background; then those
     that can still make their TTFT target before those that cannot (``late``); a preempted
@@ -149,8 +128,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.tbt_target_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1000
-        self.between_s = 0.0   # moving average of the time between a decode's steps that no step took
+        self.tbt_step_s = None if config.tbt_slo_ms is None else config.tbt_slo_ms / 1000 * STEP_SHARE
         self.tbt_percentile = config.tbt_percentile
         self.cost = StepCostModel()
         self.num_budgeted_steps = 0   # steps whose prompt chunks the TBT budget cut
@@ -274,14 +252,6 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    @property
-    def tbt_step_s(self) -> float | None:
-        """What one step may take of the TBT target (None: no target)."""
-        target = self.tbt_target_s
-        if target is None:
-            return None
-        return max(MIN_STEP_SHARE * target, min(STEP_SHARE * target, target - self.between_s))
-
     def _prompt_budget(self, decodes: ScheduledBatch) -> int:
         """Prompt tokens this step may take beside ``decodes`` (see the TBT budget above)."""
         full = self.max_num_batched_tokens - len(decodes)
@@ -292,7 +262,7 @@ class Scheduler:
             # A slow gap to spend: prompts take more, but the step stays within
             # SLOW_STEP_TARGETS targets (a gap of 2 s behind a 2048-token chunk is one no
             # stream should see); before the cost is learned, COLD_CHUNK.
-            fit = self.cost.prefill_tokens_within(self.tbt_target_s * SLOW_STEP_TARGETS, len(decodes))
+            fit = self.cost.prefill_tokens_within(self.tbt_step_s / STEP_SHARE * SLOW_STEP_TARGETS, len(decodes))
             return min(full, COLD_CHUNK if fit is None else max(MIN_CHUNK, fit))
         fit = self.cost.prefill_tokens_within(self.tbt_step_s, len(decodes))
         if fit is not None and fit >= full:   # the whole budget fits
@@ -303,15 +273,22 @@ class Scheduler:
         return MIN_CHUNK if fit is None else max(MIN_CHUNK, fit)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float, ended_s: float | None = None) -> None:
-        """After a step ran (``ended_s``: its end, perf_counter): its cost feeds the model, and
-        its decodes' slow gaps are counted (``count_slow_gaps``)."""
+        """After a step ran: its cost feeds the model; past the target, its decodes each
+        had one slow gap. ``ended_s`` (perf_counter at the step's end): a decode whose gap
+        since its previous token here, the time between the steps included (publishing,
+        intake, waits for fetches), was past the whole target had one too, though the step
+        alone was within its share (measured: p90 gaps of 253-258 ms at a 250 ms target
+        when only the steps were counted)."""
         # (called after the step: a decode row's one token was an output token)
         decodes = [seq for seq, n in batch if n == 1 and seq.num_cached_tokens > seq.num_prompt_tokens]
         self.cost.observe(len(decodes), sum(n for _, n in batch) - len(decodes), seconds)
-        if self.tbt_target_s is not None:
-            between = count_slow_gaps(decodes, seconds, ended_s, self.tbt_step_s, self.tbt_target_s)
-            if between is not None:
-                self.between_s += BETWEEN_EMA * (between - self.between_s)
+        if self.tbt_step_s is None:
+            return
+        target_s = self.tbt_step_s / STEP_SHARE
+        for seq in decodes:
+            gap_s = ended_s - seq.last_token_s if ended_s is not None and seq.last_token_s is not None else 0.0
+            if seconds > self.tbt_step_s or gap_s > target_s:
+                seq.slow_gaps += 1
 
     def _admit(self, budget: int, whole_prompts: bool) -> ScheduledBatch:
         batch: ScheduledBatch = []
@@ -378,7 +355,7 @@ class Scheduler:
         if b <= 0:
             return 0
         foreground = sum(1 for s in self.running if not s.background and s.num_uncomputed_tokens == 1)
-        budget = self.tbt_target_s * BACKGROUND_STEP_SHARE
+        budget = self.tbt_step_s / STEP_SHARE * BACKGROUND_STEP_SHARE
         return max(0, int((budget - max(a, 0.0)) / b) - foreground)
 
     def _victim(self) -> Sequence:
