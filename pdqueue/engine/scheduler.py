@@ -252,6 +252,11 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    @property
+    def tbt_target_s(self) -> float | None:
+        """The whole TBT target (a step may take ``STEP_SHARE`` of it: ``tbt_step_s``)."""
+        return None if self.tbt_step_s is None else self.tbt_step_s / STEP_SHARE
+
     def _prompt_budget(self, decodes: ScheduledBatch) -> int:
         """Prompt tokens this step may take beside ``decodes`` (see the TBT budget above)."""
         full = self.max_num_batched_tokens - len(decodes)
@@ -262,7 +267,7 @@ class Scheduler:
             # A slow gap to spend: prompts take more, but the step stays within
             # SLOW_STEP_TARGETS targets (a gap of 2 s behind a 2048-token chunk is one no
             # stream should see); before the cost is learned, COLD_CHUNK.
-            fit = self.cost.prefill_tokens_within(self.tbt_step_s / STEP_SHARE * SLOW_STEP_TARGETS, len(decodes))
+            fit = self.cost.prefill_tokens_within(self.tbt_target_s * SLOW_STEP_TARGETS, len(decodes))
             return min(full, COLD_CHUNK if fit is None else max(MIN_CHUNK, fit))
         fit = self.cost.prefill_tokens_within(self.tbt_step_s, len(decodes))
         if fit is not None and fit >= full:   # the whole budget fits
@@ -284,10 +289,9 @@ class Scheduler:
         self.cost.observe(len(decodes), sum(n for _, n in batch) - len(decodes), seconds)
         if self.tbt_step_s is None:
             return
-        target_s = self.tbt_step_s / STEP_SHARE
         for seq in decodes:
             gap_s = ended_s - seq.last_token_s if ended_s is not None and seq.last_token_s is not None else 0.0
-            if seconds > self.tbt_step_s or gap_s > target_s:
+            if seconds > self.tbt_step_s or gap_s > self.tbt_target_s:
                 seq.slow_gaps += 1
 
     def _admit(self, budget: int, whole_prompts: bool) -> ScheduledBatch:
@@ -355,7 +359,7 @@ class Scheduler:
         if b <= 0:
             return 0
         foreground = sum(1 for s in self.running if not s.background and s.num_uncomputed_tokens == 1)
-        budget = self.tbt_step_s / STEP_SHARE * BACKGROUND_STEP_SHARE
+        budget = self.tbt_target_s * BACKGROUND_STEP_SHARE
         return max(0, int((budget - max(a, 0.0)) / b) - foreground)
 
     def _victim(self) -> Sequence:
