@@ -1,7 +1,8 @@
 """Prefill throughput and time to first token against a step's token budget, in one run.
 
 A prefill-only engine (as a prefill worker runs it) gets the same 48 prompts queued at once,
-the serving bench's mix (25 % documents of 256-512 tokens, 75 % chats of 16-64), once per
+the first of `bench serve`'s seeded request list (for SmolLM2 25 % documents of 256-512 tokens,
+75 % chats of 16-64: ``serve_load.plan_requests``), once per
 ``--max-batched-tokens`` value, alternating, ``--rounds`` times; each run prints tokens/s and
 the mean time from the start to a prompt's first token. On a CPU the first is flat from 128
 to 2048 tokens a step and the second grows with the step (docs/performance.md, session 17),
@@ -13,22 +14,21 @@ which is why ``EngineConfig.max_num_batched_tokens`` is 512.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import torch
 
+from pdqueue.bench.serve_load import Settings, plan_requests
 from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.models.loader import load_model
 
 
-def prompts(n: int = 48, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randint(256, 512) if rng.random() < 0.25
-                                                     else rng.randint(16, 64))] for _ in range(n)]
+def prompts(model: str, n: int = 48) -> list[list[int]]:
+    """The first ``n`` prompts of `bench serve`'s seeded request list for ``model``."""
+    return [list(p.prompt_ids) for p in plan_requests(Settings.for_model(model), rate=1.0, count=n)]
 
 
 def run(loaded, weights: str, budget: int, queued: list[list[int]]) -> tuple[float, float]:
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, weights=args.weights)
-    queued = prompts()
+    queued = prompts(args.model)
     for rnd in range(args.rounds):
         for budget in map(int, args.budgets.split(",")):
             tok_s, first_s = run(loaded, args.weights, budget, queued)
