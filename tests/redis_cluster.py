@@ -6,7 +6,9 @@ masters only, e.g. the TLS one, is joined with CLUSTER ADDSLOTSRANGE and MEET).
 ``appendonly yes`` + ``appendfsync always``, a short ``cluster-node-timeout`` so a killed
 master's replica is promoted within about two seconds, ``cluster-require-full-coverage no``
 so the other masters keep serving while one slot range fails over), joins them, and waits
-until every node reports ``cluster_state:ok`` and agrees on the slot map. ``url`` is the
+until every node reports ``cluster_state:ok`` and agrees on the slot map, and every replica
+has finished its first sync (a replica still waiting for it holds no data: a failover then
+would lose everything, not the last writes). ``url`` is the
 ``redis+cluster://`` URL pdqueue takes (every master as a startup node). ``stop()`` kills
 every node and removes the directory; each node also gets PDEATHSIG, so nothing outlives
 the test process.
@@ -128,6 +130,7 @@ class RedisClusterServers:
                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
                 "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+                "--repl-diskless-sync-delay", "0",   # the default waits 5 s for more replicas
                 "--daemonize", "no", "--logfile", str(node_dir / "redis.log")]
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                             preexec_fn=_pdeathsig, start_new_session=True)
@@ -151,6 +154,7 @@ class RedisClusterServers:
             else:
                 self._join_masters()   # what `redis-cli --cluster create` does (its 7.0 hangs over TLS)
             self.wait_ok(timeout=max(1.0, deadline - time.monotonic()))
+            self.wait_replicas_synced(timeout=max(1.0, deadline - time.monotonic()))
             return self
         except BaseException:
             self.stop()
@@ -200,6 +204,23 @@ class RedisClusterServers:
                 last = repr(exc)
             time.sleep(0.1)
         raise TimeoutError(f"the Redis Cluster did not settle: {last}")
+
+    def wait_replicas_synced(self, timeout: float = 30.0) -> None:
+        """Until every live replica's link to its master is up (its first full sync done)."""
+        deadline = time.monotonic() + timeout
+        waiting: list[int] = []
+        while time.monotonic() < deadline:
+            waiting = []
+            for port in self.live_ports():
+                with self.node(port) as c:
+                    info = c.info("replication")
+                if info["role"] == "slave" and (info.get("master_link_status") != "up"
+                                                or info.get("master_sync_in_progress")):
+                    waiting.append(port)
+            if not waiting:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"replicas on {waiting} did not finish their first sync")
 
     def master_of(self, key: str) -> int:
         """Port of the master serving ``key``'s slot now (asked of a live node)."""

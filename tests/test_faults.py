@@ -79,18 +79,42 @@ def pending_request_ids(cluster, consumer: str) -> set[str]:
     return found
 
 
+def holds_any(cluster, consumer: str) -> bool:
+    """Whether ``consumer`` holds an entry of the prefill group: one round trip, so the poll
+    is fast enough to land inside a tiny model's prefill."""
+    r, keys = cluster.r, cluster.keys
+    with r.pipeline(transaction=False) as pipe:
+        for stream in (*keys.request_streams, keys.requests_for(consumer)):
+            pipe.xpending_range(stream, PREFILL_GROUP, "-", "+", 1, consumername=consumer)
+        replies = pipe.execute(raise_on_error=False)
+    return any(isinstance(rep, list) and rep for rep in replies)
+
+
 def test_prefill_killed_mid_batch(cluster, tiny):
     """p0 dies holding requests it took and never handed off; p1 takes them over (they
-    are pending under p0 in the group) and every request is answered once."""
-    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
-    client, handles, ids, expected = submit(cluster, tiny, 24, 8)
+    are pending under p0 in the group) and every request is answered once. p0 prefills a
+    few prompts a step (--max-batched-tokens 64), so it holds some for a while; should the
+    poll still miss that window (a loaded machine), the next round of requests is tried."""
+    cluster.start_together(("prefill", *FAST, "--max-batched-tokens", "64", {"worker_id": "p0"}),
+                           ("decode", *FAST, {"worker_id": "d0"}))
     p0 = cluster.id("p0")
-    wait_for(lambda: pending_request_ids(cluster, p0), what="p0 to hold requests", interval=0.005)
-    cluster.signal("p0", signal.SIGSTOP)   # frozen: what it holds now is what it dies with
-    time.sleep(0.2)                        # writes already on the wire land first
-    held = pending_request_ids(cluster, p0)
+    for round_ in range(3):
+        client, handles, ids, expected = submit(cluster, tiny, 24, 8, seed=round_)
+        deadline, polls = time.monotonic() + 30, 0
+        while not holds_any(cluster, p0) and time.monotonic() < deadline:
+            polls += 1
+            if polls % 50 == 0 and all(out_len(cluster, h.request_id) for h in handles):
+                break   # every request has its first token: p0 holds nothing more
+            time.sleep(0.001)
+        cluster.signal("p0", signal.SIGSTOP)   # frozen: what it holds now is what it dies with
+        time.sleep(0.2)                        # writes already on the wire land first
+        held = pending_request_ids(cluster, p0)
+        if held:
+            break
+        cluster.signal("p0", signal.SIGCONT)   # it answered this round before the poll saw it
+        check_all(cluster, tiny, client, handles, ids, expected)
     cluster.signal("p0", signal.SIGKILL)
-    assert held, "p0 answered everything it held before it was stopped: nothing to take over"
+    assert held, "p0 answered everything it held before it was stopped, three rounds running"
     cluster.start("prefill", *FAST, worker_id="p1")
     results = check_all(cluster, tiny, client, handles, ids, expected)
     by_id = {h.request_id: res for h, res in zip(handles, results)}

@@ -197,5 +197,5 @@ def test_timing_breakdown_adds_up(cluster):
         parts = c.queue_ms + c.prefill_ms + c.handoff_ms + c.transfer_ms + c.first_step_ms
         assert c.ttst_ms > 0 and c.transfer_ms > 0 and c.transfer_bytes > 0
         assert min(c.queue_ms, c.prefill_ms, c.handoff_ms, c.first_step_ms) >= 0, c
-        assert abs(parts - c.ttst_ms) <= max(15.0, 0.1 * c.ttst_ms), (parts, c)
+        assert abs(parts - c.ttst_ms) <= 5.0, (parts, c)   # the stages share their clock reads
         assert c.ttft_ms <= c.ttst_ms <= c.e2e_ms

@@ -348,6 +348,9 @@ def test_master_killed_with_requests_in_flight_every_request_completes_once(up, 
     assert r.xlen(keys.done) - done_before < n, "every request finished before the kill"
     master = rcluster.master_of(keys.requests)
     replicas = rcluster.replicas_of(master)
+    for port in replicas:   # replicated up to the last writes, which the kill may lose
+        with rcluster.node(port) as node:
+            assert node.info("replication")["master_link_status"] == "up"
     killed_at = time.monotonic()
     rcluster.kill(master)
     wait_for(lambda: any(rcluster.role(p) == "master" for p in replicas), 30, what="a replica promoted")

@@ -316,7 +316,7 @@ class DecodeRole(Role):
         TBT budget, beside the decodes) and samples from token 0, as a colocated worker would."""
         h = job.handoff
         t = now_ms()
-        job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t), t, JobState.RUNNING
+        job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t, started_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background,
                                 rank=h.request.rank, deadline_ms=h.request.deadline_at_ms,
                                 enqueued_ms=h.request.enqueued_ms)
@@ -335,7 +335,7 @@ class DecodeRole(Role):
         self.shell.metrics.recomputed("no_ticket" if h.ticket is None else "fetch_failed",
                                       len(h.prompt_ids) + len(h.output_ids))
         t = now_ms()
-        job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t), t, JobState.RUNNING
+        job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t, started_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids,
                                 background=h.request.background, rank=h.request.rank,
                                 deadline_ms=h.request.deadline_at_ms)
@@ -533,6 +533,6 @@ def job_completion(job: Job, output_ids, t: float, text: str, reason, worker_id:
         kv_reused_tokens=job.kv.reused_blocks * block_size,
         decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
         prefill_worker=h.prefill_worker, decode_worker=worker_id, transfer_path=job.kv.path,
-        handoff_ms=job.read_ms - h.first_token_ms,
+        handoff_ms=(job.kv.started_ms or job.read_ms) - h.first_token_ms,
         first_step_ms=second - job.kv.done_ms if second else 0.0,
         ttst_ms=second - req.enqueued_ms if second else 0.0)

@@ -27,13 +27,15 @@ log = logging.getLogger("pdqueue.decode")
 class FetchOutcome:
     """How a request's KV got here: ``path`` shm | tcp | zmq (``cache``: all of it was in
     this engine's prefix cache; ``recompute``: computed here instead), ``seconds`` and ``nbytes`` of the copy, ``error`` when it failed, and
-    ``done_ms`` (wall clock) when the KV was in place."""
+    ``started_ms``/``done_ms`` (wall clock) when the copy began (the fetch thread free) and
+    when the KV was in place."""
 
     path: str = ""
     seconds: float = 0.0
     nbytes: int = 0
     error: str | None = None
     done_ms: float = 0.0
+    started_ms: float = 0.0
     reused_blocks: int = 0   # leading blocks found in this engine's prefix cache (not copied)
 
 
@@ -90,10 +92,11 @@ class Fetcher:
                 except Exception:   # fire-and-forget: the lease expires anyway
                     log.exception("release of %s failed", ticket.get("request_id"))
                 continue
+            started_ms = now_ms()
             try:
                 result = self.receiver.fetch(ticket, block_ids, first_block)
                 outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms(),
-                                       reused_blocks=first_block)
+                                       started_ms=started_ms, reused_blocks=first_block)
                 if self.metrics is not None:
                     self.metrics.transferred(result.path, result.nbytes, result.seconds)
             except TransferError as exc:

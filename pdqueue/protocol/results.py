@@ -26,7 +26,7 @@ class Completion:
     tbt_p50_ms: float = 0.0     # time between tokens, median and max
     tbt_max_ms: float = 0.0
     e2e_ms: float = 0.0         # enqueue -> done
-    handoff_ms: float = 0.0     # first token published -> handoff taken by a decode worker
+    handoff_ms: float = 0.0     # first token published -> a decode worker starts copying its KV
     first_step_ms: float = 0.0  # KV in place -> second token published (one decode step)
     ttst_ms: float = 0.0        # enqueue -> second token published; ~= queue + prefill +
                                 # handoff + transfer + first_step
