@@ -19,7 +19,10 @@ on ``out:<id>``), so the request is answered once. Its answer is read with XREAD
 ``out:<id>``, continuing from the last entry seen, reconnecting with capped backoff if
 Redis goes away; a connection that keeps failing for ``RedisConfig.unavailable_after_s``
 (30 s) raises ``RedisUnavailable``. Token entries carry their index: one a retried worker
-publishes twice is yielded once.
+publishes twice is yielded once. A request Redis itself lost before any answer (a failover to
+a replica the write had not reached, a restart without persistence) is found by a check after
+``RedisConfig.lost_check_s`` (10 s) without an answer (what it reads tells nothing of other
+requests), and sent again, same id (``client_outage.LostCheck``).
 
 Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``.
 
@@ -42,7 +45,7 @@ import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdqueue.client_outage import ReadOutage, RedisUnavailable, Submitting, transient
+from pdqueue.client_outage import LostCheck, ReadOutage, RedisUnavailable, Submitting, transient
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
 from pdqueue.keys import CANCEL_TTL_S, Keys
@@ -193,6 +196,7 @@ class _Reading:
         self.backoff = (client.backoff_initial_s, client.backoff_max_s)
         self.failures = 0
         self.outage = ReadOutage(handle.request_id, client.unavailable_after_s)
+        self.lost = handle._lost
 
     @property
     def done(self) -> bool:
@@ -201,6 +205,16 @@ class _Reading:
     def block_ms(self) -> int:
         """How long the next XREAD may block (``TimeoutError`` past the deadline)."""
         return _block_ms(self.deadline, self.max_block_ms)
+
+    def lost_check_due(self) -> bool:
+        """Time to ask whether Redis still knows the request (``LostCheck``)."""
+        return self.lost is not None and self.lost.due(answered=self.asm.last_id != "0-0")
+
+    def lost_check_refused(self, exc: redis.ResponseError) -> None:
+        """The server refused the check's reads (an ACL without them): stop checking."""
+        log.warning("request %s: cannot check whether Redis still has it (%s); not checked again",
+                    self.asm.request_id, exc)
+        self.lost = None
 
     def read_failed(self, exc: BaseException) -> float:
         """A lost connection: how long to wait before reading again (``RedisUnavailable``
@@ -214,6 +228,8 @@ class _Reading:
         """The token events of an XREAD reply, in order, up to the completion."""
         self.failures = 0
         self.outage.ok()
+        if reply and self.lost is not None:
+            self.lost.heard()
         for _, entry_id, fields in parse_read_reply(reply):
             event = self.asm.feed(entry_id, fields)
             if event is not None and event.type is ResultType.TOKEN:
@@ -225,12 +241,17 @@ class _Reading:
 class _Handle:
     """What both handles hold: the request's ids, its answer's key and what was read of it."""
 
-    def __init__(self, client: "Client | AsyncClient", request_id: str, entry_id: str | None = None):
+    def __init__(self, client: "Client | AsyncClient", request_id: str, entry_id: str | None = None,
+                 sent: tuple[str, dict] | None = None):
+        """``sent``: the stream and fields this client sent the request with (it is sent
+        again should Redis lose it); None for a handle on a request sent elsewhere."""
         self.client = client
         self.request_id = request_id
         self.entry_id = entry_id
         self.key = client.keys.out(request_id)
         self._asm = _Assembler(request_id)
+        self._lost = (LostCheck(client.keys, request_id, sent[0], sent[1], entry_id, client.lost_check_s)
+                      if sent is not None and entry_id is not None and client.lost_check_s is not None else None)
 
     @property
     def completion(self) -> Completion | None:
@@ -249,12 +270,28 @@ class RequestHandle(_Handle):
         r = self.client.redis
         while not reading.done:
             try:
+                if reading.lost_check_due():
+                    self._check_lost(reading)
                 reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 time.sleep(reading.read_failed(exc))
                 continue
             yield from reading.events(reply)
         return self._asm.completion
+
+    def _check_lost(self, reading: _Reading) -> None:
+        lost, r = reading.lost, self.client.redis
+        try:
+            with r.pipeline(transaction=False) as pipe:
+                lost.queue(pipe)
+                replies = pipe.execute(raise_on_error=False)
+            gone = lost.lost(replies)
+        except redis.ResponseError as exc:
+            reading.lost_check_refused(exc)
+            return
+        if gone:
+            lost.sent_again(r.xadd(lost.stream, lost.fields))
+            self.entry_id = lost.entry_id
 
     def text_stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield the text deltas (non-empty) as they arrive."""
@@ -287,6 +324,7 @@ class _Settled:
         self.backoff_max_s = config.backoff_max_s
         self.unavailable_after_s = config.unavailable_after_s
         self.submit_retry_s = config.submit_retry_s if submit_retry_s is None else submit_retry_s
+        self.lost_check_s = config.lost_check_s
         self.cancel_ttl_s = cancel_ttl_s
 
     def _stream_of(self, req: Request) -> str:
@@ -336,22 +374,24 @@ class Client(_Settled):
                             service_class=service_class)
         stream, fields = self._stream_of(req), request_to_fields(req)
         entry_id = self._send([req.id], lambda: self.redis.xadd(stream, fields))
-        return RequestHandle(self, req.id, as_str(entry_id))
+        return RequestHandle(self, req.id, as_str(entry_id), (stream, fields))
 
     def submit_many(self, requests: Sequence[dict]) -> list[RequestHandle]:
         """Queue many requests in one pipelined round trip; all are validated first. Retried
         as ``submit`` is, all of them again (each id still runs once)."""
         reqs = [build_request(**spec) for spec in requests]
 
+        sent = [(self._stream_of(req), request_to_fields(req)) for req in reqs]
+
         def send():
             with self.redis.pipeline(transaction=False) as pipe:
-                for req in reqs:
-                    pipe.xadd(self._stream_of(req), request_to_fields(req))
+                for stream, fields in sent:
+                    pipe.xadd(stream, fields)
                 return pipe.execute()
 
         entry_ids = self._send([req.id for req in reqs], send)
-        return [RequestHandle(self, req.id, as_str(eid))
-                for req, eid in zip(reqs, entry_ids)]
+        return [RequestHandle(self, req.id, as_str(eid), how)
+                for req, eid, how in zip(reqs, entry_ids, sent)]
 
     def handle(self, request_id: str) -> RequestHandle:
         """A handle for a request submitted elsewhere (reads its answer from the start)."""
@@ -382,6 +422,8 @@ class AsyncRequestHandle(_Handle):
         while not reading.done:
             raise_dropped_cancellation()   # (before a read that may block for long, too)
             try:
+                if reading.lost_check_due():
+                    await self._check_lost(reading)
                 reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 await asyncio.sleep(reading.read_failed(exc))
@@ -406,6 +448,8 @@ class AsyncRequestHandle(_Handle):
             raise_dropped_cancellation()
             block = reading.block_ms() if idle_ms is None else min(reading.block_ms(), idle_ms)
             try:
+                if reading.lost_check_due():
+                    await self._check_lost(reading)
                 reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=block)
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 await asyncio.sleep(reading.read_failed(exc))
@@ -420,6 +464,21 @@ class AsyncRequestHandle(_Handle):
                 raise
             if batch or reading.done or idle_ms is not None:
                 yield batch
+
+    async def _check_lost(self, reading: _Reading) -> None:
+        """See ``RequestHandle._check_lost``."""
+        lost, r = reading.lost, self.client.redis
+        try:
+            async with r.pipeline(transaction=False) as pipe:
+                lost.queue(pipe)
+                replies = await pipe.execute(raise_on_error=False)
+            gone = lost.lost(replies)
+        except redis.ResponseError as exc:
+            reading.lost_check_refused(exc)
+            return
+        if gone:
+            lost.sent_again(await r.xadd(lost.stream, lost.fields))
+            self.entry_id = lost.entry_id
 
     async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         async for event in self.stream(timeout):
@@ -476,20 +535,22 @@ class AsyncClient(_Settled):
                             service_class=service_class)
         stream, fields = self._stream_of(req), request_to_fields(req)
         entry_id = await self._send([req.id], lambda: self.redis.xadd(stream, fields))
-        return AsyncRequestHandle(self, req.id, as_str(entry_id))
+        return AsyncRequestHandle(self, req.id, as_str(entry_id), (stream, fields))
 
     async def submit_many(self, requests: Sequence[dict]) -> list[AsyncRequestHandle]:
         reqs = [build_request(**spec) for spec in requests]
 
+        sent = [(self._stream_of(req), request_to_fields(req)) for req in reqs]
+
         async def send():
             async with self.redis.pipeline(transaction=False) as pipe:
-                for req in reqs:
-                    pipe.xadd(self._stream_of(req), request_to_fields(req))
+                for stream, fields in sent:
+                    pipe.xadd(stream, fields)
                 return await pipe.execute()
 
         entry_ids = await self._send([req.id for req in reqs], send)
-        return [AsyncRequestHandle(self, req.id, as_str(eid))
-                for req, eid in zip(reqs, entry_ids)]
+        return [AsyncRequestHandle(self, req.id, as_str(eid), how)
+                for req, eid, how in zip(reqs, entry_ids, sent)]
 
     def handle(self, request_id: str) -> AsyncRequestHandle:
         return AsyncRequestHandle(self, request_id)

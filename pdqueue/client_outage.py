@@ -1,9 +1,11 @@
 """How the client rides out a Redis outage: which errors a command may be sent again after
 (``transient``), a submit's window of retries (``Submitting``), a stream read's outage limit
-(``ReadOutage``), and ``RedisUnavailable``, raised past them. ``pdqueue.client``'s docstring
+(``ReadOutage``), and ``RedisUnavailable``, raised past them; and a request that Redis itself
+lost (``LostCheck``: a failover to a replica that had not received it yet, a restart without
+persistence), sent again. ``pdqueue.client``'s docstring
 says what the client promises; this holds the mechanics.
 
-Imports redis and pdqueue's config and retry only.
+Imports redis and pdqueue's config, keys and retry only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.config import redact_url
+from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.retry import backoff_delay
 
 log = logging.getLogger("pdqueue.client")
@@ -122,3 +125,83 @@ class Submitting:
             log.warning("%s: submitted after %d failed attempts (%.1fs; %s); should an earlier one "
                         "have reached Redis too, the workers run the id once", self.what(), self.failures,
                         time.monotonic() - self.started, self.tally())
+
+
+class LostCheck:
+    """Whether Redis still knows a request that has had no answer yet, asked after every
+    ``interval_s`` of silence; a request it lost is sent again, same id and fields.
+
+    A live request is always somewhere: ``seen:<id>`` from the moment a worker takes it (24 h;
+    a request moved to another worker's stream keeps it); ``out:<id>`` once anything is
+    answered; before either, its entry waits in the stream it was sent to, past the prefill
+    group's last delivered id. A producer may not read that stream (other tenants' prompts),
+    so the check reads what says nothing about them: ``XINFO GROUPS`` and ``XLEN`` of it,
+    and ``EXISTS`` of the two keys, in one pipeline. Lost: neither key, and the stream gone,
+    empty, or its group past this entry (delivered, yet never taken). A stream that still
+    holds entries the group has not reached may hold this one: it waits, and the next check
+    decides once the workers have read that far. Then Redis lost it (an asynchronous replica
+    promoted before the write reached it, a restart without persistence), and without a
+    resend the reader would wait for its whole timeout, or for ever. A resend that meets the
+    request after all (taken between the group's read and ``seen:<id>``, a few ms) is the
+    duplicate the workers already turn away: they run an id once. Only before the first
+    answer entry: a request whose answer had begun is not run again (an unseeded sample would
+    change under the tokens already read)."""
+
+    def __init__(self, keys: Keys, request_id: str, stream: str, fields: dict, entry_id: str,
+                 interval_s: float, group: str = PREFILL_GROUP):
+        self.keys, self.request_id, self.stream, self.fields = keys, request_id, stream, fields
+        self.entry_id, self.interval_s, self.group = entry_id, interval_s, group
+        self.quiet_since = time.monotonic()
+        self.resent = 0
+
+    def heard(self) -> None:
+        self.quiet_since = time.monotonic()
+
+    def due(self, answered: bool) -> bool:
+        return not answered and time.monotonic() - self.quiet_since >= self.interval_s
+
+    def queue(self, pipe) -> None:
+        """Add the check's reads to ``pipe`` (executed with ``raise_on_error=False``)."""
+        pipe.exists(self.keys.seen(self.request_id), self.keys.out(self.request_id))
+        pipe.xlen(self.stream)
+        pipe.xinfo_groups(self.stream)
+
+    def lost(self, replies) -> bool:
+        """From the pipeline's replies; the clock restarts either way. An error reply other
+        than a missing stream (a refused command) is raised."""
+        self.heard()
+        known, length, groups = replies[-3:]
+        for reply in (known, length, groups):
+            if isinstance(reply, Exception) and not _no_such_key(reply):
+                raise reply
+        if known:
+            return False
+        if isinstance(groups, Exception) or not length:
+            return self._say_lost("its stream is gone or empty")
+        delivered = next((_as_str(g.get("last-delivered-id", "0-0")) for g in groups
+                          if _as_str(g.get("name")) == self.group), None)
+        if delivered is None or _stream_id(delivered) < _stream_id(self.entry_id):
+            return False   # not read that far yet: maybe still queued
+        return self._say_lost("its stream was read past it, yet no worker took it")
+
+    def _say_lost(self, why: str) -> bool:
+        log.warning("request %s: Redis no longer has it (%s, and no answer: a failover or a restart "
+                    "without persistence lost it); sending it again", self.request_id, why)
+        return True
+
+    def sent_again(self, entry_id) -> None:
+        self.entry_id = _as_str(entry_id)
+        self.resent += 1
+
+
+def _as_str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _no_such_key(exc: Exception) -> bool:
+    return isinstance(exc, redis.ResponseError) and "no such key" in str(exc).lower()

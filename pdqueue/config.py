@@ -202,6 +202,11 @@ class RedisConfig:
     submit's start, then raise ``pdqueue.client.RedisUnavailable`` (0: one attempt). A copy
     that did reach Redis is run once all the same: workers run a request id once
     (``seen:<id>``)."""
+    lost_check_s: float | None = 10.0
+    """A stream read that has had no answer for this long asks Redis whether it still knows
+    the request (queued, taken or answered: one pipelined round trip), and sends it again,
+    same id, if not: a failover or a restart without persistence lost it
+    (``pdqueue.client_outage.LostCheck``). None: never asked."""
     max_connections: int = 10_000
     """The connection pool's cap. Every stream being read holds one connection while its
     XREAD blocks, so an ``AsyncClient`` (or a gateway) with N requests in flight needs N;

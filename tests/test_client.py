@@ -319,6 +319,73 @@ def test_stream_survives_a_redis_restart(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_request_redis_lost_is_sent_again_and_a_queued_one_is_not(use_async):
+    """A Redis restarted without persistence comes back empty: the queued request is gone,
+    and nothing would ever answer it. The reader's check (after ``lost_check_s`` without an
+    answer) finds it nowhere and sends it again, same id; before the restart, the same check
+    found it queued and sent nothing."""
+    config = RedisConfig(lost_check_s=0.2, backoff_max_s=0.2)
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+
+        async def submit_async():
+            async with AsyncClient(server.url, config=config) as client:
+                handle = await client.submit("lost and found", max_tokens=64)
+                with pytest.raises(TimeoutError):   # nobody serves it: it waits, checked 4 times
+                    await handle.result(timeout=1.0)
+                assert r.xlen(KEYS.requests) == 1 and handle.entry_id == r.xrange(KEYS.requests)[0][0].decode()
+                server.restart()
+                assert r.xlen(KEYS.requests) == 0   # gone with the restart
+                echo = EchoWorker(server.url)
+                try:
+                    return handle, await handle.result(timeout=20), list(echo.handled)
+                finally:
+                    echo.close()
+
+        if use_async:
+            handle, completion, handled = asyncio.run(submit_async())
+        else:
+            with Client(server.url, config=config) as client:
+                handle = client.submit("lost and found", max_tokens=64)
+                with pytest.raises(TimeoutError):   # nobody serves it: it waits, checked 4 times
+                    handle.result(timeout=1.0)
+                assert r.xlen(KEYS.requests) == 1 and handle.entry_id == r.xrange(KEYS.requests)[0][0].decode()
+                server.restart()
+                assert r.xlen(KEYS.requests) == 0
+                echo = EchoWorker(server.url)
+                try:
+                    completion, handled = handle.result(timeout=20), list(echo.handled)
+                finally:
+                    echo.close()
+        assert completion.text == "lost and found" and handled == [handle.request_id]
+        assert handle._lost.resent == 1
+        r.close()
+
+
+def test_lost_check_reads_queued_taken_and_answered_as_known():
+    from pdqueue.client_outage import LostCheck
+
+    check = LostCheck(KEYS, "rid", KEYS.requests, {}, "1000-5", interval_s=5.0)
+    assert not check.due(answered=False)                        # quiet for less than 5 s
+    check.quiet_since -= 6
+    assert check.due(answered=False) and not check.due(answered=True)   # an answer begun: never resent
+
+    def group(delivered: str) -> list[dict]:
+        return [{"name": b"other", "last-delivered-id": b"9999-0"}, {"name": b"prefill", "last-delivered-id": delivered.encode()}]
+
+    assert not check.lost([1, 0, redis.ResponseError("no such key")])   # taken (seen:<id>) or answered (out:<id>)
+    assert not check.due(answered=False)                                # the clock restarted
+    assert not check.lost([0, 3, group("1000-4")])        # the group has not reached it: maybe queued
+    assert not check.lost([0, 3, []])                      # no group yet: nobody has read the stream
+    assert check.lost([0, 3, group("1000-5")])             # read, never taken
+    assert check.lost([0, 0, group("0-0")])                # an empty stream (made again after a restart)
+    assert check.lost([0, 0, redis.ResponseError("no such key")])   # the stream is gone
+    with pytest.raises(redis.ResponseError, match="NOPERM"):
+        check.lost([0, 3, redis.ResponseError("NOPERM this user has no permissions")])
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 def test_a_redis_gone_for_good_raises_redis_unavailable(use_async):
     """Not a silent wait for the whole timeout: after ``unavailable_after_s`` of failed
     reconnects the stream raises (a short outage, like a restart, is still survived: above)."""

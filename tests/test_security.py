@@ -341,6 +341,15 @@ def test_a_producer_can_do_nothing_else(acl_env):
     for attempt in refused:
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
+    # What the client's lost-request check reads (pdqueue.client_outage.LostCheck): allowed.
+    assert r.xlen(keys.requests) >= 0
+    try:
+        r.xinfo_groups(keys.requests)
+    except redis.exceptions.NoPermissionError:
+        raise
+    except redis.ResponseError as exc:   # no stream yet: allowed all the same
+        assert "no such key" in str(exc)
+    assert r.exists(keys.seen("probe"), keys.out("probe")) == 0
     r.close()
 
 

@@ -101,7 +101,11 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
     requests = [f"~{stream}" for stream in keys.request_streams]
     producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
-                _selector("+set", f"~{keys.cancel('*')}")]
+                _selector("+set", f"~{keys.cancel('*')}"),
+                # whether Redis still has a request not answered yet (pdqueue.client_outage.LostCheck):
+                # queue lengths and the group's position, never an entry's fields
+                _selector("+xlen", "+xinfo|groups", *requests),
+                _selector("+exists", f"~{keys.seen('*')}", f"~{keys.out('*')}")]
     if role == "producer":
         return producer
     if role == "gateway":
