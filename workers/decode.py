@@ -46,8 +46,8 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff, encode_handoff,
-                              entry_id_ms)
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff,
+                              encode_handoff, entry_id_ms)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
@@ -151,18 +151,7 @@ class DecodeRole(Role):
         return {"node": self.shell.node}
 
     def load(self) -> dict:
-        return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
-                "fetching": self.fetcher.in_flight, "backlog": len(self.in_state(JobState.BACKLOG)),
-                "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
-                "step_ms": round(self._step_s * 1000, 2), "auth_failures": self.receiver.auth_failures,
-                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
-                "draining": int(self.migrator is not None and self.migrator.announced_at is not None),
-                "migrated_out": self.migrator.moved if self.migrator is not None else 0,
-                # what a prefill worker decides by whether to hand a request over or decode it
-                # itself (workers/decode_peers.py), and where to place prompts
-                "free_slots": max(0, self.engine.config.max_num_seqs - len(self.jobs)),
-                **(prompt_load(self.engine, self.spare, self.recent_steps, self.jobs, self.shell.config.engine.tbt_slo_ms)
-                   if self.takes_prompts else {})}
+        return decode_load(self)
 
     def held(self) -> dict[str, tuple[str, str]]:
         return {rid: (job.stream, job.entry_id) for rid, job in self.jobs.items()}
@@ -426,6 +415,23 @@ class DecodeRole(Role):
 
 
 # ---- what the role computes from its state, kept out of the class --------------------------
+
+def decode_load(role: DecodeRole) -> dict:
+    """What a decode worker's heartbeat says of its load."""
+    return {"running": role.engine.num_running, "waiting": role.engine.num_waiting,
+            "fetching": role.fetcher.in_flight, "backlog": len(role.in_state(JobState.BACKLOG)),
+            "kv_free": role.engine.block_manager.num_free_blocks, "kv_total": role.engine.layout.num_blocks,
+            "step_ms": round(role._step_s * 1000, 2), "auth_failures": role.receiver.auth_failures,
+            "prefix_cache_queries": role.engine.prefix_cache_queries,
+            "prefix_cache_hits": role.engine.prefix_cache_hits,
+            "draining": int(role.migrator is not None and role.migrator.announced_at is not None),
+            "migrated_out": role.migrator.moved if role.migrator is not None else 0,
+            # what a prefill worker decides by whether to hand a request over or decode it
+            # itself (workers/decode_peers.py), and where to place prompts
+            "free_slots": max(0, role.engine.config.max_num_seqs - len(role.jobs)),
+            **(prompt_load(role.engine, role.spare, role.recent_steps, role.jobs,
+                           role.shell.config.engine.tbt_slo_ms) if role.takes_prompts else {})}
+
 
 def admit_grace_s(step_s: float) -> float:
     """How long the running batch may wait at a step boundary for fetches just started:

@@ -26,9 +26,9 @@ log = logging.getLogger("pdqueue.decode")
 @dataclass(frozen=True, slots=True)
 class FetchOutcome:
     """How a request's KV got here: ``path`` shm | tcp | zmq (``cache``: all of it was in
-    this engine's prefix cache; ``recompute``: computed here instead), ``seconds`` and ``nbytes`` of the copy, ``error`` when it failed, and
-    ``started_ms``/``done_ms`` (wall clock) when the copy began (the fetch thread free) and
-    when the KV was in place."""
+    this engine's prefix cache; ``recompute``: computed here instead), ``seconds`` and
+    ``nbytes`` of the copy, ``error`` when it failed, and ``started_ms``/``done_ms`` (wall
+    clock) when the copy began (the fetch thread free) and when the KV was in place."""
 
     path: str = ""
     seconds: float = 0.0
