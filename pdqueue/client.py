@@ -27,7 +27,8 @@ requests), and sent again, same id (``client_outage.LostCheck``).
 Without a URL, ``Client()`` finds the cluster with ``pdqueue.discovery.resolve``.
 
 Imports redis, msgpack and pdqueue's keys/protocol/config/retry/discovery/queue.streams,
-queue.connection and client_outage (the retries' mechanics); never torch.
+queue.connection, client_outage (the retries' mechanics) and client_assembly (entries into
+events); never torch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pdqueue.client_assembly import Assembler, RequestFailed
 from pdqueue.client_outage import LostCheck, ReadOutage, RedisUnavailable, Submitting, transient
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
@@ -53,12 +55,10 @@ from pdqueue.protocol import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, as_str,
     Completion,
     Priority,
-    ProtocolError,
     Request,
     RequestError,
     ResultEvent,
     ResultType,
-    parse_result,
     request_to_fields,
     validate_request,
 )
@@ -72,16 +72,6 @@ __all__ = ["AsyncClient", "AsyncRequestHandle", "Client", "RedisUnavailable", "R
            "RequestFailed", "RequestHandle"]
 
 _READ_COUNT = 256
-
-
-class RequestFailed(Exception):
-    """The worker answered the request with an error entry."""
-
-    def __init__(self, reason: str, code: str, request_id: str = ""):
-        super().__init__(f"{code}: {reason}")
-        self.reason = reason
-        self.code = code
-        self.request_id = request_id
 
 
 def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | None,
@@ -126,41 +116,6 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   service_class=service_class)
     validate_request(req)
     return req
-
-
-class _Assembler:
-    """Turns ``out:<id>`` entries into events: drops repeated token indexes, raises on
-    error entries, remembers the completion."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self.last_id = "0-0"
-        self.next_index = 0
-        self.completion: Completion | None = None
-
-    def feed(self, entry_id: str, fields: dict) -> ResultEvent | None:
-        self.last_id = entry_id
-        try:
-            event = parse_result(entry_id, fields)
-        except ProtocolError as exc:
-            raise RequestFailed(f"malformed result entry {entry_id}: {exc}", "internal",
-                                self.request_id) from None
-        if event.type is ResultType.TOKEN:
-            start, end = event.index, event.index + max(1, len(event.token_ids))
-            if start < self.next_index:
-                if end > self.next_index:
-                    log.warning("request %s: token entry %d..%d overlaps tokens already yielded",
-                                self.request_id, start, end)
-                return None  # a retried worker's repeat
-            if start > self.next_index:
-                log.warning("request %s: tokens %d..%d missing from the stream",
-                            self.request_id, self.next_index, start)
-            self.next_index = end
-            return event
-        if event.type is ResultType.ERROR:
-            raise RequestFailed(event.reason or "", event.code or "internal", self.request_id)
-        self.completion = event.completion
-        return event
 
 
 def _remaining_s(deadline: float | None) -> float | None:
@@ -231,9 +186,9 @@ class _Reading:
         if reply and self.lost is not None:
             self.lost.heard()
         for _, entry_id, fields in parse_read_reply(reply):
-            event = self.asm.feed(entry_id, fields)
-            if event is not None and event.type is ResultType.TOKEN:
-                yield event
+            for event in self.asm.feed(entry_id, fields):
+                if event.type is ResultType.TOKEN:
+                    yield event
             if self.done:
                 return
 
@@ -249,7 +204,7 @@ class _Handle:
         self.request_id = request_id
         self.entry_id = entry_id
         self.key = client.keys.out(request_id)
-        self._asm = _Assembler(request_id)
+        self._asm = Assembler(request_id)
         self._lost = (LostCheck(client.keys, request_id, sent[0], sent[1], entry_id, client.lost_check_s)
                       if sent is not None and entry_id is not None and client.lost_check_s is not None else None)
 

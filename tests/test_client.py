@@ -162,6 +162,23 @@ def test_repeated_token_entries_are_yielded_once(redis_url, client):
         worker.close()
 
 
+def test_tokens_after_a_gap_wait_for_it_and_the_completion_supplies_lost_ones(redis_url, client, r):
+    """Entries of ``out:<id>`` a failover lost: the stream never skips them. Tokens after a
+    gap wait; a repeat that fills the gap releases them in order; tokens still missing at the
+    completion come from it, with their text, so the stream's text is the completion's."""
+    handle = client.handle("gappy")
+    out = KEYS.out("gappy")
+    for i, ch in enumerate("abcdef"):
+        if i not in (1, 4):   # lost: 1 comes again later (a retried worker), 4 never does
+            r.xadd(out, token_entry(i, [ord(ch)], ch))
+    r.xadd(out, token_entry(1, [ord("b")], "b"))
+    r.xadd(out, done_entry(Completion("gappy", "abcdef", tuple(map(ord, "abcdef")), FinishReason.LENGTH)))
+    events = list(handle.stream(timeout=10))
+    assert [(e.index, e.text) for e in events] == [(0, "a"), (1, "b"), (2, "c"), (3, "d"), (4, "ef")]
+    assert [t for e in events for t in e.token_ids] == list(map(ord, "abcdef"))
+    assert "".join(e.text for e in events) == handle.completion.text
+
+
 def test_errors_raise_request_failed(client, echo, r):
     with pytest.raises(RequestFailed) as info:
         client.submit("FAIL").result(timeout=10)

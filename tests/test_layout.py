@@ -24,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "pdqueue.transfer": {"pdqueue.engine", "pdqueue.keys", "pdqueue.procs"},
     "pdqueue.queue": {"pdqueue.protocol"} | BASE,
     "pdqueue.client_outage": BASE,
+    "pdqueue.client_assembly": {"pdqueue.protocol"},
     "pdqueue.discovery": BASE,
-    "pdqueue.client": {"pdqueue.client_outage", "pdqueue.discovery"} | LOW,
+    "pdqueue.client": {"pdqueue.client_outage", "pdqueue.client_assembly", "pdqueue.discovery"} | LOW,
     "pdqueue": {"pdqueue.client"},   # `from pdqueue import Client`, lazily
     "pdqueue.control": LOW,
     "pdqueue.telemetry": LOW,
