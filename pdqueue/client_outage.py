@@ -129,23 +129,26 @@ class Submitting:
 
 class LostCheck:
     """Whether Redis still knows a request that has had no answer yet, asked after every
-    ``interval_s`` of silence; a request it lost is sent again, same id and fields.
+    ``interval_s`` of silence; a request it lost is sent again, same id and fields. Without
+    that, a request Redis lost (an asynchronous replica promoted before the write reached it,
+    a restart without persistence) leaves its reader waiting for its whole timeout, or for
+    ever.
 
-    A live request is always somewhere: ``seen:<id>`` from the moment a worker takes it (24 h;
-    a request moved to another worker's stream keeps it); ``out:<id>`` once anything is
-    answered; before either, its entry waits in the stream it was sent to, past the prefill
-    group's last delivered id. A producer may not read that stream (other tenants' prompts),
-    so the check reads what says nothing about them: ``XINFO GROUPS`` and ``XLEN`` of it,
-    and ``EXISTS`` of the two keys, in one pipeline. Lost: neither key, and the stream gone,
-    empty, or its group past this entry (delivered, yet never taken). A stream that still
-    holds entries the group has not reached may hold this one: it waits, and the next check
-    decides once the workers have read that far. Then Redis lost it (an asynchronous replica
-    promoted before the write reached it, a restart without persistence), and without a
-    resend the reader would wait for its whole timeout, or for ever. A resend that meets the
-    request after all (taken between the group's read and ``seen:<id>``, a few ms) is the
-    duplicate the workers already turn away: they run an id once. Only before the first
-    answer entry: a request whose answer had begun is not run again (an unseeded sample would
-    change under the tokens already read)."""
+    A live request is always somewhere. Before any worker reads it, its entry waits in the
+    stream it was sent to, past the prefill group's last delivered id; from the read that
+    delivers it to its acknowledgement, it is in the group's pending list; ``seen:<id>`` is
+    set as a worker takes it, before the acknowledgement (24 h; a request moved to another
+    worker's stream keeps it); ``out:<id>`` exists once anything is answered. A producer may
+    not read the stream (other tenants' prompts), so the check reads what says nothing of
+    them, in one pipeline: ``EXISTS`` of the two keys, ``XPENDING`` of this entry, and
+    ``XLEN`` and ``XINFO GROUPS`` of the stream. Lost: neither key, not pending, and the
+    stream gone, empty, or read past this entry. A stream that still holds entries the group
+    has not reached may hold this one: the next check decides, once the workers have read
+    that far. The pending list matters after a failover: a worker's read can survive on the
+    replica while the ``seen:<id>`` it set a moment later did not; the request is alive in
+    that worker, and a copy sent then would find no ``seen:<id>`` to stop it running twice.
+    Only before the first answer entry: a request whose answer had begun is not run again
+    (an unseeded sample would change under the tokens already read)."""
 
     def __init__(self, keys: Keys, request_id: str, stream: str, fields: dict, entry_id: str,
                  interval_s: float, group: str = PREFILL_GROUP):
@@ -163,18 +166,19 @@ class LostCheck:
     def queue(self, pipe) -> None:
         """Add the check's reads to ``pipe`` (executed with ``raise_on_error=False``)."""
         pipe.exists(self.keys.seen(self.request_id), self.keys.out(self.request_id))
+        pipe.xpending_range(self.stream, self.group, self.entry_id, self.entry_id, 1)
         pipe.xlen(self.stream)
         pipe.xinfo_groups(self.stream)
 
     def lost(self, replies) -> bool:
         """From the pipeline's replies; the clock restarts either way. An error reply other
-        than a missing stream (a refused command) is raised."""
+        than a missing stream or group (a refused command) is raised."""
         self.heard()
-        known, length, groups = replies[-3:]
-        for reply in (known, length, groups):
+        known, pending, length, groups = replies[-4:]
+        for reply in (known, pending, length, groups):
             if isinstance(reply, Exception) and not _no_such_key(reply):
                 raise reply
-        if known:
+        if known or (pending and not isinstance(pending, Exception)):
             return False
         if isinstance(groups, Exception) or not length:
             return self._say_lost("its stream is gone or empty")
@@ -204,4 +208,6 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
 
 
 def _no_such_key(exc: Exception) -> bool:
-    return isinstance(exc, redis.ResponseError) and "no such key" in str(exc).lower()
+    """A missing stream (XINFO, XPENDING) or group (XPENDING's NOGROUP)."""
+    text = str(exc).lower()
+    return isinstance(exc, redis.ResponseError) and ("no such key" in text or text.startswith("nogroup"))

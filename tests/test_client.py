@@ -390,15 +390,19 @@ def test_lost_check_reads_queued_taken_and_answered_as_known():
     def group(delivered: str) -> list[dict]:
         return [{"name": b"other", "last-delivered-id": b"9999-0"}, {"name": b"prefill", "last-delivered-id": delivered.encode()}]
 
-    assert not check.lost([1, 0, redis.ResponseError("no such key")])   # taken (seen:<id>) or answered (out:<id>)
-    assert not check.due(answered=False)                                # the clock restarted
-    assert not check.lost([0, 3, group("1000-4")])        # the group has not reached it: maybe queued
-    assert not check.lost([0, 3, []])                      # no group yet: nobody has read the stream
-    assert check.lost([0, 3, group("1000-5")])             # read, never taken
-    assert check.lost([0, 0, group("0-0")])                # an empty stream (made again after a restart)
-    assert check.lost([0, 0, redis.ResponseError("no such key")])   # the stream is gone
+    gone = redis.ResponseError("no such key")
+    nogroup = redis.ResponseError("NOGROUP No such key 'x' or consumer group 'prefill'")
+    pending = [{"message_id": b"1000-5", "consumer": b"p0", "time_since_delivered": 5, "times_delivered": 1}]
+    assert not check.lost([1, gone, 0, gone])            # taken (seen:<id>) or answered (out:<id>)
+    assert not check.due(answered=False)                  # the clock restarted
+    assert not check.lost([0, [], 3, group("1000-4")])    # the group has not reached it: maybe queued
+    assert not check.lost([0, nogroup, 3, []])            # no group yet: nobody has read the stream
+    assert not check.lost([0, pending, 3, group("1000-5")])   # in a worker's hands (its seen:<id> lost)
+    assert check.lost([0, [], 3, group("1000-5")])        # read, neither pending nor taken
+    assert check.lost([0, [], 0, group("0-0")])           # an empty stream (made again after a restart)
+    assert check.lost([0, gone, 0, gone])                 # the stream is gone
     with pytest.raises(redis.ResponseError, match="NOPERM"):
-        check.lost([0, 3, redis.ResponseError("NOPERM this user has no permissions")])
+        check.lost([0, [], 3, redis.ResponseError("NOPERM this user has no permissions")])
 
 
 @pytest.mark.processes

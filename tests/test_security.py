@@ -350,6 +350,12 @@ def test_a_producer_can_do_nothing_else(acl_env):
     except redis.ResponseError as exc:   # no stream yet: allowed all the same
         assert "no such key" in str(exc)
     assert r.exists(keys.seen("probe"), keys.out("probe")) == 0
+    try:
+        r.xpending_range(keys.requests, "prefill", "0-1", "0-1", 1)
+    except redis.exceptions.NoPermissionError:
+        raise
+    except redis.ResponseError as exc:   # no stream or group yet
+        assert "NOGROUP" in str(exc)
     r.close()
 
 

@@ -103,8 +103,8 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                 _selector("+xread", f"~{keys.out('*')}"),
                 _selector("+set", f"~{keys.cancel('*')}"),
                 # whether Redis still has a request not answered yet (pdqueue.client_outage.LostCheck):
-                # queue lengths and the group's position, never an entry's fields
-                _selector("+xlen", "+xinfo|groups", *requests),
+                # queue lengths, the group's position and whether an entry is pending, never its fields
+                _selector("+xlen", "+xinfo|groups", "+xpending", *requests),
                 _selector("+exists", f"~{keys.seen('*')}", f"~{keys.out('*')}")]
     if role == "producer":
         return producer
