@@ -130,6 +130,13 @@ MODES: dict[str, Mode] = {
     "placement-q4_1": Mode(_elastic_split("q4_1", "q4_1")),
     "elastic-q4_1": Mode(_elastic_split("q4_1", "q4_1"),
                          beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
+    # ``--decode-here`` measured (issue 25): a q4_1 split whose decode worker has 4 slots, so
+    # it fills under load; the prefill worker hands every request over (waiting for a slot),
+    # or decodes it itself when the decode worker is full.
+    "disagg-q4_1-4slots": Mode(_fixed(("prefill", ("--weights", "q4_1")),
+                                      ("decode", ("--weights", "q4_1", "--max-num-seqs", "4")))),
+    "disagg-q4_1-4slots-here": Mode(_fixed(("prefill", ("--weights", "q4_1", "--decode-here", "auto")),
+                                           ("decode", ("--weights", "q4_1", "--max-num-seqs", "4")))),
     # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
     # with the same planner.
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
