@@ -137,6 +137,12 @@ MODES: dict[str, Mode] = {
                                       ("decode", ("--weights", "q4_1", "--max-num-seqs", "4")))),
     "disagg-q4_1-4slots-here": Mode(_fixed(("prefill", ("--weights", "q4_1", "--decode-here", "auto")),
                                            ("decode", ("--weights", "q4_1", "--max-num-seqs", "4")))),
+    # ... and its prefill worker steps under the TBT budget (chunked), so the decodes it keeps
+    # are not stalled behind its whole prompts.
+    "disagg-q4_1-4slots-here-slo": Mode(lambda settings: [
+        ("prefill", ("--weights", "q4_1", "--decode-here", "auto", "--policy", "chunked",
+                     "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")),
+        ("decode", ("--weights", "q4_1", "--max-num-seqs", "4"))]),
     # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
     # with the same planner.
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),

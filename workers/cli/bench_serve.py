@@ -199,8 +199,9 @@ def _write_partial(out: str, partial: dict) -> None:
                    "placement-fp32, placement-q4_1 (1 prefill worker placing prompts by cost + 1 decode worker "
                    "taking them), "
                    "elastic, elastic-q4_1, elastic-fp32 (the same with a planner over roles, budgets and "
-                   "migrations), elastic-colocated, disagg-q4_1-4slots, disagg-q4_1-4slots-here (a decode worker "
-                   "of 4 slots; -here: the prefill worker decodes when it is full), prefix-off, prefix-blind, "
+                   "migrations), elastic-colocated, disagg-q4_1-4slots, disagg-q4_1-4slots-here, -here-slo (a decode "
+                   "worker of 4 slots; -here: the prefill worker decodes when it is full; -slo: under the TBT "
+                   "budget), prefix-off, prefix-blind, "
                    "prefix-aware "
                    "(pdqueue/bench/serve_modes.py says what each starts).")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
