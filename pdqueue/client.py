@@ -243,6 +243,7 @@ class RequestHandle(_Handle):
             gone = lost.lost(replies)
         except redis.ResponseError as exc:
             reading.lost_check_refused(exc)
+            self._lost = None   # for this handle's later reads too
             return
         if gone:
             lost.sent_again(r.xadd(lost.stream, lost.fields))
@@ -430,6 +431,7 @@ class AsyncRequestHandle(_Handle):
             gone = lost.lost(replies)
         except redis.ResponseError as exc:
             reading.lost_check_refused(exc)
+            self._lost = None   # for this handle's later reads too
             return
         if gone:
             lost.sent_again(await r.xadd(lost.stream, lost.fields))

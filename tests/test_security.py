@@ -23,6 +23,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,30 @@ def test_a_producer_can_do_nothing_else(acl_env):
     except redis.ResponseError as exc:   # no stream or group yet
         assert "NOGROUP" in str(exc)
     r.close()
+
+
+def test_a_producer_acl_without_the_lost_check_serves_and_says_so_once(acl_env, caplog):
+    """A producer user made before the lost-request check existed (no XLEN, XINFO GROUPS,
+    XPENDING or EXISTS): the refused check turns itself off with one warning, and the
+    request is answered all the same."""
+    admin, keys = acl_env["admin"], Keys(CLUSTER)
+    knows_setinfo = admin.execute_command("COMMAND INFO", "client|setinfo")[0] is not None
+    rules = [rule for rule in role_rules(keys, "producer", knows_setinfo)
+             if not any(cmd in rule for cmd in ("+xlen", "+xpending", "+exists"))]
+    password = secrets.token_hex(8)
+    admin.execute_command("ACL", "SETUSER", "old-producer", "reset", "on", f">{password}", *rules)
+    try:
+        config = RedisConfig(url=f"redis://old-producer@127.0.0.1:{acl_env['server'].port}/0", password=password,
+                             lost_check_s=0.001)   # checked before the first read
+        with caplog.at_level("WARNING", logger="pdqueue.client"), Client(cluster=CLUSTER, config=config) as client:
+            handle = client.submit("an old user", max_tokens=4, temperature=0)
+            time.sleep(0.01)   # past lost_check_s before the first read
+            assert handle.result(timeout=120).num_tokens == 4
+            assert handle._lost is None
+        refused = [r for r in caplog.records if "cannot check whether Redis still has it" in r.getMessage()]
+        assert len(refused) == 1 and "no permissions" in refused[0].getMessage()
+    finally:
+        admin.execute_command("ACL", "DELUSER", "old-producer")
 
 
 def test_workers_serve_as_the_worker_user_without_one_refusal(acl_env):
