@@ -167,7 +167,22 @@ def _fast_tier_starts_no_process(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", popen)
 
 
+def _xdist_can_group() -> bool:
+    """Whether pytest-xdist's loadgroup can add a test's group to its node id (it writes
+    ``item._nodeid``; pytest 9.2's ``Node.nodeid`` reads another attribute, and every group
+    was then silently ignored: pyproject.toml pins pytest below 9.2)."""
+    import inspect
+
+    from _pytest.nodes import Node
+
+    return "_nodeid" in inspect.getsource(Node.nodeid.fget)
+
+
 def pytest_configure(config):
+    if config.getoption("dist", "no") == "loadgroup" and not _xdist_can_group():
+        raise pytest.UsageError(
+            f"--dist loadgroup would not group the tests with pytest {pytest.__version__} (the one-worker "
+            f"modules would run spread over every worker): pip install 'pytest>=8,<9.2'")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Several test processes share the cores: torch work in this one (oracles, engines)
         # runs on one thread, as the worker processes the tests start do (--threads 1).
