@@ -140,8 +140,8 @@ def _backoff_s(failures: int, deadline: float | None, initial_s: float, max_s: f
 
 class _Reading:
     """One ``stream`` call's state, shared by the sync and asyncio loops (which differ only
-    in how they wait): the deadline, the backoff after lost connections, the outage clock
-    and the assembler."""
+    in how they wait): the deadline, the backoff after lost connections, the outage clock,
+    the assembler and the handle's lost-request check."""
 
     def __init__(self, handle, timeout: float | None):
         client = handle.client
@@ -151,7 +151,7 @@ class _Reading:
         self.backoff = (client.backoff_initial_s, client.backoff_max_s)
         self.failures = 0
         self.outage = ReadOutage(handle.request_id, client.unavailable_after_s)
-        self.lost = handle._lost
+        self.handle = handle
 
     @property
     def done(self) -> bool:
@@ -161,15 +161,29 @@ class _Reading:
         """How long the next XREAD may block (``TimeoutError`` past the deadline)."""
         return _block_ms(self.deadline, self.max_block_ms)
 
+    @property
+    def lost(self) -> LostCheck | None:
+        return self.handle._lost
+
     def lost_check_due(self) -> bool:
         """Time to ask whether Redis still knows the request (``LostCheck``)."""
         return self.lost is not None and self.lost.due(answered=self.asm.last_id != "0-0")
 
-    def lost_check_refused(self, exc: redis.ResponseError) -> None:
-        """The server refused the check's reads (an ACL without them): stop checking."""
-        log.warning("request %s: cannot check whether Redis still has it (%s); not checked again",
-                    self.asm.request_id, exc)
-        self.lost = None
+    def lost_by_redis(self, replies) -> bool:
+        """From the replies of the check's pipeline: whether Redis lost the request (send
+        it again: ``sent_again``). A refused check (an ACL without its reads) is turned off
+        for the handle, with a warning."""
+        try:
+            return self.lost.lost(replies)
+        except redis.ResponseError as exc:
+            log.warning("request %s: cannot check whether Redis still has it (%s); not checked again",
+                        self.asm.request_id, exc)
+            self.handle._lost = None
+            return False
+
+    def sent_again(self, entry_id) -> None:
+        self.lost.sent_again(entry_id)
+        self.handle.entry_id = self.lost.entry_id
 
     def read_failed(self, exc: BaseException) -> float:
         """A lost connection: how long to wait before reading again (``RedisUnavailable``
@@ -235,19 +249,12 @@ class RequestHandle(_Handle):
         return self._asm.completion
 
     def _check_lost(self, reading: _Reading) -> None:
-        lost, r = reading.lost, self.client.redis
-        try:
-            with r.pipeline(transaction=False) as pipe:
-                lost.queue(pipe)
-                replies = pipe.execute(raise_on_error=False)
-            gone = lost.lost(replies)
-        except redis.ResponseError as exc:
-            reading.lost_check_refused(exc)
-            self._lost = None   # for this handle's later reads too
-            return
-        if gone:
-            lost.sent_again(r.xadd(lost.stream, lost.fields))
-            self.entry_id = lost.entry_id
+        r = self.client.redis
+        with r.pipeline(transaction=False) as pipe:
+            reading.lost.queue(pipe)
+            replies = pipe.execute(raise_on_error=False)
+        if reading.lost_by_redis(replies):
+            reading.sent_again(r.xadd(reading.lost.stream, reading.lost.fields))
 
     def text_stream(self, timeout: float | None = None) -> Iterator[str]:
         """Yield the text deltas (non-empty) as they arrive."""
@@ -423,19 +430,12 @@ class AsyncRequestHandle(_Handle):
 
     async def _check_lost(self, reading: _Reading) -> None:
         """See ``RequestHandle._check_lost``."""
-        lost, r = reading.lost, self.client.redis
-        try:
-            async with r.pipeline(transaction=False) as pipe:
-                lost.queue(pipe)
-                replies = await pipe.execute(raise_on_error=False)
-            gone = lost.lost(replies)
-        except redis.ResponseError as exc:
-            reading.lost_check_refused(exc)
-            self._lost = None   # for this handle's later reads too
-            return
-        if gone:
-            lost.sent_again(await r.xadd(lost.stream, lost.fields))
-            self.entry_id = lost.entry_id
+        r = self.client.redis
+        async with r.pipeline(transaction=False) as pipe:
+            reading.lost.queue(pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        if reading.lost_by_redis(replies):
+            reading.sent_again(await r.xadd(reading.lost.stream, reading.lost.fields))
 
     async def text_stream(self, timeout: float | None = None) -> AsyncIterator[str]:
         async for event in self.stream(timeout):
