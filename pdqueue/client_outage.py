@@ -5,7 +5,7 @@ lost (``LostCheck``: a failover to a replica that had not received it yet, a res
 persistence), sent again. ``pdqueue.client``'s docstring
 says what the client promises; this holds the mechanics.
 
-Imports redis and pdqueue's config, keys and retry only.
+Imports redis and pdqueue's config, keys, protocol (``as_str``) and retry only.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.config import redact_url
 from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.protocol import as_str
 from pdqueue.retry import backoff_delay
 
 log = logging.getLogger("pdqueue.client")
@@ -184,8 +185,8 @@ class LostCheck:
             return False
         if isinstance(groups, Exception) or not length:
             return self._say_lost("its stream is gone or empty")
-        delivered = next((_as_str(g.get("last-delivered-id", "0-0")) for g in groups
-                          if _as_str(g.get("name")) == self.group), None)
+        delivered = next((as_str(g.get("last-delivered-id", "0-0")) for g in groups
+                          if as_str(g.get("name")) == self.group), None)
         if delivered is None or _stream_id(delivered) < _stream_id(self.entry_id):
             return False   # not read that far yet: maybe still queued
         return self._say_lost("its stream was read past it, yet no worker took it")
@@ -196,12 +197,8 @@ class LostCheck:
         return True
 
     def sent_again(self, entry_id) -> None:
-        self.entry_id = _as_str(entry_id)
+        self.entry_id = as_str(entry_id)
         self.resent += 1
-
-
-def _as_str(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _stream_id(entry_id: str) -> tuple[int, int]:

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "pdqueue.engine": {"pdqueue.models", "pdqueue.protocol"},
     "pdqueue.transfer": {"pdqueue.engine", "pdqueue.keys", "pdqueue.procs"},
     "pdqueue.queue": {"pdqueue.protocol"} | BASE,
-    "pdqueue.client_outage": BASE,
+    "pdqueue.client_outage": {"pdqueue.protocol"} | BASE,
     "pdqueue.client_assembly": {"pdqueue.protocol"},
     "pdqueue.discovery": BASE,
     "pdqueue.client": {"pdqueue.client_outage", "pdqueue.client_assembly", "pdqueue.discovery"} | LOW,
