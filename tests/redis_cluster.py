@@ -257,6 +257,20 @@ class RedisClusterServers:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
 
+    def fail_over(self, master: int, replicas: list[int], timeout: float = 30.0) -> float:
+        """SIGKILL ``master`` and wait until one of its ``replicas`` is promoted and every live
+        node agrees on the slot map again; the seconds from the kill to the promotion."""
+        killed_at = time.monotonic()
+        self.kill(master)
+        deadline = killed_at + timeout
+        while not any(self.role(port) == "master" for port in replicas):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no replica of {master} ({replicas}) promoted within {timeout:g} s")
+            time.sleep(0.02)
+        promoted_s = time.monotonic() - killed_at
+        self.wait_ok(timeout)
+        return promoted_s
+
     def log(self, port: int) -> str:
         path = self.dir / str(port) / "redis.log" if self.dir else None
         return path.read_text(errors="replace")[-3000:] if path and path.exists() else ""

@@ -18,7 +18,6 @@ import collections
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -351,9 +350,7 @@ def test_master_killed_right_after_a_submit_every_request_runs_once(rcluster, na
         replicas = rcluster.replicas_of(master)
         with Client(rcluster.url, second, config=RedisConfig(url=rcluster.url, lost_check_s=2.0)) as client:
             handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
-            rcluster.kill(master)
-            wait_for(lambda: any(rcluster.role(p) == "master" for p in replicas), 30, what="a replica promoted")
-            rcluster.wait_ok(30)
+            rcluster.fail_over(master, replicas)
             results = [h.result(timeout=120) for h in handles]
         for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
             assert_same_tokens(tiny, pid, exp, list(res.token_ids), sp)
@@ -395,11 +392,7 @@ def test_master_killed_with_requests_in_flight_every_request_completes_once(up, 
     for port in replicas:   # replicated up to the last writes, which the kill may lose
         with rcluster.node(port) as node:
             assert node.info("replication")["master_link_status"] == "up"
-    killed_at = time.monotonic()
-    rcluster.kill(master)
-    wait_for(lambda: any(rcluster.role(p) == "master" for p in replicas), 30, what="a replica promoted")
-    promoted_s = time.monotonic() - killed_at
-    rcluster.wait_ok(30)
+    promoted_s = rcluster.fail_over(master, replicas)
     assert rcluster.master_of(keys.requests) in replicas
     results = [h.result(timeout=180) for h in handles]
     for pid, exp, res, sp in zip(prompt_ids, expected, results, sampling):
