@@ -9,7 +9,8 @@ so the other masters keep serving while one slot range fails over), joins them, 
 until every node reports ``cluster_state:ok`` and agrees on the slot map, and every replica
 has finished its first sync (a replica still waiting for it holds no data: a failover then
 would lose everything, not the last writes). ``url`` is the
-``redis+cluster://`` URL pdqueue takes (every master as a startup node). ``stop()`` kills
+``redis+cluster://`` URL pdqueue takes (every master as a startup node). ``fail_over``
+SIGKILLs a master and waits for its replica's promotion. ``stop()`` kills
 every node and removes the directory; each node also gets PDEATHSIG, so nothing outlives
 the test process.
 
