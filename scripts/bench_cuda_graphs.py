@@ -20,7 +20,7 @@ import torch
 from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
-from pdqueue.models.llama import ModelConfig
+from pdqueue.models.config import ModelConfig
 from pdqueue.models.loader import random_model
 
 SMOLLM2_SHAPE = ModelConfig(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tests.test_engine as te
 from pdqueue.models import fused
-from pdqueue.models.llama import apply_rope
+from pdqueue.models.decoder import apply_rope
 from pdqueue.models.loader import TINY_CONFIG, load_model
 
 pytestmark = pytest.mark.pure

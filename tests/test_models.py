@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdqueue.models.attention import AttentionBatch
-from pdqueue.models.llama import ModelConfig
+from pdqueue.models.config import ModelConfig
 from pdqueue.models.loader import (TINY_CONFIG, ensure_gguf_cache, load_model, model_config_for,
                                    resolve_model_path, tiny_weights)
 from pdqueue.models.source import ModelSourceError
@@ -39,7 +39,7 @@ SMOLLM2_ATOL = 1e-3
 
 
 class PagedRunner:
-    """Drives ``LlamaModel.forward`` the way an engine would, over a shuffled block pool."""
+    """Drives ``DecoderModel.forward`` the way an engine would, over a shuffled block pool."""
 
     def __init__(self, model, num_blocks: int = 64, seed: int = 0):
         cfg = model.config

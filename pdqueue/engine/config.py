@@ -90,7 +90,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_mb must be >= 1, got {self.kv_cache_mb}")
 
     def kv_token_bytes(self, model_config) -> int:
-        """KV bytes of one token of ``model_config`` (a models.llama.ModelConfig): all
+        """KV bytes of one token of ``model_config`` (a models.config.ModelConfig): all
         layers, K and V, in this config's dtype."""
         return (model_config.num_layers * 2 * model_config.num_kv_heads * model_config.head_dim
                 * DTYPE_BYTES[self.dtype])

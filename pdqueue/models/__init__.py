@@ -1,15 +1,16 @@
-"""The model layer: Llama-family decoders with paged attention, their loader and tokenizers.
+"""The model layer: the decoder of every supported family (``families``) with paged attention,
+its loaders and tokenizers.
 
 Owns everything under ``pdqueue.models``. Imports torch, numpy, gguf, tokenizers, jinja2 and
 safetensors only (never redis, zmq or ``pdqueue.engine``). Submodules are imported lazily so
 ``import pdqueue.models.tokenizer`` does not pull in the loader.
 """
 
-__all__ = ["AttentionBatch", "IncrementalDetokenizer", "LlamaModel", "LoadedModel", "ModelConfig",
+__all__ = ["AttentionBatch", "DecoderModel", "FAMILIES", "IncrementalDetokenizer", "LoadedModel", "ModelConfig",
            "ModelSourceError", "Tokenizer", "load_model", "model_config_for", "resolve_model_path"]
 
 _WHERE = {
-    "AttentionBatch": "attention", "LlamaModel": "llama", "ModelConfig": "llama",
+    "AttentionBatch": "attention", "DecoderModel": "decoder", "ModelConfig": "config", "FAMILIES": "families",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
     "LoadedModel": "loader", "load_model": "loader", "model_config_for": "loader",
     "resolve_model_path": "source", "ModelSourceError": "source",  # torch-free

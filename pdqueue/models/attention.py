@@ -1,7 +1,11 @@
 """Paged attention over the KV pool, and the plain causal attention used as its reference.
 
-Owns: ``AttentionBatch`` (how a flat token batch maps to sequences) and ``paged_attention``
-(write the new K/V into their cache slots, then attend per sequence through its block table).
+Owns: ``AttentionBatch`` (how a flat token batch maps to sequences), ``AttnSpec`` (a layer's
+scale, sliding window and soft cap) and ``paged_attention`` (write the new K/V into their cache
+slots, then attend per sequence through its block table). A sliding layer's query at position
+``i`` sees positions ``i - window + 1 .. i`` (transformers' sliding-window mask); a soft-capped
+layer's scores go through ``cap * tanh(scores / cap)`` before the softmax (Gemma 2), which
+SDPA cannot do, so those layers run the same math in plain ops.
 
 Imports torch only. Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads,
 head_dim]`` (``kv_cache[layer]``; plane 0 holds K, plane 1 V).
@@ -11,9 +15,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class AttnSpec(NamedTuple):
+    scale: float
+    window: int | None = None    # None: the whole context
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, mask: torch.Tensor | None = None,
+           is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA over 4-D ``[.., heads, tokens, D]`` inputs, or its math with ``spec.softcap``
+    (scores scaled, capped, masked, softmax in float32 as transformers' eager attention)."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=spec.scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 @dataclass
@@ -108,7 +142,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
     """One sequence's queries [Q, H, D] attending causally to its context k/v [C, Hkv, D].
 
     The queries are the last Q positions of the C-token context. Returns [Q, H, D].
@@ -116,46 +150,65 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     num_queries, num_heads, head_dim = q.shape
     num_ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
+    if spec.window is not None and num_ctx > spec.window:
+        if num_queries == 1:   # decode: the last `window` keys are all it sees
+            k, v, num_ctx = k[-spec.window:], v[-spec.window:], spec.window
+        else:
+            return _windowed_attention(q, k, v, spec)
     # 4-D inputs: on CPU, SDPA then runs its fused flash kernel, ~2.5x faster than the
     # composite math path it takes for 3-D inputs.
     if num_queries == 1:
         # Decode: the one query sees the whole context, so no mask; fold the query heads
         # that share a kv head into the query axis instead of repeating K/V.
-        out = F.scaled_dot_product_attention(
-            q.reshape(1, num_kv_heads, group, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            scale=scale)
+        out = attend(q.reshape(1, num_kv_heads, group, head_dim), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                     spec)
         return out.reshape(1, num_heads, head_dim)
     q_t, k_t, v_t = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if num_queries == num_ctx:
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale, enable_gqa=group > 1)
+        out = attend(q_t, k_t, v_t, spec, is_causal=True, enable_gqa=group > 1)
     else:
         # is_causal aligns the mask top-left; our queries are the context's tail.
         query_pos = torch.arange(num_ctx - num_queries, num_ctx, device=q.device)
         mask = torch.arange(num_ctx, device=q.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        out = attend(q_t, k_t, v_t, spec, mask=mask, enable_gqa=group > 1)
+    return out[0].transpose(0, 1)
+
+
+def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """``causal_attention`` of a sliding layer whose context is longer than its window: each
+    query sees the ``window`` positions ending at its own."""
+    num_queries, num_ctx = q.shape[0], k.shape[0]
+    query_pos = torch.arange(num_ctx - num_queries, num_ctx, device=q.device)[:, None]
+    key_pos = torch.arange(num_ctx, device=q.device)[None, :]
+    mask = (key_pos <= query_pos) & (key_pos > query_pos - spec.window)
+    group = q.shape[1] // k.shape[1]
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], spec, mask=mask,
+                 enable_gqa=group > 1)
     return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    batch: AttentionBatch, scale: float, layer: int = 0, ops=None) -> torch.Tensor:
+                    batch: AttentionBatch, spec: AttnSpec, layer: int = 0, ops=None) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the batch's new tokens -> attention output [T, H, D].
     ``layer_cache``: the layer's K and V planes, ``[2, num_blocks, block_size, Hkv, D]``;
     ``layer``: its index (for ``batch.decode_kv``); ``ops``: ``models.fused.FusedOps`` (q, k
     and v then the parts of one row each), which every one-query attention goes through, in
-    any step, so that a sequence's numbers do not depend on what shares its step."""
+    any step, so that a sequence's numbers do not depend on what shares its step (the kernels
+    implement plain attention only: ``models.fused.ops`` gives none to other models)."""
+    scale = spec.scale
     if ops is not None and batch.decode_kv is not None:
         pool = (layer_cache[0], layer_cache[1], batch.slot_mapping)   # stored by the same call
         out = ops.decode_attention(q, q.shape[1], k.shape[1], q.shape[2], batch.copy_meta()[layer], scale, pool)
         return out.view(q.shape)
     write_kv(k, v, layer_cache[0], layer_cache[1], batch.slot_mapping)
     if batch.decode_kv is not None:
-        return _copied_decode_attention(q, k, v, batch, layer, scale)
+        return _copied_decode_attention(q, k, v, batch, layer, spec)
     block_size, num_kv_heads, head_dim = layer_cache.shape[2:]
     blocks, offsets = batch.gather_plan(block_size)
     # K and V in one gather (a decode step is many small ops: each one saved counts).
     gathered = layer_cache.index_select(1, blocks)
     if batch.is_decode and ops is None:
-        return _decode_attention(q, gathered, batch, offsets, block_size, scale)
+        return _decode_attention(q, gathered, batch, offsets, block_size, spec)
     out = torch.empty_like(q)
     all_k, all_v = gathered
     # One sequence at a time, so a sequence's numbers never depend on its batch mates
@@ -170,12 +223,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
             out[start] = ops.decode_attention(q[start:start + 1], q.shape[1], num_kv_heads, head_dim, meta,
                                               scale).view(q.shape[1:])
         else:
-            out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, scale)
+            out[start:start + num_queries] = causal_attention(q[start:start + num_queries], seq_k, seq_v, spec)
     return out
 
 
 def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionBatch, offsets: list[int],
-                      block_size: int, scale: float) -> torch.Tensor:
+                      block_size: int, spec: AttnSpec) -> torch.Tensor:
     """``paged_attention`` for a batch of one query per sequence (a decode step), with as
     few tensor ops as it takes: at batch 1 a layer's attention is ~10 small ops, and their
     fixed costs, not the bytes, are what a step pays. The same numbers as
@@ -186,8 +239,9 @@ def _decode_attention(q: torch.Tensor, gathered: torch.Tensor, batch: AttentionB
     planes = gathered.view(2, -1, num_kv_heads, head_dim).transpose(1, 2)
     queries = q.view(q.shape[0], 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     keys, values = planes[0, None], planes[1, None]   # [1, Hkv, tokens, D]
-    outs = [F.scaled_dot_product_attention(queries[i], keys[:, :, start:end], values[:, :, start:end], scale=scale)
-            for i, (start, end) in enumerate(batch.decode_spans(offsets, block_size))]
+    window = spec.window or 1 << 62   # a sliding layer: the last `window` keys
+    outs = [attend(queries[i], keys[:, :, max(start, end - window):end], values[:, :, max(start, end - window):end],
+                   spec) for i, (start, end) in enumerate(batch.decode_spans(offsets, block_size))]
     return _joined(outs, q.shape)
 
 
@@ -197,7 +251,7 @@ def _joined(outs: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
 
 
 def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
-                             layer: int, scale: float) -> torch.Tensor:
+                             layer: int, spec: AttnSpec) -> torch.Tensor:
     """A decode step over each sequence's contiguous copy (``batch.decode_kv``): the new
     token's K/V goes into the copy too, and SDPA reads the copy. No gather; the same numbers
     as ``_decode_attention``."""
@@ -206,9 +260,10 @@ def _copied_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     queries = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
     new = torch.stack((k, v), dim=1)   # [B, 2, Hkv, D]
     outs = []
+    first = -spec.window if spec.window else None   # a sliding layer: the last `window` keys
     for i, (keys, values, slot) in enumerate(batch.copy_views()):
         slot[layer].copy_(new[i])
-        outs.append(F.scaled_dot_product_attention(queries[i], keys[layer], values[layer], scale=scale))
+        outs.append(attend(queries[i], keys[layer][..., first:, :], values[layer][..., first:, :], spec))
     return _joined(outs, q.shape)
 
 
@@ -229,7 +284,7 @@ class PaddedDecode:
 
 
 def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                            batch: PaddedDecode, scale: float) -> torch.Tensor:
+                            batch: PaddedDecode, spec: AttnSpec) -> torch.Tensor:
     """``paged_attention`` for a decode step without data-dependent shapes or host syncs:
     every sequence gathers ``nb`` blocks and a mask hides the positions past its context.
     The same attention as ``_decode_attention`` up to float rounding (one SDPA over the
@@ -240,7 +295,10 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     write_kv(k.index_select(0, rows), v.index_select(0, rows), layer_cache[0], layer_cache[1], batch.slot_mapping)
     # [2, B, nb, block, Hkv, D] -> [2, B, Hkv, nb * block, D]
     kv = layer_cache[:, batch.block_tables].flatten(2, 3).transpose(2, 3)
-    visible = torch.arange(kv.shape[3], device=q.device)[None, :] < batch.context_lens[:, None]   # [B, C]
+    positions = torch.arange(kv.shape[3], device=q.device)[None, :]
+    visible = positions < batch.context_lens[:, None]   # [B, C]
+    if spec.window is not None:
+        visible &= positions >= batch.context_lens[:, None] - spec.window
     queries = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(queries, kv[0], kv[1], attn_mask=visible[:, None, None, :], scale=scale)
+    out = attend(queries, kv[0], kv[1], spec, mask=visible[:, None, None, :])
     return out.reshape(num_seqs, num_heads, head_dim)

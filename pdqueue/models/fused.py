@@ -1,7 +1,7 @@
 """The decoder layer's small operations in C (``decode_ops.c``, in the q4_1 kernel's library):
 RMSNorm, RoPE, SiLU x up, and decode attention over each sequence's K/V for the whole batch in
 one call per layer. The q4_1 format's forward pass uses them (``quantize_model`` sets
-``LlamaModel.fused``); other formats, and machines where the library could not be built, run
+``DecoderModel.fused``); other formats, and machines where the library could not be built, run
 the same layer in torch ops.
 
 Why: at batch 1 a q4_1 step was ~8 ms of weights and ~7 ms of ~1,300 small torch ops whose
@@ -49,7 +49,7 @@ class FusedOps:
 
     def rope_(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         """Rotate the first ``heads`` heads of each row of ``x`` [T, >= heads * head_dim] in
-        place; ``cos``, ``signed_sin`` [T, head_dim] contiguous (``models.llama.apply_rope``)."""
+        place; ``cos``, ``signed_sin`` [T, head_dim] contiguous (``models.decoder.apply_rope``)."""
         self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), signed_sin.data_ptr())
 
     def decode_attention(self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, meta: torch.Tensor,
@@ -75,11 +75,14 @@ def _fn(fn, restype, argtypes):
 def ops(config) -> FusedOps | None:
     """The ops for a model of ``config`` (a ``ModelConfig``) from the compiled library, or None
     where it could not be built (q4.kernel says why) or the shapes do not fit its vectors
-    (head_dim and hidden_size multiples of 16, intermediate_size of 8). ``PDQ_FUSED_OPS=0``: None
+    (head_dim and hidden_size multiples of 16, intermediate_size of 8) or the model is not
+Llama-shaped (``ModelConfig.plain_attention``, SwiGLU, no sandwich norms). ``PDQ_FUSED_OPS=0``: None
     (torch's ops; for comparisons)."""
     if os.environ.get("PDQ_FUSED_OPS", "1") == "0":
         return None
     kernel, _ = q4.kernel()
     if kernel is None or config.head_dim % 16 or config.hidden_size % 16 or config.intermediate_size % 8:
         return None
+    if not config.plain_attention or config.sandwich_norms or config.activation != "silu" or config.moe:
+        return None   # the kernels implement Llama's layer: other families run torch's ops on q4_1 weights
     return FusedOps(kernel.lib)

@@ -25,7 +25,9 @@ import torch
 
 from pdqueue.models import cache
 from pdqueue.models.cache import cache_root  # noqa: F401  (kept importable from here)
-from pdqueue.models.llama import LlamaModel, ModelConfig
+from pdqueue.models.decoder import DecoderModel
+from pdqueue.models.config import ModelConfig
+from pdqueue.models.families import config_from_hf
 from pdqueue.models.source import SMOLLM2_FILE, SMOLLM2_PACKAGE, ModelSourceError, resolve_model_path  # noqa: F401
 from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer, hf_tokenizer_from_gguf_vocab
 
@@ -38,7 +40,7 @@ TINY_CONFIG = ModelConfig(
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     weights: str = "fp32"   # models.quant.WEIGHT_FORMATS: how the linear layers' weights are held
     # What the weights are, beyond the name: a GGUF file's SHA-256, a directory's safetensors
@@ -77,6 +79,9 @@ def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     from pdqueue.models import quant, quant_cache
 
     quant.check_format(weights)
+    if weights != "fp32" and model_config_for(name).moe is not None:
+        raise ValueError(f"--weights {weights}: a mixture-of-experts model's experts are held in float only "
+                         "(use --weights fp32)")
     if weights != "fp32" and torch.device(device).type != "cpu":
         raise ValueError(f"--weights {weights}: its kernels run on CPU only (use --weights fp32 on {device})")
     path = resolve_model_path(name)   # once: checking a GGUF's header reads its vocabulary (~0.15 s for SmolLM2)
@@ -111,10 +116,10 @@ def _model_name(name, path: Path) -> str:
     return str(name) if str(name) in ("smollm2", "tiny") else path.stem
 
 
-def _build(config: ModelConfig, weights, device, dtype) -> LlamaModel:
+def _build(config: ModelConfig, weights, device, dtype) -> DecoderModel:
     # Allocate without running the random init (which would take longer than loading).
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = DecoderModel(config)
     _allocate(model, device, dtype)
     model.load_weights(weights)
     model.requires_grad_(False)
@@ -194,34 +199,19 @@ def tiny_weights(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> dict[str, 
 # --- Hugging Face directories ----------------------------------------------------------
 
 def _hf_config(directory: Path, name: str | None = None) -> ModelConfig:
+    """The directory's config.json through its family (``models.families``: anything it does
+    not implement is an error naming the field), with every EOS id the checkpoint names:
+    config.json's and generation_config.json's (Llama 3 and Qwen2.5 list more there)."""
     raw = json.loads((directory / "config.json").read_text())
-    rope_scaling = raw.get("rope_scaling") or {}
-    if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-        raise NotImplementedError(f"rope_scaling {rope_scaling} is not supported")
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise NotImplementedError("attention/mlp biases are not supported")
-    eos = raw.get("eos_token_id")
+    config = config_from_hf(raw, name or directory.name)
     generation = directory / "generation_config.json"
-    if eos is None and generation.exists():
+    if generation.exists():
         eos = json.loads(generation.read_text()).get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    num_heads = raw["num_attention_heads"]
-    return ModelConfig(
-        name=name or directory.name,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-    )
+        more = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        merged = tuple(dict.fromkeys((*config.eos_token_ids, *more)))
+        if merged != config.eos_token_ids:
+            config = dataclasses.replace(config, eos_token_ids=merged)
+    return config
 
 
 def _hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:

@@ -1,7 +1,7 @@
 """Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
 
 Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``Q80Linear``, ``quantize_model`` (swap a loaded
-``LlamaModel``'s linear layers and LM head for quantized ones, in place),
+``DecoderModel``'s linear layers and LM head for quantized ones, in place),
 ``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
 ``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
 the layers their tensors and takes the ones they compute).
@@ -235,13 +235,24 @@ class Q80Linear(_KernelLinear):
         return self._kernel.q8(x, self._layout, self.out_features)
 
 
+class Biased(nn.Module):
+    """A quantized layer and the float bias it keeps (Qwen2's q/k/v)."""
+
+    def __init__(self, layer: nn.Module, bias: torch.Tensor):
+        super().__init__()
+        self.layer, self.bias = layer, nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.forward(x).add_(self.bias)
+
+
 _QUANT = {"int8": Int8Linear, "int4": Int4Linear, "q4_1": Q41Linear}
 # The LM head: int8 (fbgemm) beside torch's kernels, q8_0 beside pdqueue's.
 _HEAD = {"int8": Int8Linear, "int4": Int8Linear, "q4_1": Q80Linear}
 
 
 def quantize_model(model, weights: str):
-    """Replace every linear layer of ``model`` (a ``LlamaModel``: q/k/v, o, gate/up, down
+    """Replace every linear layer of ``model`` (a ``DecoderModel``: q/k/v, o, gate/up, down
     in each layer) with ``weights``' quantized layer and its LM head with an int8 one; the
     embedding and the norms stay as they are. A tied LM head gets its own quantized copy of
     the embedding matrix (the lookup keeps the float one). ``fp32``: the model unchanged."""
@@ -251,13 +262,21 @@ def quantize_model(model, weights: str):
         return model
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"--weights {weights} needs --dtype float32 (its kernels take float32 activations)")
-    make = _QUANT[weights]
+    if model.config.moe is not None:
+        raise ValueError(f"--weights {weights}: a mixture-of-experts model's experts are held in float only "
+                         "(use --weights fp32)")
+    quantized = _QUANT[weights]
+
+    def make(linear: nn.Linear) -> nn.Module:
+        layer = quantized(linear.weight)
+        return layer if linear.bias is None else Biased(layer, linear.bias)
+
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = make(attn.qkv_proj.weight)
-        attn.o_proj = make(attn.o_proj.weight)
-        mlp.gate_up_proj = make(mlp.gate_up_proj.weight)
-        mlp.down_proj = make(mlp.down_proj.weight)
+        attn.qkv_proj = make(attn.qkv_proj)
+        attn.o_proj = make(attn.o_proj)
+        mlp.gate_up_proj = make(mlp.gate_up_proj)
+        mlp.down_proj = make(mlp.down_proj)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.logits_head = _HEAD[weights](head)   # 8 bits for int4 and q4_1 too: see the module docstring
     model.lm_head = None   # an untied float head is not kept: compute_logits uses logits_head
