@@ -132,10 +132,11 @@ def _ropes(fields: _Fields, default_theta: float = 10000.0) -> dict[str, RopeSpe
             specs = {t: _rope(fields, p, default_theta, f"rope_parameters.{t}") for t, p in params.items()}
             return {FULL: specs.get(FULL) or specs[SLIDING], SLIDING: specs.get(SLIDING) or specs[FULL]}
         spec = _rope(fields, params, default_theta, "rope_parameters")
+        if fields.has("rope_scaling") and _rope(fields, fields.get("rope_scaling"), default_theta,
+                                                "rope_scaling") != spec:
+            raise ConfigError("config.json has both rope_parameters and rope_scaling, and they disagree")
     else:
         spec = _rope(fields, fields.get("rope_scaling"), default_theta, "rope_scaling")
-    fields.get("rope_scaling")
-    fields.get("rope_theta")
     return {FULL: spec, SLIDING: spec}
 
 
@@ -179,13 +180,14 @@ def _mistral(fields: _Fields) -> dict:
 
 def _qwen_windows(fields: _Fields) -> dict:
     layers = fields.need("num_hidden_layers")
-    window = fields.get("sliding_window") if fields.get("use_sliding_window", False) else None
+    configured = fields.get("sliding_window")   # (Qwen2.5 ships one, off: use_sliding_window false)
+    window = configured if fields.get("use_sliding_window", False) else None
     first = fields.get("max_window_layers", layers)
     types = _layer_types(fields, layers, lambda i: SLIDING if window and i >= first else FULL)
     if SLIDING in types and not window:
-        if not fields.has("sliding_window"):
+        if not configured:
             raise ConfigError("config.json layer_types has sliding layers but no sliding_window")
-        window = fields.get("sliding_window")
+        window = configured
     return {"sliding_window": int(window) if window and SLIDING in types else None, "layer_types": types}
 
 

