@@ -1,0 +1,90 @@
+"""Every family through real worker processes and a real Redis: a prefill worker and a decode
+worker (over shared memory, the TCP data wire and ZeroMQ), a colocated worker, prompts placed
+on a decode worker, and the prefix cache must each give transformers' greedy tokens
+(tests/hf_models.py), token for token: PD == colocated == transformers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from pdqueue.client import Client
+from tests import hf_models
+from tests.helpers import FAST, wait_for, wait_pools_free
+
+pytest.importorskip("transformers")
+
+# One case per family (the rope variants are covered in-process by tests/test_families.py).
+FAMILY_CASES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "mixtral")
+PROMPTS = ["The quick brown fox jumps over the lazy dog, then runs away into the forest.",
+           "Hello", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12"]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {case: hf_models.build(case, root / case) for case in FAMILY_CASES}
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints):
+    """case -> transformers' greedy continuation of each prompt."""
+    tok = hf_models.smollm2_tokenizer()
+    return {case: [hf_models.hf_greedy(d, tok.encode(p), MAX_TOKENS) for p in PROMPTS]
+            for case, d in checkpoints.items()}
+
+
+def answers(cluster, prompts=PROMPTS) -> list:
+    client = Client(cluster.redis_url, cluster.cluster)
+    handles = client.submit_many([dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+                                  for p in prompts])
+    return [h.result(timeout=120) for h in handles]
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_prefill_and_decode_workers_answer_as_transformers(cluster, checkpoints, expected, case):
+    """Over shared memory; a prompt sent again finds its blocks in the prefix cache and still
+    answers the same."""
+    cluster.model = str(checkpoints[case])
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
+    results = answers(cluster)
+    assert [list(r.token_ids) for r in results] == expected[case]
+    assert {r.transfer_path for r in results} == {"shm"}
+    again = answers(cluster, PROMPTS[:1])[0]
+    assert list(again.token_ids) == expected[case][0]
+    assert again.cached_tokens > 0   # the prompt's full blocks came from the prefix cache
+    wait_pools_free(cluster)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("transfer", ["tcp", "zmq"])
+def test_the_network_kv_paths_answer_as_transformers(cluster, checkpoints, expected, case, transfer):
+    cluster.model = str(checkpoints[case])
+    cluster.start_together(("prefill", *FAST, "--transfer", transfer, {"worker_id": "p0"}),
+                           ("decode", *FAST, "--transfer", transfer, {"worker_id": "d0"}))
+    results = answers(cluster)
+    assert [list(r.token_ids) for r in results] == expected[case]
+    assert {r.transfer_path for r in results} == {transfer}
+    wait_pools_free(cluster)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mixtral", "qwen2"])
+def test_a_colocated_worker_and_placed_prompts_answer_as_transformers(cluster, checkpoints, expected, case):
+    cluster.model = str(checkpoints[case])
+    cluster.start("colocated", *FAST, worker_id="c0")
+    assert [list(r.token_ids) for r in answers(cluster)] == expected[case]
+    cluster.stop("c0")
+    # A prefill worker that places every prompt on a decode worker, which prefills it itself.
+    cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
+                           ("decode", *FAST, "--take-prompts", "--policy", "chunked", "--tbt-slo-ms", "200",
+                            {"worker_id": "d0"}))
+    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    results = answers(cluster)
+    assert [list(r.token_ids) for r in results] == expected[case]
+    assert any(r.prefill_worker == cluster.id("d0") for r in results)   # placed, and prefilled there
+    wait_pools_free(cluster)
