@@ -88,3 +88,21 @@ def test_a_colocated_worker_and_placed_prompts_answer_as_transformers(cluster, c
     assert [list(r.token_ids) for r in results] == expected[case]
     assert any(r.prefill_worker == cluster.id("d0") for r in results)   # placed, and prefilled there
     wait_pools_free(cluster)
+
+
+def test_a_decode_worker_of_other_weights_refuses_the_handoff(cluster, checkpoints, tmp_path):
+    """Prefill and decode workers that load different weights of the same shape (a cluster
+    half-way through a model change): every request is refused with one clear error naming
+    both models, none is decoded from KV its weights did not compute."""
+    other = hf_models.build("qwen3", tmp_path / "qwen3-other", seed=1)
+    cluster.model = str(checkpoints["qwen3"])
+    cluster.start("prefill", *FAST, worker_id="p0")
+    cluster.model = str(other)
+    cluster.start("decode", *FAST, worker_id="d0")
+    client = Client(cluster.redis_url, cluster.cluster)
+    handles = client.submit_many([dict(prompt=p, max_tokens=8, temperature=0.0) for p in PROMPTS])
+    for h in handles:
+        with pytest.raises(Exception, match="model mismatch") as caught:
+            h.result(timeout=60)
+        assert "qwen3-other" in str(caught.value) and str(checkpoints["qwen3"]) in str(caught.value)
+    wait_pools_free(cluster)

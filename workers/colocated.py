@@ -126,7 +126,8 @@ class ColocatedRole(RequestRole):
                 handoff = Handoff(request=req, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids),
                                   seed=it.params.seed, ticket=ticket, prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms, prefill_end_ms=first,
-                                  first_token_ms=first, cached_tokens=seq.cached_tokens)
+                                  first_token_ms=first, cached_tokens=seq.cached_tokens,
+                                  kv_identity=self.engine.kv_identity, model=self.engine.config.model)
                 unit.handoff(it.stream, it.entry_id, rid, target, encode_handoff(handoff))
                 moved += 1
         return moved

@@ -479,6 +479,10 @@ def read_handoff(fields, engine: LLMEngine) -> tuple[Handoff | None, str | None]
 
 def handoff_problem(h: Handoff, engine: LLMEngine) -> str | None:
     """What makes a (well-formed) handoff impossible to run on ``engine``, or None."""
+    if h.kv_identity and h.kv_identity != engine.kv_identity:
+        return (f"model mismatch: {h.prefill_worker} runs {h.model or '?'} (KV identity {h.kv_identity}), this "
+                f"decode worker runs {engine.config.model} (KV identity {engine.kv_identity}); prefill and decode "
+                f"workers of one cluster must load the same weights with the same KV dtype and block size")
     vocab = engine.model_config.vocab_size
     if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
         return f"token ids beyond the vocabulary ({vocab})"

@@ -117,7 +117,8 @@ class Intake:
                 if target is not None:
                     handoff = Handoff(request=req, prompt_ids=prompt_ids, output_ids=[], seed=seed, ticket=None,
                                       prefill_worker=self.worker_id, enqueued_ms=req.enqueued_ms,
-                                      prefill_start_ms=read_ms)
+                                      prefill_start_ms=read_ms, kv_identity=engine.kv_identity,
+                                      model=engine.config.model)
                     unit.handoff(stream, entry_id, req.id, target, encode_handoff(handoff))
                     if self.metrics is not None:
                         self.metrics.placed()

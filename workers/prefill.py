@@ -164,7 +164,8 @@ class PrefillRole(RequestRole):
                 handoff = Handoff(request=req, prompt_ids=it.prompt_ids, output_ids=[out.token_id],
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
-                                  prefill_end_ms=t, first_token_ms=t, cached_tokens=out.cached_tokens)
+                                  prefill_end_ms=t, first_token_ms=t, cached_tokens=out.cached_tokens,
+                                  kv_identity=self.engine.kv_identity, model=self.engine.config.model)
                 unit.handoff(it.stream, it.entry_id, req.id, self.handoff_stream(), encode_handoff(handoff))
                 self.peers.handed_off()
             if exported and self.pool:

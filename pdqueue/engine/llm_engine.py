@@ -94,6 +94,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.layout = kv_layout_for(loaded.config, config)
+        self.kv_identity = self.kv_identity_of(loaded, self.layout)   # handoffs carry it (workers/decode.py)
         if kv_cache is None:
             kv_cache = self.layout.allocate(device=config.device)
         else:
@@ -114,6 +115,18 @@ class LLMEngine:
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, OutputText] = {}
+
+    @staticmethod
+    def kv_identity_of(loaded, layout: KVCacheLayout) -> str:
+        """What two engines must share for one to continue from the other's KV: the model
+        (its family config and the weights' fingerprint) and the KV layout (layers, KV heads,
+        head_dim, dtype, block size). Not the weights' format: an int8 prefill worker's KV is
+        the same layout and model as an fp32 decode worker's. A short hex digest."""
+        import hashlib
+
+        parts = (asdict(loaded.config) | {"name": ""}, getattr(loaded, "fingerprint", ""), layout.num_layers,
+                 layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
     def _prefix_root(self, loaded) -> bytes:
         """What besides the tokens decides a block's KV (the prefix cache's chain start)."""

@@ -286,6 +286,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), (),
            "Mistral with a top-2 mixture of SwiGLU experts", _mixtral, moe=True),
 )
+# What every family is served through (the KV layout is the pool's: workers/, transfer/), and
+# which --weights formats apply (models.quant; the q4_1 kernel's fused layer ops only for
+# Llama-shaped layers, torch's ops otherwise).
+PATHS = ("prefill/decode over shm", "TCP data wire", "ZeroMQ", "NIXL", "colocated", "prompt placement",
+         "migration", "prefix cache")
+
+
+def weight_formats(family: Family) -> tuple[str, ...]:
+    return ("fp32",) if family.moe else ("fp32", "int8", "int4", "q4_1")
+
+
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 

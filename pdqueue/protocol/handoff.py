@@ -35,6 +35,10 @@ class Handoff:
     first_token_ms: float = 0.0
     attempt: int = 0                 # how many times the request was recomputed
     cached_tokens: int = 0           # prompt tokens the prefill worker's prefix cache served
+    # The sender's model and KV layout (``LLMEngine.kv_identity``): a decode worker of another
+    # model or layout refuses the handoff rather than decode garbage. "" (older senders): unchecked.
+    kv_identity: str = ""
+    model: str = ""                  # the sender's model name, for that refusal's message
 
     @property
     def prompt_only(self) -> bool:
@@ -60,6 +64,8 @@ def encode_handoff(h: Handoff) -> dict[str, bytes]:
         "prefill_worker": h.prefill_worker,
         "attempt": int(h.attempt),
         "cached_tokens": int(h.cached_tokens),
+        "kv_identity": h.kv_identity,
+        "model": h.model,
     }
     for name in _HANDOFF_TIMES:
         body[name] = float(getattr(h, name))
@@ -102,6 +108,9 @@ def decode_handoff(fields: Mapping) -> Handoff:
         raise HandoffError("handoff seed, attempt and cached_tokens must be integers")
     if not isinstance(worker, str):
         raise HandoffError("handoff prefill_worker must be a string")
+    identity, model = body.get("kv_identity", ""), body.get("model", "")   # absent from older senders
+    if not isinstance(identity, str) or not isinstance(model, str):
+        raise HandoffError("handoff kv_identity and model must be strings")
     ticket = body.get("ticket")
     if ticket is not None and not isinstance(ticket, dict):
         raise HandoffError("handoff ticket must be a map or nil")
@@ -114,4 +123,5 @@ def decode_handoff(fields: Mapping) -> Handoff:
     # A ticket names KV computed for at least the first token; only a prompt handoff has none.
     return Handoff(request=request, prompt_ids=ids("prompt_ids", True),
                    output_ids=ids("output_ids", ticket is not None), seed=seed, ticket=ticket,
-                   prefill_worker=worker, attempt=attempt, cached_tokens=cached, **times)
+                   prefill_worker=worker, attempt=attempt, cached_tokens=cached, kv_identity=identity, model=model,
+                   **times)

@@ -17,6 +17,7 @@ drives); none imports this module or another command module.
 - ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.frontends.gateway``)
 - ``metrics``: `metrics-sd` (Prometheus service discovery of the workers, stream backlog)
 - ``acl``: `acl` (least-privilege Redis ACL users for a cluster's roles)
+- ``models``: `models` (the families served, or which family a checkpoint is)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from workers.cli.bench import bench
 from workers.cli.common import Group
 from workers.cli.generate import generate
 from workers.cli.metrics import metrics_sd
+from workers.cli.models import models
 from workers.cli.plan import plan
 from workers.cli.redis_server import redis_server
 from workers.cli.serve import serve
@@ -51,6 +53,7 @@ for command in (up, submit, status, plan, generate, worker, bench, redis_server,
 cli.add_command(metrics_sd)
 cli.add_command(serve)
 cli.add_command(acl)
+cli.add_command(models)
 
 
 def main():
