@@ -47,10 +47,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.client_assembly import Assembler, RequestFailed
-from pdqueue.client_outage import LostCheck, ReadOutage, RedisUnavailable, Submitting, transient
+from pdqueue.client_outage import EmbeddedServer, LostCheck, ReadOutage, RedisUnavailable, Submitting, transient
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
-from pdqueue.keys import CANCEL_TTL_S, Keys
+from pdqueue.keys import CANCEL_TTL_S, OUT_TTL_S, Keys
 from pdqueue.protocol import (
     DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, as_str,
     Completion,
@@ -60,6 +60,7 @@ from pdqueue.protocol import (
     ResultEvent,
     ResultType,
     request_to_fields,
+    up_server,
     validate_request,
 )
 from pdqueue.queue.connection import async_client_from_url, client_from_url, raise_dropped_cancellation
@@ -75,22 +76,27 @@ _READ_COUNT = 256
 
 
 def _settings(redis_url: str | None, cluster: str | None, config: RedisConfig | None,
-              have_client: bool) -> tuple[RedisConfig, str]:
-    """The config and the cluster of a client. The URL: ``redis_url``, else the config's,
-    else (no client given either) ``pdqueue.discovery.resolve``; the cluster: ``cluster``,
-    else resolved for that URL. A URL without credentials that names a running ``pdqueue
-    up``'s server gets that server's password (``resolve``)."""
+              have_client: bool) -> tuple[RedisConfig, str, EmbeddedServer | None]:
+    """The config and the cluster of a client, and the ``pdqueue up`` server it names (None:
+    another). The URL: ``redis_url``, else the config's, else (no client given either)
+    ``pdqueue.discovery.resolve``; the cluster: ``cluster``, else resolved for that URL. A
+    URL without credentials that names a running ``pdqueue up``'s server gets that server's
+    password (``resolve``), unless the config or the environment gives one."""
     if redis_url is not None:
         config = dataclasses.replace(config, url=redis_url) if config is not None else RedisConfig(url=redis_url)
     if config is not None:
-        target = resolve(config.url, cluster)
+        target = resolve(config.url, cluster, credentials=True if config.password or config.password_file else None)
         if target.url != config.url:
             config = dataclasses.replace(config, url=target.url)
-        return config, target.cluster
+        return config, target.cluster, _embedded(target)
     if have_client:  # its URL is its own: only PDQ_CLUSTER can name the cluster
-        return RedisConfig(), cluster or os.environ.get("PDQ_CLUSTER") or DEFAULT_CLUSTER
+        return RedisConfig(), cluster or os.environ.get("PDQ_CLUSTER") or DEFAULT_CLUSTER, None
     target = resolve(None, cluster)
-    return RedisConfig(url=target.url), target.cluster
+    return RedisConfig(url=target.url), target.cluster, _embedded(target)
+
+
+def _embedded(target) -> EmbeddedServer | None:
+    return EmbeddedServer(target.cluster, target.up_pid, target.server_pid) if target.server_pid else None
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
@@ -150,8 +156,20 @@ class _Reading:
         self.max_block_ms = client.max_block_ms
         self.backoff = (client.backoff_initial_s, client.backoff_max_s)
         self.failures = 0
-        self.outage = ReadOutage(handle.request_id, client.unavailable_after_s)
+        self.outage = ReadOutage(handle.request_id, client.unavailable_after_s, client.embedded)
         self.handle = handle
+        self.up: tuple[int, int] | None = None   # (pid of `up`, of its server): its last entry's
+
+    def receipt(self):
+        """(key, value) of the read receipt to write once the answer was read to its end,
+        when its last entry came from a ``pdqueue up``'s embedded server (``up_server``);
+        else None. The client then knows that server too (``EmbeddedServer``)."""
+        client, up = self.handle.client, self.up
+        if up is None:
+            return None
+        if client.embedded is None:
+            client.embedded = EmbeddedServer(client.keys.cluster, *up)
+        return client.keys.read(self.handle.request_id), "1"
 
     @property
     def done(self) -> bool:
@@ -200,6 +218,7 @@ class _Reading:
         if reply and self.lost is not None:
             self.lost.heard()
         for _, entry_id, fields in parse_read_reply(reply):
+            self.up = up_server(fields) or self.up
             for event in self.asm.feed(entry_id, fields):
                 if event.type is ResultType.TOKEN:
                     yield event
@@ -237,16 +256,30 @@ class RequestHandle(_Handle):
         not done within ``timeout`` seconds."""
         reading = _Reading(self, timeout)
         r = self.client.redis
-        while not reading.done:
-            try:
-                if reading.lost_check_due():
-                    self._check_lost(reading)
-                reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                time.sleep(reading.read_failed(exc))
-                continue
-            yield from reading.events(reply)
+        try:
+            while not reading.done:
+                try:
+                    if reading.lost_check_due():
+                        self._check_lost(reading)
+                    reply = r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    time.sleep(reading.read_failed(exc))
+                    continue
+                yield from reading.events(reply)
+        except RequestFailed:
+            self._read_to_end(reading)
+            raise
+        self._read_to_end(reading)
         return self._asm.completion
+
+    def _read_to_end(self, reading: _Reading) -> None:
+        """The read receipt (``_Reading.receipt``); best effort: without it, `up` only waits longer."""
+        receipt = reading.receipt()
+        if receipt is not None:
+            try:
+                self.client.redis.set(*receipt, ex=OUT_TTL_S)
+            except redis.RedisError:
+                pass
 
     def _check_lost(self, reading: _Reading) -> None:
         r = self.client.redis
@@ -277,7 +310,7 @@ class _Settled:
 
     def _settle(self, redis_url, cluster, config, redis_client, cancel_ttl_s, make_client,
                 submit_retry_s) -> None:
-        config, cluster = _settings(redis_url, cluster, config, redis_client is not None)
+        config, cluster, self.embedded = _settings(redis_url, cluster, config, redis_client is not None)
         self.url = config.url if redis_client is None or redis_url is not None else None
         self.keys = Keys(cluster)
         self._own_redis = redis_client is None
@@ -382,18 +415,33 @@ class AsyncRequestHandle(_Handle):
     async def stream(self, timeout: float | None = None) -> AsyncIterator[ResultEvent]:
         reading = _Reading(self, timeout)
         r = self.client.redis
-        while not reading.done:
-            raise_dropped_cancellation()   # (before a read that may block for long, too)
+        try:
+            while not reading.done:
+                raise_dropped_cancellation()   # (before a read that may block for long, too)
+                try:
+                    if reading.lost_check_due():
+                        await self._check_lost(reading)
+                    reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT,
+                                          block=reading.block_ms())
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    await asyncio.sleep(reading.read_failed(exc))
+                    continue
+                raise_dropped_cancellation()
+                for event in reading.events(reply):
+                    yield event
+        except RequestFailed:
+            await self._read_to_end(reading)
+            raise
+        await self._read_to_end(reading)
+
+    async def _read_to_end(self, reading: _Reading) -> None:
+        """See ``RequestHandle._read_to_end``."""
+        receipt = reading.receipt()
+        if receipt is not None:
             try:
-                if reading.lost_check_due():
-                    await self._check_lost(reading)
-                reply = await r.xread({self.key: self._asm.last_id}, count=_READ_COUNT, block=reading.block_ms())
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                await asyncio.sleep(reading.read_failed(exc))
-                continue
-            raise_dropped_cancellation()
-            for event in reading.events(reply):
-                yield event
+                await self.client.redis.set(*receipt, ex=OUT_TTL_S)
+            except redis.RedisError:
+                pass
 
     async def batches(self, timeout: float | None = None,
                       idle_s: float | None = None) -> AsyncIterator[list[ResultEvent]]:
@@ -422,9 +470,12 @@ class AsyncRequestHandle(_Handle):
             try:
                 batch.extend(reading.events(reply))
             except RequestFailed:
+                await self._read_to_end(reading)
                 if batch:
                     yield batch
                 raise
+            if reading.done:
+                await self._read_to_end(reading)
             if batch or reading.done or idle_ms is not None:
                 yield batch
 

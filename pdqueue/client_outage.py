@@ -1,11 +1,12 @@
 """How the client rides out a Redis outage: which errors a command may be sent again after
 (``transient``), a submit's window of retries (``Submitting``), a stream read's outage limit
-(``ReadOutage``), and ``RedisUnavailable``, raised past them; and a request that Redis itself
+(``ReadOutage``), and ``RedisUnavailable``, raised past them, or at once when the server is
+gone for good (``EmbeddedServer``: a stopped ``pdqueue up``'s); and a request that Redis itself
 lost (``LostCheck``: a failover to a replica that had not received it yet, a restart without
 persistence), sent again. ``pdqueue.client``'s docstring
 says what the client promises; this holds the mechanics.
 
-Imports redis and pdqueue's config, keys, protocol (``as_str``) and retry only.
+Imports redis and pdqueue's config, keys, procs, protocol (``as_str``) and retry only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.config import redact_url
 from pdqueue.keys import PREFILL_GROUP, Keys
+from pdqueue.procs import pid_alive
 from pdqueue.protocol import as_str
 from pdqueue.retry import backoff_delay
 
@@ -39,18 +41,43 @@ class RedisUnavailable(RedisConnectionError):
         self.request_ids = tuple(request_ids)
 
 
-class ReadOutage:
-    """How long reads have been failing; ``RedisUnavailable`` past the limit."""
+class EmbeddedServer:
+    """The server of a ``pdqueue up`` (``pdqueue.discovery.Target``'s pids): it is not restarted,
+    so once its process is gone a lost connection will not come back, and retrying for
+    ``unavailable_after_s`` per handle would only hide that. ``up`` keeps it at its stop until
+    the answers it holds are read (``Keys.read``: the receipts its clients write), or a grace
+    runs out."""
 
-    def __init__(self, request_id: str, limit_s: float | None):
+    def __init__(self, cluster: str, up_pid: int, server_pid: int):
+        self.cluster, self.up_pid, self.server_pid = cluster, up_pid, server_pid
+
+    def gone(self, exc: Exception, request_ids: Sequence[str] = ()) -> "RedisUnavailable | None":
+        """The error to raise now for a failure ``exc`` if the server process is gone, else None."""
+        if pid_alive(self.server_pid):
+            return None
+        return RedisUnavailable(
+            f"the Redis server of the local cluster {self.cluster!r} (pdqueue up, pid {self.up_pid}) has stopped "
+            f"(its process {self.server_pid} is gone): what it held went with it; start `pdqueue up` again and "
+            f"resubmit ({type(exc).__name__}: {exc})", 0.0, request_ids)
+
+
+class ReadOutage:
+    """How long reads have been failing; ``RedisUnavailable`` past the limit, or at once
+    when the server is gone for good (``embedded``)."""
+
+    def __init__(self, request_id: str, limit_s: float | None, embedded: EmbeddedServer | None = None):
         self.request_id = request_id
         self.limit_s = limit_s
+        self.embedded = embedded
         self.since: float | None = None
 
     def ok(self) -> None:
         self.since = None
 
     def failed(self, exc: Exception) -> None:
+        gone = self.embedded.gone(exc) if self.embedded is not None else None
+        if gone is not None:
+            raise gone from exc
         now = time.monotonic()
         if self.since is None:
             self.since = now
@@ -103,6 +130,10 @@ class Submitting:
     def failed(self, exc: Exception) -> float:
         """A transient failure: how long to wait before sending again; ``RedisUnavailable``
         once the window is spent (no attempt starts after it)."""
+        embedded = getattr(self.client, "embedded", None)
+        gone = embedded.gone(exc, self.request_ids) if embedded is not None else None
+        if gone is not None:
+            raise gone from exc
         self.failures += 1
         self.errors[type(exc).__name__] += 1
         elapsed = time.monotonic() - self.started

@@ -13,6 +13,14 @@ server gets it too. Show ``Target.shown_url``, never ``url``:
   cluster (one of them is up: that one; several: ``default`` if it is one of them, else
   ``DiscoveryError``), else ``default``. With a URL given, only the ``up``s serving that URL
   count.
+- the password: one given explicitly (in the URL, or ``PDQ_REDIS_PASSWORD`` /
+  ``PDQ_REDIS_PASSWORD_FILE``, which ``--redis-password-file`` sets, or the caller's
+  ``credentials``) always wins: a wrong one is refused by the server as wrong, never
+  replaced by the state file's. Only without one does the ``up``'s password go in the URL.
+
+A ``Target`` on an ``up``'s embedded server carries the pids of that ``up`` and of its
+server (``up_pid``, ``server_pid``): a client whose server process is gone knows that its
+server is gone for good (``pdqueue.client_outage.EmbeddedServer``).
 
 ``Client()`` and ``AsyncClient()`` without a URL, and ``pdqueue submit``/``status``, use it.
 
@@ -26,7 +34,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdqueue.config import redact_url, strip_credentials, with_password
+from pdqueue.config import ENV_PASSWORD, ENV_PASSWORD_FILE, redact_url, strip_credentials, with_password
 from pdqueue.procs import pid_alive
 
 __all__ = ["DEFAULT_CLUSTER", "DEFAULT_URL", "DiscoveryError", "Target", "read_state", "remove_state",
@@ -48,6 +56,8 @@ class Target:
     url: str     # to connect with: it may hold a password (``shown_url`` for messages)
     cluster: str
     source: str  # how the URL was found, for messages
+    up_pid: int | None = None       # the `pdqueue up` whose embedded server the URL names
+    server_pid: int | None = None   # that server's process
 
     @property
     def shown_url(self) -> str:
@@ -143,23 +153,39 @@ def _pick(states: list[dict], what: str) -> dict | None:
                          "name one with --cluster or PDQ_CLUSTER")
 
 
-def resolve(redis_url: str | None = None, cluster: str | None = None) -> Target:
-    """Where to send requests: see the module docstring for the order. Raises
-    ``DiscoveryError`` only when several local clusters are up and neither a cluster nor
-    ``PDQ_CLUSTER`` says which."""
+def _explicit_credentials(given: bool | None) -> bool:
+    """Whether the caller named a password of its own (``given``; None: the environment's
+    ``PDQ_REDIS_PASSWORD`` / ``PDQ_REDIS_PASSWORD_FILE``, which the CLI options set)."""
+    if given is not None:
+        return given
+    return bool(os.environ.get(ENV_PASSWORD) or os.environ.get(ENV_PASSWORD_FILE))
+
+
+def _target(url: str, cluster: str, source: str, state: dict | None) -> Target:
+    if state is None or not state.get("server_pid"):
+        return Target(url, cluster, source)
+    return Target(url, cluster, source, up_pid=int(state["pid"]), server_pid=int(state["server_pid"]))
+
+
+def resolve(redis_url: str | None = None, cluster: str | None = None, credentials: bool | None = None) -> Target:
+    """Where to send requests: see the module docstring for the order. ``credentials``:
+    whether the caller has a password of its own (None: whether the environment gives
+    one); the state file's is then not used. Raises ``DiscoveryError`` only when several
+    local clusters are up and neither a cluster nor ``PDQ_CLUSTER`` says which."""
     url, source = redis_url, SOURCE_ARGUMENT
     if not url and os.environ.get("PDQ_REDIS_URL"):
         url, source = os.environ["PDQ_REDIS_URL"], SOURCE_ENV
     cluster = cluster or os.environ.get("PDQ_CLUSTER") or None
     running = running_clusters()
+    own_password = _explicit_credentials(credentials)
     if url:  # the URL is known; the cluster is the named one, else that of an `up` serving it
         serving = [s for s in running if strip_credentials(str(s["url"])) == strip_credentials(url)]
         if cluster is None:
             state = _pick(serving, f" at {redact_url(url)}")
             cluster = state["cluster"] if state else DEFAULT_CLUSTER
-        if serving and strip_credentials(url) == url:  # no credentials given: those of that server's `up`
+        if serving and strip_credentials(url) == url and not own_password:  # none given: that `up`'s
             url = state_url(serving[0])
-        return Target(url, cluster, source)
+        return _target(url, cluster, source, serving[0] if serving else None)
     if cluster is not None:
         state = next((s for s in running if s["cluster"] == cluster), None)
     else:
@@ -167,4 +193,4 @@ def resolve(redis_url: str | None = None, cluster: str | None = None) -> Target:
         cluster = state["cluster"] if state else DEFAULT_CLUSTER
     if state is None:
         return Target(DEFAULT_URL, cluster, SOURCE_DEFAULT)
-    return Target(state_url(state), cluster, _describe(state))
+    return _target(str(state["url"]) if own_password else state_url(state), cluster, _describe(state), state)

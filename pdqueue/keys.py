@@ -22,6 +22,8 @@ on Redis Cluster.
 | ``plan``               | hash                     | the planner         | actuators, status  |
 | ``kv_secret``          | string (hex), no TTL     | first worker, SET NX| workers (KV auth)  |
 | ``gw:<request_id>``    | string (JSON), TTL       | gateways, SET NX    | gateways (resume)  |
+| ``read:<request_id>``  | string, TTL              | clients of ``up``'s | ``pdqueue up``     |
+|                        |                          | embedded server     | (its stop)         |
 
 Imports nothing but the standard library.
 """
@@ -151,6 +153,17 @@ class Keys:
 
     def cancel(self, request_id: str) -> str:
         return f"{self.prefix}cancel:{request_id}"
+
+    def read(self, request_id: str) -> str:
+        """A read receipt: a client has read the answer on ``out:<request_id>`` to its end.
+        Written (TTL ``OUT_TTL_S``) only by clients of a ``pdqueue up``'s embedded server,
+        which stays up at the stop until every answer it holds has one (or a grace runs out)."""
+        return f"{self.prefix}read:{request_id}"
+
+    @property
+    def out_pattern(self) -> str:
+        """SCAN MATCH pattern of every ``out:<id>`` answer stream."""
+        return self.prefix + "out:*"
 
     def gateway_record(self, request_id: str) -> str:
         """What a gateway needs to resume a resumable request's answer (pdqueue.frontends.gateway)."""

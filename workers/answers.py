@@ -21,18 +21,28 @@ on the publisher thread reaches the worker through the publisher's ``on_error`` 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from pdqueue import keys as K
 from pdqueue.keys import Keys
-from pdqueue.protocol import Completion, ErrorCode, Request, done_entry, error_entry, request_to_fields, token_entry
+from pdqueue.protocol import (UP_FIELD, Completion, ErrorCode, Request, done_entry, error_entry, request_to_fields,
+                              token_entry)
 from pdqueue.queue.ownership import Write, ack_and_write
 from pdqueue.queue.streams import dead_record
 
 log = logging.getLogger("pdqueue.worker")
 
 OUT_TTL_MS = K.OUT_TTL_S * 1000  # out:<id> lives this long after its last entry
+# Under `pdqueue up` with its embedded server, "<pid of up>:<pid of the server>": every done and
+# error entry carries it (UP_FIELD), so that its reader writes a read receipt (pdqueue.client).
+UP_SERVER = {UP_FIELD: os.environ["PDQ_UP_SERVER"]} if os.environ.get("PDQ_UP_SERVER") else {}
+
+
+def _last(fields: dict) -> dict:
+    """A done or error entry of ``out:<id>``, marked as `up`'s (``UP_SERVER``)."""
+    return {**fields, **UP_SERVER} if UP_SERVER else fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +100,7 @@ class Unit:
 
     def done(self, stream: str, entry_id: str, c: Completion) -> None:
         """``done`` on ``out:<id>``, its copy on the ``done`` stream."""
-        fields = done_entry(c)
+        fields = _last(done_entry(c))
         self.tally.done.append((getattr(c.finish_reason, "value", str(c.finish_reason)), c.e2e_ms))
         self.finish(stream, entry_id, [Write(self.keys.out(c.request_id), fields, ttl_ms=OUT_TTL_MS),
                                        Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN)], c.request_id)
@@ -98,7 +108,7 @@ class Unit:
     def error(self, stream: str, entry_id: str, request_id: str, reason: str, code,
               index: int | None = None) -> None:
         """``error`` on ``out:<id>`` (a request that failed while it ran)."""
-        writes = [Write(self.keys.out(request_id), error_entry(reason, code, index), ttl_ms=OUT_TTL_MS)]
+        writes = [Write(self.keys.out(request_id), _last(error_entry(reason, code, index)), ttl_ms=OUT_TTL_MS)]
         self.tally.errors.append(getattr(code, "value", str(code)))
         self.finish(stream, entry_id, writes, request_id)
 
@@ -115,7 +125,7 @@ class Unit:
         log.info("rejected %s (%s): %s", request_id or entry_id, code, reason)
         writes = []
         if request_id and code != ErrorCode.DUPLICATE.value:
-            writes.append(Write(self.keys.out(request_id), error_entry(reason, code), ttl_ms=OUT_TTL_MS))
+            writes.append(Write(self.keys.out(request_id), _last(error_entry(reason, code)), ttl_ms=OUT_TTL_MS))
         writes.append(Write(self.keys.dead, dead_record(fields or {}, reason, stream, entry_id, code=code,
                                                         worker=self.worker_id), maxlen=K.DEAD_MAXLEN))
         self.tally.dead.append(code)

@@ -22,7 +22,7 @@ from .limits import (MAX_ENTRY_BYTES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP
 from .requests import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, MAX_SEED,
                        REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms, entry_request_id, parse_request,
                        request_to_fields, validate_request)
-from .results import Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry
+from .results import UP_FIELD, Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry, up_server
 from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority, ServiceClass,
                    ProtocolError, RequestError, ResultType, Role, as_str)
 
@@ -32,6 +32,6 @@ __all__ = [
     "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
     "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
     "Limits", "MAX_ENTRY_BYTES", "MAX_PROMPT_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "entry_bytes",
-    "Completion", "ResultEvent", "token_entry", "done_entry", "error_entry", "parse_result",
+    "Completion", "ResultEvent", "token_entry", "done_entry", "error_entry", "parse_result", "UP_FIELD", "up_server",
     "Handoff", "encode_handoff", "decode_handoff",
 ]

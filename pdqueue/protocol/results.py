@@ -100,6 +100,22 @@ def error_entry(reason: str, code: str | ErrorCode = ErrorCode.INTERNAL,
     return fields
 
 
+UP_FIELD = "up"
+"""On the done and error entries written on a ``pdqueue up``'s embedded server (its workers
+get ``PDQ_UP_SERVER`` from it): ``"<pid of up>:<pid of its server>"``. That server's answers
+die with it, so its reader writes a read receipt (``Keys.read``) once it has read the answer
+to its end, and ``up`` keeps the server at its stop until every answer has one."""
+
+
+def up_server(fields: Mapping) -> tuple[int, int] | None:
+    """(pid of ``up``, pid of its server) of an entry's ``UP_FIELD``; None without one."""
+    try:
+        up, server = _result_text(fields, UP_FIELD, "").split(":")
+        return int(up), int(server)
+    except (ValueError, ProtocolError):
+        return None
+
+
 def _result_text(fields: Mapping, name: str, default: str | None = None) -> str:
     for key in (name, name.encode()):
         if key in fields:

@@ -6,7 +6,8 @@ when it is free, else a free one, with a password (``redis_password``, else a ra
 in its own session, so a terminal's Ctrl-C does not reach it; unless a URL was given) ->
 ``start_workers`` (``python -m workers worker ROLE``, each in its own session and process
 group, logs in ``log_dir``; the URL, password included, goes to them in ``PDQ_REDIS_URL``,
-never on a command line, which ``ps`` shows) -> ``write_state`` (a 0600 file per cluster,
+never on a command line, which ``ps`` shows; ``PDQ_UP_SERVER`` marks their answers as held by
+the embedded server, whose stop waits until they are read) -> ``write_state`` (a 0600 file per cluster,
 ``pdqueue.discovery``, with the password, so ``submit``/``status`` in another terminal find
 it) -> ``wait_ready`` (all registered by heartbeat) -> ``supervise`` (restarts:
 ``workers.cli.supervisor.restarts``) -> ... -> ``stop`` (``workers.cli.supervisor.stopping``,
@@ -79,6 +80,9 @@ class LocalClusterConfig:
     prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
     decode_args: tuple[str, ...] = field(default_factory=tuple)   # ... of the decode (and colocated) workers
     restart_backoff_s: float = RESTART_BACKOFF_S  # the first restart's delay, doubled per restart (up --restart-backoff-s)
+    # At the stop, the embedded server waits this long at most for answers no client has read yet
+    # (``up --answer-grace-s``, default ``draining.ANSWER_GRACE_S``; 0: it stops at once).
+    answer_grace_s: float = 0.0
 
 
 
@@ -155,7 +159,13 @@ class LocalCluster:
         if self.server is not None:
             for name in SECURITY_ENV:
                 env.pop(name, None)
+            env["PDQ_UP_SERVER"] = self.up_server   # the answers say whose server holds them
         return env
+
+    @property
+    def up_server(self) -> str:
+        """``"<pid of up>:<pid of its server>"`` (``pdqueue.protocol.UP_FIELD``)."""
+        return f"{os.getpid()}:{self.server.pid}" if self.server is not None else ""
 
     @property
     def redis(self) -> redis.Redis:

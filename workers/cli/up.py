@@ -77,6 +77,9 @@ def check_port_free(port: int) -> None:
 @click.option("--stop-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a warm stop may take before stragglers are killed.")
 # default: workers.cli.supervisor.restarts.RESTART_BACKOFF_S (not imported here: it imports redis)
+@click.option("--answer-grace-s", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="At the stop, keep the embedded Redis server up to this long for answers no client has read "
+                   "yet (it stops as soon as every answer was read; 0: at once).")
 @click.option("--restart-backoff-s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
               help="Seconds before a process that exited is started again, doubling per restart (up to 30 s).")
 @click.option("--adapt", is_flag=True,
@@ -104,7 +107,7 @@ def check_port_free(port: int) -> None:
                    "README 'Prompt placement'. --no-take-prompts: a fixed split.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, restart_backoff_s, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
+       log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
        weights, prefill_weights, decode_weights, take_prompts, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
        window_s, elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
@@ -170,6 +173,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 decode_weights=decode_weights or weights,
                                 decode_args=TAKE_PROMPTS_ARGS + ("--tbt-slo-ms", f"{tbt_slo_ms:g}")
                                 if take_prompts else (), restart_backoff_s=restart_backoff_s,
+                                answer_grace_s=answer_grace_s,
                                 # prompts that can no longer make --ttft-slo-ms wait behind those that can
                                 worker_args=("--ttft-slo-ms", f"{ttft_slo_ms:g}"))
     stop, hurry = threading.Event(), threading.Event()
@@ -190,6 +194,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             raise UserError(f"cannot start the embedded Redis server: {str(exc).splitlines()[0]}") from None
         quantizing = _to_quantize(lc)   # before the workers write a cached copy
         lc.start_workers()
+        lc.write_state()   # before the gateway: its client finds `up`'s server there (read receipts)
         if not no_gateway:
             try:
                 lc.start_gateway()
@@ -204,6 +209,9 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
             print_line(out, f"ready: {num_prefill} prefill + {num_decode} decode workers in "
                             f"{time.monotonic() - started:.1f}s ({threads} torch thread{'s' * (threads > 1)} each)"
                             + _load_times(lc, quantizing))
+            if lc.server is not None and not demo:
+                print_line(out, f"  Ctrl-C stops it: what is queued is answered first{_grace_note(lc)} "
+                                f"(--answer-grace-s)")
             adapting = _start_adapting(lc, plan_config, out) if plan_config else None
             live = out.is_terminal and not demo   # the live view shows the supervisor's events itself
             lc.supervise(on_event=None if live else lambda event: _print_event(err, event),
@@ -390,7 +398,8 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
     from workers.cli import status_view
 
     api = f"  API {lc.gateway_url}/v1" if lc.gateway_url else ""
-    title = f"pdqueue up: {lc.shown_url}{api}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to stop)"
+    title = (f"pdqueue up: {lc.shown_url}{api}  cluster {lc.config.cluster!r}  model {lc.config.model}  (Ctrl-C to "
+             f"stop{_grace_note(lc)})")
 
     def view():
         now = time.monotonic()
@@ -430,6 +439,15 @@ def _serve(lc, out, err, stop: threading.Event) -> str | None:
 
 
 VIEW_EVENTS = 6  # the supervisor's last events under the live view
+
+
+def _grace_note(lc) -> str:
+    """What a stop does with unread answers (the live view's title, the `ready:` line)."""
+    if lc.server is None:
+        return ""
+    if not lc.config.answer_grace_s:
+        return "; unread answers are lost with the server"
+    return f"; unread answers are kept {lc.config.answer_grace_s:g} s"
 
 
 def _demo(lc, out, stop: threading.Event) -> int:
@@ -475,9 +493,13 @@ def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> N
     def say(msg):
         print_line(err, f"[cyan]{escape(msg)}[/]")
 
+    def note(msg):   # `up`'s own lines of the stop, in up.log too (lc.stop logs its steps)
+        say(msg)
+        lc.restarts.log(msg)
+
     started = bool(lc.workers or lc.server)
     if started:
-        say("stopping (Ctrl-C again to stop at once)")
+        note("stopping (Ctrl-C again to stop at once)")
     if err.is_terminal and started:
         with err.status("stopping the workers") as spinner:
             def step(msg):
@@ -493,15 +515,16 @@ def _stop(lc, err, grace_s: float, hurry: threading.Event, keep_logs: bool) -> N
     bad = {wid: code for wid, code in result["exit_codes"].items()
            if code not in (0, None, -signal.SIGTERM) and wid not in result["died"]}   # (those: below)
     if result["killed"]:
-        say(f"killed: {', '.join(result['killed'])}")
+        note(f"killed: {', '.join(result['killed'])}")
     if bad and not result["killed"] and not keep_logs:  # (else the failure line names them)
         print_line(err, f"[yellow]workers that exited with an error: {escape(str(bad))}[/]")
     if result["died"]:
         died = ", ".join(f"{wid} (exited {', '.join(str(c) for c in codes)})" for wid, codes in result["died"].items())
         print_line(err, f"[yellow]{escape('processes that died while up ran: ' + died)}[/]")
+        lc.restarts.log(f"processes that died while up ran: {died}", "warning")
     if started:
         kept = result.get("logs_kept") if (keep_logs or result["died"]) else None
-        say("stopped; nothing left running" + (f" (logs kept in {kept})" if kept else ""))
+        note("stopped; nothing left running" + (f" (logs kept in {kept})" if kept else ""))
 
 
 class _Guarded:

@@ -1,7 +1,10 @@
 """What the embedded server still holds when `up` stops (its queue dies with it): the
 backlog of this cluster's streams, ``drain`` (the workers answer it first), ``fail_unanswered``
 (an ``error`` entry, code ``unavailable``, for each request left, so no client waits on a
-server that is gone) and ``still_running`` (who is left and what each holds). An answered
+server that is gone), ``still_running`` (who is left and what each holds) and, once the
+workers are gone, ``wait_read`` (the server stays until every answer it holds was read: a
+client of `up`'s server writes ``read:<id>`` when it has read an answer to its end, or
+cancelled it). An answered
 entry is deleted (acknowledged and XDELed), so what a stream holds is what is still to be
 answered. Never imports torch.
 """
@@ -13,7 +16,7 @@ import time
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
-from pdqueue.protocol import REQUEST_ROLES, ErrorCode, Role, entry_request_id, error_entry
+from pdqueue.protocol import REQUEST_ROLES, UP_FIELD, ErrorCode, Role, entry_request_id, error_entry
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.streams import request_streams_of
@@ -27,6 +30,10 @@ DRAIN_STALL_S = 30.0
 UNANSWERED_READ_S = 1.0
 UNANSWERED_TTL_MS = 60_000
 STOP_REPORT_INTERVAL_S = 2.0
+ANSWER_GRACE_S = 60.0
+"""How long the embedded server waits at the stop for answers no client has read yet
+(``up --answer-grace-s``): a client reading late (the results of a batch it submitted,
+read after a Ctrl-C) still gets them, one that went away does not hold the stop up for long."""
 
 
 class WorkLeft:
@@ -119,6 +126,58 @@ class WorkLeft:
             hurry.wait(0.2)
         return False
 
+    def unread(self) -> int:
+        """Answers on the server that no client has read to their end: an ``out:<id>`` stream
+        without its ``read:<id>`` receipt (nor a ``cancel:<id>``: its client gave up on it)."""
+        keys = self.cluster.keys
+        outs = [k.decode() if isinstance(k, bytes) else k
+                for k in self.cluster.redis.scan_iter(match=keys.out_pattern, count=500)]
+        if not outs:
+            return 0
+        prefix = keys.out("")
+        with self.cluster.redis.pipeline(transaction=False) as pipe:
+            for key in outs:   # read, or cancelled (nobody waits for it)
+                pipe.exists(keys.read(key[len(prefix):]), keys.cancel(key[len(prefix):]))
+            return sum(1 for seen in pipe.execute() if not seen)
+
+    def wait_read(self, grace_s: float, hurry: threading.Event, say: Progress,
+                  waiting: Progress | None = None) -> bool:
+        """Before the embedded server stops (the workers and the gateway are gone): wait
+        until every answer it holds has been read (True), for at most ``grace_s``, or until
+        ``hurry`` (a second Ctrl-C)."""
+        try:
+            left = self.unread()
+        except redis.RedisError:
+            return False
+        if not left:
+            return True
+        if grace_s <= 0:
+            say(f"{count_of(left, 'answer was', 'answers were')} not read (--answer-grace-s 0)")
+            return False
+        say(f"keeping the Redis server until {count_of(left, 'answer is', 'answers are')} read, at most "
+            f"{grace_s:g} s (--answer-grace-s; Ctrl-C again: stop it now)")
+        deadline = time.monotonic() + grace_s
+        next_report = time.monotonic() + STOP_REPORT_INTERVAL_S
+        while not hurry.wait(0.2):
+            try:
+                left = self.unread()
+            except redis.RedisError:
+                return False
+            if not left:
+                say("every answer was read")
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                say(f"{count_of(left, 'answer was', 'answers were')} not read within {grace_s:g} s: "
+                    f"their clients will find the server gone")
+                return False
+            if waiting is not None and now >= next_report:
+                next_report = now + STOP_REPORT_INTERVAL_S
+                waiting(f"waiting for {count_of(left, 'answer', 'answers')} to be read ({deadline - now:.0f} s left; "
+                        f"Ctrl-C again: stop now)")
+        say(f"stopping the Redis server now: {count_of(left, 'answer was', 'answers were')} not read")
+        return False
+
     def _work_signature(self) -> tuple:
         """What changes while the workers make progress on long requests that do not finish
         yet: each one's free KV blocks (a decode sequence takes a block every 16 tokens) and
@@ -140,7 +199,8 @@ class WorkLeft:
                         ids.add(rid)
             with self.cluster.redis.pipeline(transaction=False) as pipe:
                 for rid in sorted(ids):
-                    pipe.xadd(self.cluster.keys.out(rid), error_entry(reason, ErrorCode.UNAVAILABLE))
+                    pipe.xadd(self.cluster.keys.out(rid), {**error_entry(reason, ErrorCode.UNAVAILABLE),
+                                                           UP_FIELD: self.cluster.up_server})
                     pipe.pexpire(self.cluster.keys.out(rid), UNANSWERED_TTL_MS)
                 pipe.execute()
         except redis.RedisError:

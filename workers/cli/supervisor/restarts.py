@@ -198,15 +198,19 @@ class Restarts:
                  "worker_id": w.worker_id if w is not None else "", "tail": tail}
         with self._events_lock:
             self.events.append(event)
-            try:
-                with open(self.cluster.log_dir / "up.log", "a") as log:
-                    log.write(f"{time.strftime('%H:%M:%S')} {level}: {text}\n")
-                    if tail:
-                        log.write("".join(f"    {line}\n" for line in tail.splitlines()))
-            except OSError:
-                pass
+            self.log(text, level, tail)
         if self._on_event is not None:
             self._on_event(event)
+
+    def log(self, text: str, level: str = "info", tail: str = "") -> None:
+        """A line in ``up.log`` in the log directory (the events, and the stop's steps)."""
+        try:
+            with open(self.cluster.log_dir / "up.log", "a") as log:
+                log.write(f"{time.strftime('%H:%M:%S')} {level}: {text}\n")
+                if tail:
+                    log.write("".join(f"    {line}\n" for line in tail.splitlines()))
+        except OSError:
+            pass
 
     def halt(self) -> None:
         """No restart from now on: a round in progress ends first."""

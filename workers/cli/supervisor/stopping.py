@@ -3,7 +3,8 @@ its open answers run on); with an embedded server, the drain (``draining``); the
 workers get SIGTERM (warm: they finish the prompts in hand and keep serving their exported
 KV until the decode side has copied it; cold when no decode worker is left), then decode
 workers (warm: running requests finish); an error entry for each request left; the
-gateway's exit (``GATEWAY_EXIT_S``); the embedded server; KV segments a killed worker left in
+gateway's exit (``GATEWAY_EXIT_S``); the embedded server, once the answers it holds were
+read (``WorkLeft.wait_read``, at most ``answer_grace_s``); KV segments a killed worker left in
 /dev/shm; the state file and a temporary log directory (kept when a process died, or on
 ``keep_logs``). A second ``hurry`` signal repeats SIGTERM (a worker's cold stop) and is
 forwarded to the gateway (its second SIGTERM: its open answers fail); stragglers past the
@@ -18,7 +19,7 @@ import shutil
 import signal
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdqueue.discovery import remove_state
 from pdqueue.protocol import ErrorCode
@@ -42,6 +43,7 @@ class Stoppable(Supervised, Protocol):
     """The cluster ``Stopping`` stops: with its supervisor thread and its streams' backlog."""
     restarts: Restarts
     work_left: WorkLeft
+    config: Any   # LocalClusterConfig (its answer_grace_s)
 
 
 class Stopping:
@@ -67,7 +69,7 @@ class Stopping:
         (embedded server); the gateway's exit (its answers have ended); the server. A
         ``hurry`` (second Ctrl-C) at any point is forwarded to the gateway as its second
         SIGTERM (its open answers fail at once) and stops the workers cold."""
-        say = progress or (lambda msg: None)
+        say, waiting = self._logged(progress), self._logged(waiting) if waiting is not None else None
         hurry = hurry or threading.Event()
         self.cluster.restarts.halt()   # a round in progress ends; no restart after this
         for w in self.cluster.processes():   # what exited since the supervisor last looked, or unsupervised
@@ -129,6 +131,8 @@ class Stopping:
         died = {w.worker_id: [code for code, _ in w.exits] for w in self.cluster.processes() if w.died}
         keep = keep_logs or bool(died)
         if self.cluster.server is not None:
+            if not hurry.is_set():   # its answers die with it: until they are read (or a grace)
+                self.cluster.work_left.wait_read(self.cluster.config.answer_grace_s, hurry, say, waiting)
             say("stopping the Redis server")
             if keep and self.cluster.server.log_path is not None:
                 try:
@@ -147,6 +151,14 @@ class Stopping:
             exit_codes["gateway"] = self.cluster.gateway.proc.returncode
         return {"exit_codes": exit_codes, "killed": killed, "segments_removed": removed, "died": died,
                 "logs_kept": str(self.cluster.log_dir) if keep or not self.cluster.own_log_dir else None}
+
+    def _logged(self, progress: Progress | None) -> Progress:
+        """``progress``, each line also in ``up.log`` (a kept log directory tells the whole stop)."""
+        def say(msg: str) -> None:
+            self.cluster.restarts.log(msg)
+            if progress is not None:
+                progress(msg)
+        return say
 
     def _note_exit(self, w: WorkerProcess) -> None:
         """Record an exit the supervisor has not seen (it died as `up` began to stop)."""

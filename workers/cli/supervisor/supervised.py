@@ -25,6 +25,7 @@ class Supervised(Protocol):
     state_file: Path | None
     log_dir: Path
     own_log_dir: bool                 # a temporary directory of its own, removed at the stop
+    up_server: str                    # "<pid of up>:<pid of the server>" (embedded server), else ""
 
     @property
     def redis(self) -> Redis: ...
