@@ -689,9 +689,23 @@ def test_up_protects_its_server_with_a_password_nobody_has_to_type(tmp_path, mon
         assert status.returncode == 0 and json.loads(status.stdout)["redis_url"] == state["url"], status.stderr
         by_url = pdq("submit", "hi", "--max-tokens", "2", "--redis-url", state["url"], env=env)
         assert by_url.returncode == 0, by_url.stderr   # the URL of an `up`'s server brings its password
+        # An explicit password wins over the state file's: a wrong one is refused as a wrong URL's is.
+        (tmp_path / "wrong.pw").write_text("wrongpw\n")
+        for wrong in (pdq("status", "--redis-password-file", str(tmp_path / "wrong.pw"), env=env),
+                      pdq("status", env={**env, "PDQ_REDIS_PASSWORD": "wrongpw"}),
+                      pdq("status", "--redis-url", with_password(state["url"], "wrongpw"), env=env)):
+            assert_user_error(wrong, "wrong credentials")
+        right = pdq("status", "--json", env={**env, "PDQ_REDIS_PASSWORD": password})
+        assert right.returncode == 0, right.stderr
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
         with Client() as client:
             assert client.submit("hi", max_tokens=2, temperature=0).result(timeout=60).num_tokens == 2
+        with pytest.raises(redis.AuthenticationError):   # the same for the Python client
+            Client(config=RedisConfig(url=state["url"], password="wrongpw")).submit("hi", max_tokens=2)
+        monkeypatch.setenv("PDQ_REDIS_PASSWORD", "wrongpw")
+        with pytest.raises(redis.AuthenticationError):
+            Client().submit("hi", max_tokens=2)
+        monkeypatch.delenv("PDQ_REDIS_PASSWORD")
         shown = out_path.read_text() + err_path.read_text() + submitted.stderr + status.stdout + status.stderr
         assert password not in shown
         for pid in [state["server_pid"], *(w["pid"] for w in state["workers"])]:
