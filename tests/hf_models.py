@@ -101,7 +101,8 @@ def build(case: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory)
     tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}))
+        {"chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))   # tokenizer.json as it is (not a family class's own)
     return directory
 
 

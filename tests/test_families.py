@@ -20,7 +20,7 @@ from pdqueue.engine.sampling import SamplingParams
 from pdqueue.models.families import FAMILIES, ConfigError, config_from_hf
 from pdqueue.models.loader import load_model
 from pdqueue.models.source import ModelSourceError, resolve_model_path
-from tests import hf_models
+from tests import chat_templates, hf_models
 
 pytest.importorskip("transformers")
 
@@ -237,3 +237,45 @@ def test_published_configs_are_read_with_their_parts(name):
         assert config.moe.num_experts == 128 and config.moe.top_k == 8 and all(config.moe.layers)
     with pytest.raises(ConfigError, match="not understood"):
         config_from_hf({**raw, "some_new_switch": True}, name)
+
+
+@pytest.fixture(scope="module")
+def template_dir(checkpoints, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("templates") / "model"
+    shutil.copytree(checkpoints["qwen3"], directory)
+    return directory
+
+
+@pytest.mark.parametrize("style", list(chat_templates.TEMPLATES))
+def test_chat_templates_render_as_transformers_does(template_dir, style):
+    """Text and ids of each conversation (system prompt, multi-turn, with and without the
+    generation prompt) equal transformers' apply_chat_template; a prompt's plain ids equal
+    tokenizer(text)."""
+    import transformers
+
+    from pdqueue.models.loader import _hf_config, _hf_tokenizer
+
+    raw = json.loads((template_dir / "tokenizer_config.json").read_text())
+    (template_dir / "tokenizer_config.json").write_text(json.dumps({**raw, "chat_template":
+                                                                    chat_templates.TEMPLATES[style]}))
+    ours = _hf_tokenizer(template_dir, _hf_config(template_dir))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(template_dir))
+    for conversation in chat_templates.CONVERSATIONS:
+        for generation_prompt in (True, False):
+            text = theirs.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=False)
+            ids = theirs.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert ours.apply_chat_template(conversation, add_generation_prompt=generation_prompt) == text
+            assert ours.encode_chat(conversation, add_generation_prompt=generation_prompt) == ids
+    assert ours.encode(PROMPTS[0]) == theirs(PROMPTS[0])["input_ids"]
+
+
+def test_a_chat_template_file_and_the_generation_configs_eos_ids_are_read(checkpoints, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(checkpoints["gemma3"], copy)
+    (copy / "chat_template.jinja").write_text(chat_templates.GEMMA)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    loaded = load_model(copy)
+    assert loaded.tokenizer.apply_chat_template(chat_templates.CONVERSATIONS[0]).endswith("<start_of_turn>model\n")
+    assert set(loaded.config.eos_token_ids) >= {2, 7}   # config.json's, and generation_config.json's
+    assert set(loaded.tokenizer.eos_token_ids) >= {2, 7}

@@ -106,3 +106,32 @@ def test_a_decode_worker_of_other_weights_refuses_the_handoff(cluster, checkpoin
             h.result(timeout=60)
         assert "qwen3-other" in str(caught.value) and str(checkpoints["qwen3"]) in str(caught.value)
     wait_pools_free(cluster)
+
+
+def test_a_chat_runs_through_the_familys_template(cluster, checkpoints, tmp_path):
+    """Messages sent to Gemma-3 prefill and decode workers are rendered with the checkpoint's
+    template (Gemma's: the system prompt folded into the first user turn) and answered as
+    transformers answers its own apply_chat_template's ids."""
+    import json
+    import shutil
+
+    import transformers
+
+    from tests.chat_templates import GEMMA
+
+    model = tmp_path / "gemma3-chat"
+    shutil.copytree(checkpoints["gemma3"], model)
+    (model / "chat_template.jinja").write_text(GEMMA)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Why is the sky blue?"}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected = hf_models.hf_greedy(model, ids, MAX_TOKENS)
+    assert json.loads((model / "config.json").read_text())["model_type"] == "gemma3_text"
+    cluster.model = str(model)
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
+    client = Client(cluster.redis_url, cluster.cluster)
+    result = client.submit(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).result(60)
+    assert result.num_prompt_tokens == len(ids)
+    assert list(result.token_ids) == expected
+    wait_pools_free(cluster)

@@ -14,7 +14,9 @@ In this order (prefill and colocated workers):
 4. the request's limits (``Limits``: prompt characters, max_tokens, stop strings), then
    the prompt is tokenized (with the chat template when asked) and its tokens counted
    against ``max_prompt_tokens``;
-5. ``engine.check_prompt``: context and KV pool sizes;
+5. ``engine.check_prompt``: context and KV pool sizes; then the prompt plus ``max_tokens``
+   against the context (``Limits.fit_to_context``: over it is ``too_long``; ``max_tokens``
+   None, up to the context, becomes what the prompt leaves of it);
 5b. routing (workers/routing.py): a request from ``requests`` whose prefix a peer caches
    much more of moves to that peer's own stream (exactly once, by script) and ends here;
 6. the seed is the request's, or a random 63-bit one;
@@ -107,6 +109,8 @@ class Intake:
             reason = engine.check_prompt(len(prompt_ids))
             if reason:
                 raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
+            # prompt + max_tokens over the context: refused (400), not decoded to its end
+            req = self.limits.fit_to_context(req, len(prompt_ids), getattr(engine, "max_model_len", None))
             if self.router is not None:
                 moved = self.router.route(stream, entry_id, fields, req.id, prompt_ids, req.enqueued_ms)
                 if moved is not None:   # 1: a peer caching more of it runs it; -1: already finished elsewhere
@@ -149,12 +153,11 @@ class Intake:
                 raise RequestError(f"prompt_ids has token id {bad[0]}; the vocabulary has {self.vocab_size} ids",
                                    req.id)
         elif req.messages is not None:
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template([dict(m) for m in req.messages]))
+            ids = self.tokenizer.encode_chat([dict(m) for m in req.messages])
+        elif req.chat:
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": req.prompt}])
         else:
-            text = req.prompt
-            if req.chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(req.prompt)
         if not ids:
             raise RequestError("the prompt is empty (no tokens)", req.id)
         return ids

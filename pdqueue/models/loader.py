@@ -215,18 +215,26 @@ def _hf_config(directory: Path, name: str | None = None) -> ModelConfig:
 
 
 def _hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
+    """tokenizer.json with tokenizer_config.json's settings. The chat template: the directory's
+    chat_template.jinja (what transformers 4.47+ saves) over tokenizer_config.json's; its named
+    special tokens go to the template as transformers passes them; its eos_token joins the EOS ids."""
     tok_config_path = directory / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text()) if tok_config_path.exists() else {}
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if (directory / "chat_template.jinja").exists():
+        template = (directory / "chat_template.jinja").read_text()
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        token = tok_config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            special[key] = token
     tokenizer = Tokenizer.from_file(directory / "tokenizer.json", bos_token_id=config.bos_token_id,
                                     eos_token_ids=config.eos_token_ids, chat_template=template,
-                                    add_bos_token=bool(tok_config.get("add_bos_token", False)))
-    eos_token = tok_config.get("eos_token")
-    if isinstance(eos_token, dict):
-        eos_token = eos_token.get("content")
-    eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+                                    add_bos_token=bool(tok_config.get("add_bos_token", False)), special_tokens=special)
+    eos_id = tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
     if eos_id is not None and eos_id not in tokenizer.eos_token_ids:
         tokenizer.eos_token_ids = (*tokenizer.eos_token_ids, eos_id)
     return tokenizer

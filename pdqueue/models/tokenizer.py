@@ -9,6 +9,8 @@ Imports tokenizers and jinja2 only.
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
@@ -20,14 +22,21 @@ _GGUF_CONTROL_TOKEN = 3
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:
-    # The same jinja settings Hugging Face transformers renders chat templates with.
+    # The jinja settings, filters and globals Hugging Face transformers renders chat templates
+    # with (utils/chat_template_utils.py): Llama 3.x's templates call strftime_now, tool-using
+    # ones tojson (not jinja's HTML-escaping one).
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
 
 
@@ -35,11 +44,14 @@ class Tokenizer:
     """Text <-> token ids for one model, over a Hugging Face ``tokenizers.Tokenizer``."""
 
     def __init__(self, backend: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
-                 chat_template: str | None, add_bos_token: bool = False):
+                 chat_template: str | None, add_bos_token: bool = False, special_tokens: dict | None = None):
+        """``special_tokens``: tokenizer_config.json's named tokens (bos_token, eos_token,
+        pad_token, unk_token ...) that a chat template may print, as transformers passes them."""
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos_token = add_bos_token
+        self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self._template = _compile_chat_template(chat_template) if chat_template else None
 
@@ -55,10 +67,18 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
+        """A prompt's ids as transformers' ``tokenizer(text)`` gives them: the tokenizer's own
+        post-processor (Llama 3's adds its BOS), else BOS when tokenizer_config says so."""
+        ids = self.backend.encode(text, add_special_tokens=True).ids
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The ids of a rendered chat, as transformers' ``apply_chat_template(tokenize=True)``:
+        no special tokens added, since the template prints its own BOS."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -68,8 +88,9 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template")
         bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos or "", eos_token=eos or "")
+        names = {"bos_token": bos or "", "eos_token": eos or "", **self.special_tokens}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **names)
 
 
 def hf_tokenizer_from_gguf_vocab(tokens: list[str], merges: list[str], token_types: list[int],
@@ -129,6 +150,9 @@ class ByteTokenizer(Tokenizer):
                 pieces.append({self.BOS: "<bos>", self.EOS: "<eos>"}.get(token_id, f"<{token_id}>"))
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)

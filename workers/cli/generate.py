@@ -47,8 +47,7 @@ def generate(prompt, model, max_tokens, temperature, top_p, top_k, seed, stop, c
     loaded = load(model, device, dtype, weights)
     engine = LLMEngine(loaded, config)
     tok = loaded.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tok.encode(text)
+    prompt_ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     reason = engine.check_prompt(len(prompt_ids))
     if reason:
         raise UserError(reason)
