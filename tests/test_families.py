@@ -279,3 +279,41 @@ def test_a_chat_template_file_and_the_generation_configs_eos_ids_are_read(checkp
     assert loaded.tokenizer.apply_chat_template(chat_templates.CONVERSATIONS[0]).endswith("<start_of_turn>model\n")
     assert set(loaded.config.eos_token_ids) >= {2, 7}   # config.json's, and generation_config.json's
     assert set(loaded.tokenizer.eos_token_ids) >= {2, 7}
+
+
+def test_sharded_bfloat16_checkpoints_load_as_transformers_reads_them(tmp_path):
+    """A checkpoint saved in bfloat16 over several safetensors shards (with its index): the same
+    logits as transformers' float32 load of those files."""
+    import transformers
+
+    directory = hf_models.build("gemma3", tmp_path / "src")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16)
+    sharded = tmp_path / "sharded"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(sharded, max_shard_size="1MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(directory / name, sharded / name)
+    assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
+    ids = prompt_ids()[0]
+    with torch.no_grad():
+        got = load_model(sharded).model.dense_logits(torch.tensor(ids))
+    assert (got - hf_models.hf_logits(sharded, ids)).abs().max().item() < 1e-4
+
+
+def test_pdqueue_models_lists_the_families_and_reads_a_checkpoint(checkpoints, tmp_path):
+    from click.testing import CliRunner
+
+    from workers.cli import cli
+
+    listing = CliRunner().invoke(cli, ["models", "--json"])
+    assert listing.exit_code == 0
+    assert [row["family"] for row in json.loads(listing.output)] == [f.name for f in FAMILIES]
+    shown = CliRunner().invoke(cli, ["models", str(checkpoints["mixtral"])])
+    assert shown.exit_code == 0 and "mixtral" in shown.output and "4 experts (top 2)" in shown.output
+    copy = tmp_path / "model"
+    shutil.copytree(checkpoints["llama"], copy)
+    raw = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "su", "rope_theta": 1.0}}))
+    refused = CliRunner().invoke(cli, ["models", str(copy)])
+    assert refused.exit_code == 1 and "rope_type='su'" in refused.output
