@@ -100,7 +100,7 @@ def _embedded(target) -> EmbeddedServer | None:
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-                  max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+                  max_tokens: int | None = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
                   top_p: float = DEFAULT_TOP_P,
                   top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
@@ -353,13 +353,16 @@ class Client(_Settled):
             return result
 
     def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-               max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+               max_tokens: int | None = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
                top_p: float = DEFAULT_TOP_P,
                top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                chat: bool = False, ignore_eos: bool = False, id: str | None = None,
                messages: Sequence[dict] | None = None, service_class: str | None = None) -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
+        ``max_tokens=None``: up to the model's context. A prompt plus ``max_tokens`` over the
+        context is refused by the worker that tokenizes it, before any decoding: the handle
+        raises ``RequestFailed`` (code ``too_long``, the sizes in its reason).
         ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``.
         A lost connection or a loading server is retried with the same id for
         ``submit_retry_s``, then ``RedisUnavailable`` (module docstring)."""
@@ -528,7 +531,7 @@ class AsyncClient(_Settled):
             return result
 
     async def submit(self, prompt: str | None = None, *, prompt_ids: Sequence[int] | None = None,
-                     max_tokens: int = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+                     max_tokens: int | None = DEFAULT_MAX_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
                      top_p: float = DEFAULT_TOP_P,
                      top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,

@@ -281,3 +281,26 @@ def test_roles_finish_reasons_and_reply_text_have_one_definition():
         as_str(b"\xff")
     assert Request(id="x", prompt="p").max_tokens == 128 and "max_tokens" not in request_to_fields(
         Request(id="x", prompt="p"))
+
+
+def test_max_tokens_against_the_context():
+    """OpenAI's and vLLM's rule, prompt + max_tokens <= context; ``max_tokens=None`` (up to the
+    context) goes on the wire as such and becomes what the prompt leaves of it."""
+    from pdqueue.protocol import MAX_TOKENS_CONTEXT, Limits, Request, RequestError, context_error, parse_request
+    from pdqueue.protocol import request_to_fields, validate_request
+
+    assert context_error(10, 8182, 8192) is None and context_error(None, 8191, 8192) is None
+    assert "asks for 100010 tokens (10 in the prompt, 100000 in the completion)" in context_error(10, 100000, 8192)
+    assert "max_tokens must be at most 8191" in context_error(None, 8192, 8192)
+    assert context_error(10, None, 8192) is None and context_error(10, 100000, None) is None
+    up_to = Request(id="r1", prompt="Hi", max_tokens=None)
+    validate_request(up_to)
+    assert request_to_fields(up_to)["max_tokens"] == MAX_TOKENS_CONTEXT
+    assert parse_request("1-0", request_to_fields(up_to)).max_tokens is None
+    limits = Limits()
+    assert limits.fit_to_context(up_to, 100, 4096).max_tokens == 3996
+    assert Limits(max_output_tokens=64).fit_to_context(up_to, 100, 4096).max_tokens == 64
+    assert limits.fit_to_context(Request(id="r2", prompt="Hi", max_tokens=3996), 100, 4096).max_tokens == 3996
+    with pytest.raises(RequestError) as info:
+        limits.fit_to_context(Request(id="r3", prompt="Hi", max_tokens=3997), 100, 4096)
+    assert info.value.code == "too_long" and "4097 tokens" in info.value.reason

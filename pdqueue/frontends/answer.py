@@ -245,14 +245,25 @@ class Whole(Reply):
 
 
 class Stream(Reply):
-    async def send(self, send) -> None:
-        spec, gw, chat = self.spec, self.gw, self.spec.kind == "chat"
-        rid, model, created, usage = self.response_id, spec.model, spec.created, spec.include_usage
+    """Server-sent events. The response starts (200, the chat role chunk) with the answer's
+    first entry, or its first keep-alive tick: an answer that fails before its first token
+    (a prompt over the context, a bad parameter the worker found) is the same JSON error,
+    status included (400), as without streaming, not a 200 and an error event."""
+
+    async def _start(self, send) -> None:
+        if self.started:
+            return
+        spec = self.spec
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         headers += [(k.encode(), v.encode()) for k, v in {**_SSE_HEADERS, **self.headers}.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if chat:
-            await self._item(send, -1, oai.chat_role_chunk(rid, model, created, usage))
+        if spec.kind == "chat":
+            await self._item(send, -1, oai.chat_role_chunk(self.response_id, spec.model, spec.created,
+                                                            spec.include_usage))
+
+    async def send(self, send) -> None:
+        spec, gw, chat = self.spec, self.gw, self.spec.kind == "chat"
+        rid, model, created, usage = self.response_id, spec.model, spec.created, spec.include_usage
         chunk = oai.chat_chunk if chat else oai.completion_chunk
         metrics, labels = gw.metrics, ("gateway", model)
         last_sent: float | None = None
@@ -260,6 +271,7 @@ class Stream(Reply):
         read = 0   # tokens read: the index after the last token event
         try:
             async for batch in self.handle.batches(timeout=gw.config.timeout_s, idle_s=gw.config.keepalive_s):
+                await self._start(send)
                 completion = self.handle.completion
                 new = self._unsent(batch)
                 read = _end(batch[-1]) if batch else read
@@ -285,6 +297,8 @@ class Stream(Reply):
         except RequestFailed as exc:   # the answer's own end: an event of the answer, with its id
             self.finished = True
             error = errs.failure(exc)
+            if not self.started:   # refused before its first entry: the error, as without streaming
+                return await self.fail(send, error)
             await self._item(send, read, error.body())
             await self._done(send, read + 1)
             return self.end(error.status)
@@ -295,6 +309,7 @@ class Stream(Reply):
             self.finished = True
             return await self.fail(send, errs.unavailable(f"lost the cluster's Redis: {exc}"))
         self.finished = True
+        await self._start(send)
         if usage:
             await self._item(send, read + 1, oai.usage_chunk(spec.kind, rid, model, created,
                                                              completion.num_prompt_tokens,

@@ -217,9 +217,10 @@ class BatchRun:
         try:
             parsed = (openai_compat.parse_chat if URLS[line.url] == "chat" else openai_compat.parse_completion)(line.body)
             model, context = self._model_of(parsed)
-            # A chat without max_tokens runs up to the context, as in the gateway.
-            request = build_request(**parsed.submit_kwargs(default_max_tokens=context), **self.request_fields,
-                                    id=rid)
+            # Over the context: refused here where it can be told (the worker checks the rest);
+            # a chat without max_tokens runs up to the context (max_tokens None), as in the gateway.
+            parsed.check_context(context)
+            request = build_request(**parsed.submit_kwargs(), **self.request_fields, id=rid)
         except openai_compat.OpenAIError as exc:
             self._write_http_error(tail, line.custom_id, None, exc)
             return None

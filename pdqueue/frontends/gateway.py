@@ -337,7 +337,8 @@ class Gateway:
                            headers=headers, after=after, ids=True, attached=True, cancels=False)
 
     async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str):
-        kwargs = parsed.submit_kwargs(default_max_tokens=info["max_model_len"] or None)
+        parsed.check_context(info["max_model_len"] or None)   # (the worker checks text prompts)
+        kwargs = parsed.submit_kwargs()
         kwargs.update(class_fields(service_class))
         if self.config.timeout_s is not None:
             kwargs["deadline_ms"] = max(1, int(self.config.timeout_s * 1000))

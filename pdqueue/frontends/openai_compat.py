@@ -11,8 +11,10 @@ batch``. The rules follow vLLM's OpenAI server, so clients see the answers they 
   ``suffix``, penalties other than neutral, ``logit_bias``, ``tools``, a ``response_format``
   other than text) are a 400 with a message naming the field, never silently dropped.
 - ``max_tokens`` (or ``max_completion_tokens``) absent: 16 for completions (OpenAI's and
-  vLLM's default); for chat, ``None``, meaning "up to the context" (the gateway sends the
-  model's context length, from the workers' heartbeats).
+  vLLM's default); for chat, ``None``, meaning "up to the context" (sent as such: the worker
+  that tokenizes the prompt gives it what the prompt leaves of the context). A prompt plus
+  ``max_tokens`` over the model's context is a 400 (OpenAI's and vLLM's rule), from the
+  gateway where it can tell (``max_tokens`` alone over it, or token ids), else from the worker.
 - vLLM's extra sampling fields ``top_k`` (``-1`` or ``0``: off) and ``ignore_eos`` work.
 
 Finish reasons: pdqueue ``stop`` -> ``stop``, ``length`` -> ``length``; ``cancelled`` and
@@ -21,7 +23,7 @@ Finish reasons: pdqueue ``stop`` -> ``stop``, ``length`` -> ``length``; ``cancel
 Errors: ``OpenAIError(status, message, type, param, code).body()`` is
 ``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape.
 
-Standard library only.
+Standard library only, and pdqueue.protocol's context rule (``context_error``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from pdqueue.protocol.limits import context_error
 
 __all__ = ["COMPLETION_MAX_TOKENS_DEFAULT", "MAX_SEED", "OpenAIError", "Parsed", "bad_request", "chat_body",
            "chat_chunk", "chat_role_chunk", "completion_body", "completion_chunk", "finish_reason", "new_id",
@@ -99,9 +103,19 @@ class Parsed:
     def chat(self) -> bool:
         return self.kind == "chat"
 
-    def submit_kwargs(self, default_max_tokens: int | None = None) -> dict[str, Any]:
-        """Keyword arguments for ``Client.submit``. ``default_max_tokens`` stands in for an
-        absent chat ``max_tokens`` (the model's context length); without it, pdqueue's default.
+    def check_context(self, context: int | None) -> None:
+        """A 400 (code ``too_long``) before anything is queued when the prompt plus
+        ``max_tokens`` cannot fit the model's ``context`` (None: unknown), as far as can be
+        told without tokenizing: ``max_tokens`` alone, or token ids (the worker counts a
+        text prompt's tokens and refuses it the same way)."""
+        prompt_tokens = len(self.prompt_ids) if self.prompt_ids is not None else None
+        too_long = context_error(prompt_tokens, self.max_tokens, context)
+        if too_long:
+            raise bad_request(too_long, "max_tokens", "too_long")
+
+    def submit_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Client.submit``. An absent chat ``max_tokens`` is
+        ``max_tokens=None``: up to the model's context; an absent completion one is 16.
 
         A chat of one user message goes as ``prompt`` + ``chat=True`` (every worker speaks
         that); any other conversation as ``messages`` (the template is applied to all of it)."""
@@ -109,9 +123,8 @@ class Parsed:
                                       seed=self.seed, stop=self.stop)
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
+        if self.max_tokens is not None or self.kind == "chat":
+            kwargs["max_tokens"] = self.max_tokens
         if self.kind == "chat":
             kwargs["chat"] = True
             if self.messages is not None:

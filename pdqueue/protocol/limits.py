@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
-from .requests import Request, entry_request_id
+from .requests import DEFAULT_MAX_TOKENS, Request, entry_request_id
 from .wire import ErrorCode, RequestError
 
 
@@ -60,7 +60,7 @@ class Limits:
                                f"{self.max_prompt_chars} (--max-prompt-chars)", req.id, ErrorCode.TOO_LONG)
         if req.prompt_ids is not None:
             self.check_prompt_tokens(req.id, len(req.prompt_ids))
-        if self.max_output_tokens is not None and req.max_tokens > self.max_output_tokens:
+        if self.max_output_tokens is not None and req.max_tokens is not None and req.max_tokens > self.max_output_tokens:
             raise RequestError(f"max_tokens {req.max_tokens} is over this worker's limit of "
                                f"{self.max_output_tokens} (--max-output-tokens)", req.id)
         if len(req.stop) > self.max_stop_strings:
@@ -76,6 +76,38 @@ class Limits:
         if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
             raise RequestError(f"the prompt has {num_tokens} tokens; this worker takes at most "
                                f"{self.max_prompt_tokens} (--max-prompt-tokens)", request_id, ErrorCode.TOO_LONG)
+
+
+    def fit_to_context(self, req: Request, num_prompt_tokens: int, context: int | None) -> Request:
+        """After tokenizing: ``req`` with a ``max_tokens`` that fits the model's ``context``
+        (None: unknown). ``max_tokens=None`` (up to the context) becomes what the prompt
+        leaves of it (at most ``max_output_tokens``); a ``max_tokens`` that, with the prompt,
+        is over the context is a ``RequestError`` (``too_long``), as OpenAI and vLLM answer 400,
+        rather than a request that decodes to the end of the context."""
+        if req.max_tokens is None:
+            left = max(1, context - num_prompt_tokens) if context else DEFAULT_MAX_TOKENS
+            return replace(req, max_tokens=min(left, self.max_output_tokens or left))
+        reason = context_error(num_prompt_tokens, req.max_tokens, context)
+        if reason:
+            raise RequestError(reason, req.id, ErrorCode.TOO_LONG)
+        return req
+
+
+def context_error(num_prompt_tokens: int | None, max_tokens: int | None, context: int | None) -> str | None:
+    """Why a prompt of ``num_prompt_tokens`` (None: not tokenized yet, at least 1) plus
+    ``max_tokens`` cannot fit a context of ``context`` tokens (OpenAI's and vLLM's rule:
+    prompt + max_tokens <= context), or None (it fits, or nothing is known)."""
+    if not context or max_tokens is None:
+        return None
+    prompt = num_prompt_tokens if num_prompt_tokens is not None else 1
+    if prompt + max_tokens <= context:
+        return None
+    if num_prompt_tokens is None:
+        return (f"max_tokens is {max_tokens}, but this model's maximum context length is {context} tokens, "
+                f"prompt included: max_tokens must be at most {context - 1}")
+    return (f"this model's maximum context length is {context} tokens; the request asks for "
+            f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} in the completion): lower "
+            f"max_tokens or shorten the prompt")
 
 
 def entry_bytes(fields: Mapping) -> int:

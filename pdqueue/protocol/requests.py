@@ -16,13 +16,16 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0   # 0 = off
+MAX_TOKENS_CONTEXT = "context"
+"""The wire value of ``max_tokens=None``: up to the model's context (what the prompt leaves
+of it; OpenAI's chat without ``max_tokens``). The worker that tokenizes the prompt sets it."""
 
 @dataclass(frozen=True, slots=True)
 class Request:
     id: str
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS   # None: up to the model's context (MAX_TOKENS_CONTEXT)
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     top_k: int = DEFAULT_TOP_K
@@ -128,8 +131,8 @@ def validate_request(req: Request) -> None:
             fail("prompt_ids is empty")
     if req.chat and req.prompt_ids is not None:
         fail("chat=1 needs 'prompt' (the user message) or 'messages', not 'prompt_ids'")
-    if type(req.max_tokens) is not int or req.max_tokens < 1:
-        fail(f"max_tokens must be an integer >= 1, got {_short(req.max_tokens)}")
+    if req.max_tokens is not None and (type(req.max_tokens) is not int or req.max_tokens < 1):
+        fail(f"max_tokens must be an integer >= 1 (or None: up to the model's context), got {_short(req.max_tokens)}")
     if not isinstance(req.temperature, (int, float)) or not math.isfinite(req.temperature) \
             or req.temperature < 0:
         fail(f"temperature must be a finite number >= 0, got {_short(req.temperature)}")
@@ -176,7 +179,7 @@ def request_to_fields(req: Request) -> dict[str, str]:
     if req.prompt_ids is not None:
         fields["prompt_ids"] = json.dumps(list(req.prompt_ids), separators=(",", ":"))
     if req.max_tokens != DEFAULT_MAX_TOKENS:
-        fields["max_tokens"] = str(req.max_tokens)
+        fields["max_tokens"] = MAX_TOKENS_CONTEXT if req.max_tokens is None else str(req.max_tokens)
     if req.temperature != DEFAULT_TEMPERATURE:
         fields["temperature"] = repr(float(req.temperature))
     if req.top_p != DEFAULT_TOP_P:
@@ -315,13 +318,14 @@ def parse_request(entry_id: str | bytes | None,
     chat, ignore_eos = flag("chat"), flag("ignore_eos")
 
     defaults = Request(id=rid)
-    max_tokens, temperature = integer("max_tokens"), number("temperature")
+    to_context = text.get("max_tokens", "").strip().lower() == MAX_TOKENS_CONTEXT
+    max_tokens, temperature = None if to_context else integer("max_tokens"), number("temperature")
     top_p, top_k = number("top_p"), integer("top_k")
     req = Request(
         id=rid,
         prompt=text.get("prompt"),
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None,
-        max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
+        max_tokens=None if to_context else defaults.max_tokens if max_tokens is None else max_tokens,
         temperature=defaults.temperature if temperature is None else temperature,
         top_p=defaults.top_p if top_p is None else top_p,
         top_k=defaults.top_k if top_k is None else top_k,
