@@ -18,7 +18,7 @@ from pdqueue.queue.redis_server import RedisServer
 
 # What the tests set themselves; a developer's own PDQ_* settings (a cluster name, a Redis
 # URL, a cache directory) must not change what a test sees. PDQ_REDIS_SERVER (which server
-# binary to run) and PDQ_CACHE_DIR (where the converted model is cached) stay.
+# binary to run) stays, and PDQ_CACHE_DIR, which ``_own_cache_dir`` sets for the whole run.
 _KEPT_ENV = {"PDQ_REDIS_SERVER", "PDQ_CACHE_DIR"}
 
 
@@ -32,7 +32,7 @@ _KEPT_ENV = {"PDQ_REDIS_SERVER", "PDQ_CACHE_DIR"}
 # interleave with another module's (which would tear such a fixture down and start it again).
 ONE_WORKER_MODULES = {
     "test_gateway.py", "test_redis_cluster.py", "test_netns.py", "test_kv_auth.py", "test_transfer.py",
-    "test_nixl.py", "test_security.py", "test_engine.py", "test_models.py",
+    "test_nixl.py", "test_security.py", "test_engine.py", "test_models.py", "test_gateway_limits.py",
 }
 
 
@@ -126,7 +126,8 @@ PROCESS_MODULES = {
     "test_batch.py", "test_bench.py", "test_chaos.py", "test_cli.py", "test_faults.py", "test_fuzz.py", "test_gateway.py",
     "test_long_step.py", "test_netns.py", "test_nixl.py", "test_pipeline.py", "test_redis_cluster.py",
     "test_routing.py", "test_security.py", "test_switching.py", "test_supervision.py", "test_migration.py",
-    "test_up_supervisor.py", "test_bench_clients.py", "test_elastic_chaos.py",
+    "test_up_supervisor.py", "test_bench_clients.py", "test_elastic_chaos.py", "test_gateway_limits.py",
+    "test_up_stop.py",
 }
 
 
@@ -201,6 +202,38 @@ def _oracle_cache(tmp_path_factory):
     helpers.ORACLE_CACHE = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "oracle-cache"
     yield
     helpers.ORACLE_CACHE = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_dir(tmp_path_factory):
+    """The model cache of this run ($PDQ_CACHE_DIR: converted models, quantized weights, the
+    q4_1 kernel), never the user's ~/.cache/pdqueue nor a PDQ_CACHE_DIR of theirs: under the
+    run's basetemp, shared by its xdist workers (their basetemps are folders of the run's;
+    the cache is safe for concurrent writers, models/cache.py), so SmolLM2 is converted once
+    a run, not once a test. Set in this process's environment, which every process a test
+    starts inherits (the `env` fixture keeps it, tests/cluster.py's forks copy it).
+    PDQ_TEST_CACHE_DIR names a cache to keep across runs instead."""
+    base = tmp_path_factory.getbasetemp()
+    root = os.environ.get("PDQ_TEST_CACHE_DIR") or str(
+        (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "pdq-cache")
+    before = os.environ.get("PDQ_CACHE_DIR")
+    os.environ["PDQ_CACHE_DIR"] = root
+    yield root
+    if before is None:
+        os.environ.pop("PDQ_CACHE_DIR", None)
+    else:
+        os.environ["PDQ_CACHE_DIR"] = before
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's model cache (``_own_cache_dir``: ~0.5 GB with SmolLM2 converted) goes with
+    the run, removed by the process that outlives its xdist workers (or the only one)."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("PDQ_TEST_CACHE_DIR") or factory is None:
+        return
+    import shutil
+
+    shutil.rmtree(factory.getbasetemp() / "pdq-cache", ignore_errors=True)
 
 
 @pytest.fixture
@@ -278,8 +311,9 @@ def cluster(redis_url, tmp_path):
 @pytest.fixture
 def env(tmp_path) -> dict:
     """The environment of a user with no PDQ_* settings, no `pdqueue up` running and a
-    private state directory (for commands run as subprocesses)."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDQ_")}
+    private state directory (for commands run as subprocesses); the run's model cache
+    (``_own_cache_dir``) stays."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PDQ_") or k == "PDQ_CACHE_DIR"}
     run = tmp_path / "run"
     run.mkdir()
     return {**clean, "XDG_RUNTIME_DIR": str(run), "PYTHONUNBUFFERED": "1"}

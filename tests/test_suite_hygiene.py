@@ -1,0 +1,33 @@
+"""What running the suite does to the machine and says about itself: the model cache is the
+run's own (never the user's ~/.cache/pdqueue: converted models, quantized weights, the q4_1
+kernel), and every process a test starts uses it; `scripts/test`'s short summary names the
+failed tests, not only the skipped ones."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_tests_use_a_model_cache_of_their_own_and_their_processes_too(env, tmp_path_factory):
+    root = Path(os.environ["PDQ_CACHE_DIR"])
+    assert not root.resolve().is_relative_to((Path.home() / ".cache" / "pdqueue").resolve()), root
+    if not os.environ.get("PDQ_TEST_CACHE_DIR"):
+        base = tmp_path_factory.getbasetemp()
+        run = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base   # shared by the xdist workers
+        assert root == run / "pdq-cache", root
+    assert env["PDQ_CACHE_DIR"] == str(root)   # what the CLI tests' processes get
+    for environment in (env, None):   # a `pdqueue ...` subprocess, and one that inherits this process's
+        seen = subprocess.run([sys.executable, "-c", "from pdqueue.models.cache import cache_root; print(cache_root())"],
+                              env=environment, capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
+        assert seen == str(root), (environment is None, seen)
+
+
+def test_scripts_test_lists_failures_and_errors_in_its_short_summary():
+    command = (ROOT / "scripts" / "test").read_text().strip().splitlines()[-1]
+    assert re.search(r"pytest .*-rfEs\b", command), command
