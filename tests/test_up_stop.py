@@ -7,11 +7,13 @@ embedded Redis, a real SIGINT to the terminal's process group.
 - A client whose `up` server is gone for good (here: ``--answer-grace-s 0``, answers left
   unread) fails at once with the reason, instead of retrying for ``unavailable_after_s``.
 - A kept log directory's ``up.log`` tells the whole stop.
+- README's word on where `up` prints the gateway's URL holds.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -22,7 +24,7 @@ from pdqueue.config import RedisConfig
 from pdqueue.discovery import state_url
 from pdqueue.queue.redis_server import free_port
 
-from tests.test_cli import TINY, Up, gone, submit_long
+from tests.test_cli import ROOT, TINY, Up, gone, submit_long
 
 
 def wait_for_line(up: Up, text: str, timeout: float = 60) -> None:
@@ -30,6 +32,16 @@ def wait_for_line(up: Up, text: str, timeout: float = 60) -> None:
     while text not in up.err_path.read_text():
         assert time.monotonic() < deadline, f"no {text!r} within {timeout}s:\n{up.output}"
         time.sleep(0.05)
+
+
+def check_readme_gateway_line(out: str, state: dict) -> None:
+    """README tells where `up` prints the gateway's URL by the line's label, not its number
+    (a banner line more or less moved it: "its third line" was the fourth)."""
+    readme = (ROOT / "README.md").read_text()
+    assert "`up`'s line `OpenAI API: http://...` gives the URL" in readme
+    assert not re.search(r"its (first|second|third|fourth|fifth) line prints the URL", readme)
+    match = re.search(r"^  OpenAI API: (http://\S+)/v1 ", out, re.M)
+    assert match and match.group(1) == state["gateway_url"], out
 
 
 def test_answers_read_after_a_ctrl_c_are_all_there(tmp_path, env):
@@ -40,6 +52,7 @@ def test_answers_read_after_a_ctrl_c_are_all_there(tmp_path, env):
     try:
         state = up.wait_ready()
         assert "unread answers are kept 60 s (--answer-grace-s)" in up.out_path.read_text(), up.output
+        check_readme_gateway_line(up.out_path.read_text(), state)
         client = Client(state_url(state), config=RedisConfig(unavailable_after_s=10))
         handles = submit_long(client, 3, 150)
         os.killpg(up.proc.pid, signal.SIGINT)
