@@ -135,3 +135,59 @@ def test_a_chat_runs_through_the_familys_template(cluster, checkpoints, tmp_path
     assert result.num_prompt_tokens == len(ids)
     assert list(result.token_ids) == expected
     wait_pools_free(cluster)
+
+
+@pytest.mark.parametrize("case", ["gemma2", "qwen3_moe"])
+def test_running_decodes_migrate_with_their_kv_and_answer_as_transformers(cluster, checkpoints, case):
+    """A decode worker warm-stopped mid-answer moves its running requests, KV included, to the
+    other decode worker; the answers are still transformers' tokens."""
+    import signal
+
+    from tests.test_migration import moved_by, out_of
+
+    long = 400
+    tok = hf_models.smollm2_tokenizer()
+    want = [hf_models.hf_greedy(checkpoints[case], tok.encode(p), long) for p in PROMPTS]
+    cluster.model = str(checkpoints[case])
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
+                           ("decode", *FAST, {"worker_id": "d1"}))
+    client = Client(cluster.redis_url, cluster.cluster)
+    handles = client.submit_many([dict(prompt=p, max_tokens=long, temperature=0.0, ignore_eos=True)
+                                  for p in PROMPTS])
+
+    def holder():
+        if not all(len(out_of(cluster, h.request_id)) > 3 for h in handles):
+            return None
+        workers = cluster.workers()
+        return next((d for d in ("d0", "d1") if workers[d]["load"].get("running", 0) > 0), None)
+
+    stopping = wait_for(holder, what="tokens flowing, some on a decode worker")
+    cluster.signal(stopping, signal.SIGTERM)
+    assert cluster.procs[stopping].wait(timeout=30) == 0
+    results = [h.result(timeout=120) for h in handles]
+    assert [list(r.token_ids) for r in results] == want
+    assert moved_by(cluster, stopping) > 0, cluster.log(stopping)
+    wait_pools_free(cluster)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("weights", ["int8", "q4_1"])
+def test_quantized_workers_answer_as_the_quantized_engine(cluster, checkpoints, case, weights):
+    """Prefill and decode workers with quantized weights (Qwen2's biases kept in float; Gemma's
+    layer on torch's ops under q4_1) answer as pdqueue's own engine on the same weights."""
+    from pdqueue.engine.config import EngineConfig
+    from pdqueue.engine.llm_engine import LLMEngine
+    from pdqueue.engine.sampling import SamplingParams
+    from pdqueue.models.loader import load_model
+    from tests.oracle import assert_same_tokens
+
+    loaded = load_model(checkpoints[case], weights=weights, use_cache=False)
+    ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = LLMEngine(loaded, EngineConfig(model=str(checkpoints[case]), kv_cache_mb=16)).generate(ids, greedy)
+    cluster.model = str(checkpoints[case])
+    cluster.start_together(("prefill", *FAST, "--weights", weights, {"worker_id": "p0"}),
+                           ("decode", *FAST, "--weights", weights, {"worker_id": "d0"}))
+    for pid, exp, res in zip(ids, want, answers(cluster)):
+        assert_same_tokens(loaded, pid, exp, list(res.token_ids), greedy)
+    wait_pools_free(cluster)
