@@ -60,7 +60,7 @@ def smollm2_tokenizer():
     vocabulary alone (no weights are read)."""
     import gguf
 
-    from pdqueue.models.loader import _field
+    from pdqueue.models.gguf_file import field as _field
     from pdqueue.models.source import resolve_model_path
     from pdqueue.models.tokenizer import Tokenizer, hf_tokenizer_from_gguf_vocab
 

@@ -321,14 +321,14 @@ def corrupt_copies(tmp_path: Path) -> dict[str, Path]:
     paths = {"missing": tmp_path / "missing.gguf", "readme": tmp_path / "README.md",
              "bad_magic": tmp_path / "bad.gguf", "cut_short": tmp_path / "cut.gguf",
              "cut_in_header": tmp_path / "cut-header.gguf", "version": tmp_path / "v9.gguf",
-             "arch": tmp_path / "qwen.gguf", "empty_dir": tmp_path / "empty", "no_tokenizer": tmp_path / "hf",
+             "arch": tmp_path / "falcon.gguf", "empty_dir": tmp_path / "empty", "no_tokenizer": tmp_path / "hf",
              "bad_config": tmp_path / "hf2"}
     paths["readme"].write_text("# not a model\n")
     paths["bad_magic"].write_bytes(b"GGML" + data[4:])
     paths["cut_short"].write_bytes(data[:-100])
     paths["cut_in_header"].write_bytes(data[:100])
     paths["version"].write_bytes(data[:4] + struct.pack("<I", 9) + data[8:])
-    write_tiny_gguf(paths["arch"], arch="qwen2")
+    write_tiny_gguf(paths["arch"], arch="falcon")
     paths["empty_dir"].mkdir()
     paths["no_tokenizer"].mkdir()
     (paths["no_tokenizer"] / "config.json").write_text("{}")
@@ -348,7 +348,7 @@ BAD_MODEL_REASONS = {
     "cut_short": "not a whole GGUF file: it is cut short (112796 of 112896 bytes)",
     "cut_in_header": "not a whole GGUF file: it is cut short (in its header)",
     "version": "GGUF version 9 is not supported (readable: 2, 3)",
-    "arch": "GGUF architecture 'qwen2' is not supported (supported: llama)",
+    "arch": "GGUF architecture 'falcon' is not supported (supported: llama, qwen2, qwen3, qwen3moe)",
     "empty_dir": "not a model directory: no config.json, *.safetensors or tokenizer.json in it",
     "no_tokenizer": "not a model directory: no tokenizer.json in it",
     "bad_config": "its config.json has no intermediate_size, num_hidden_layers, num_attention_heads",

@@ -145,7 +145,8 @@ def write_tokenizer(model: str, directory: str | os.PathLike) -> Path:
         config = {"bos_token": "<bos>", "eos_token": "<eos>", "model_max_length": 4096,
                   "chat_template": ByteTokenizer.CHAT_TEMPLATE}
     else:
-        from pdqueue.models.loader import _field, _gguf_reader
+        from pdqueue.models.gguf_file import field as _field
+        from pdqueue.models.loader import _gguf_reader
         from pdqueue.models.source import resolve_model_path
         from pdqueue.models.tokenizer import hf_tokenizer_from_gguf_vocab
 

@@ -20,16 +20,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from pdqueue.models import cache
+from pdqueue.models import cache, gguf_file
 from pdqueue.models.cache import cache_root  # noqa: F401  (kept importable from here)
 from pdqueue.models.decoder import DecoderModel
 from pdqueue.models.config import ModelConfig
 from pdqueue.models.families import config_from_hf
 from pdqueue.models.source import SMOLLM2_FILE, SMOLLM2_PACKAGE, ModelSourceError, resolve_model_path  # noqa: F401
-from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer, hf_tokenizer_from_gguf_vocab
+from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer
 
 TINY_CONFIG = ModelConfig(
     name="tiny", vocab_size=264, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -60,7 +59,7 @@ def model_config_for(name: str | os.PathLike) -> ModelConfig:
     cached = gguf_cache_dir(path)
     if cache.entry_ok(cached):
         return _hf_config(cached, name=_model_name(name, path))
-    return _gguf_config(_gguf_reader(path, name), _model_name(name, path))
+    return config_from_hf(gguf_file.hf_config(_gguf_reader(path, name)), _model_name(name, path))
 
 
 def load_model(name: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -108,7 +107,8 @@ def _load_float(name, path: Path | None, device, dtype, use_cache: bool) -> Load
     model_name = _model_name(name, path)
     if use_cache:
         return _load_hf_dir(ensure_gguf_cache(path), device, dtype, name=model_name)
-    config, weights, tokenizer = read_gguf(path, model_name)
+    raw, weights, tokenizer = read_gguf(path, model_name)
+    config = config_from_hf(raw, model_name)
     return LoadedModel(config, _build(config, weights.items(), device, dtype), tokenizer)
 
 
@@ -273,112 +273,23 @@ def _gguf_reader(path: Path, name=None):
         raise ModelSourceError(name or path, f"not a whole GGUF file: it is cut short or corrupt ({exc})") from None
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _gguf_config(reader, name: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    num_heads = int(_field(reader, "llama.attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    vocab = _field(reader, "llama.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelConfig(
-        name=name,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // num_heads)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute`` of Q/K rows (interleaved rope -> HF half-split rope)."""
-    # llama.cpp: w.reshape(heads, 2, half, in).swapaxes(1, 2); this is its inverse.
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_TO_HF = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GGUF_TO_HF:
-        return _GGUF_TO_HF[gguf_name]
-    _, layer, piece, suffix = gguf_name.split(".")  # blk.N.attn_q.weight
-    return f"model.layers.{layer}.{_GGUF_LAYER_TO_HF[piece]}.{suffix}"
-
-
-def read_gguf(path: Path, name: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, dequantized fp32 weights in Hugging Face names and layout, and the tokenizer."""
-    from gguf.quants import dequantize
-
+def read_gguf(path: Path, name: str | None = None) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """A GGUF file's config (a config.json dict of its family, checked by ``models.families``),
+    its weights dequantized to float32 in Hugging Face names and layout, and its tokenizer
+    (``models.gguf_file``)."""
     reader = _gguf_reader(path)
-    config = _gguf_config(reader, name or path.stem)
-    weights = {}
-    for tensor in reader.tensors:
-        # dequantize returns numpy's row-major shape (GGUF lists dims innermost first),
-        # i.e. [out_features, in_features] as Hugging Face stores them.
-        array = dequantize(tensor.data, tensor.tensor_type)
-        if array.dtype != np.float32 or not array.flags.writeable:  # F32 tensors are read-only mmap views
-            array = np.array(array, dtype=np.float32)
-        if tensor.name.endswith("attn_q.weight"):
-            array = _unpermute_rows(array, config.num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            array = _unpermute_rows(array, config.num_kv_heads)
-        weights[_hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(array))
-    model_kind = _field(reader, "tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise NotImplementedError(f"GGUF tokenizer model {model_kind!r} is not supported")
-    backend = hf_tokenizer_from_gguf_vocab(
-        _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.merges"),
-        _field(reader, "tokenizer.ggml.token_type"), _field(reader, "tokenizer.ggml.pre", "gpt2"))
-    tokenizer = Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=config.eos_token_ids,
-                          chat_template=_field(reader, "tokenizer.chat_template"),
-                          add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)))
-    return config, weights, tokenizer
+    raw = gguf_file.hf_config(reader)
+    config = config_from_hf(raw, name or path.stem)   # refuses what the family does not implement, now
+    weights = dict(gguf_file.read_weights(reader, raw))
+    return raw, weights, gguf_file.read_tokenizer(reader, config.bos_token_id, config.eos_token_ids)
 
 
-def save_hf_dir(directory: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+def save_hf_dir(directory: Path, hf_config: dict, weights: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
     """Write a Hugging Face style checkpoint directory (config, safetensors, tokenizer)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(config.eos_token_ids), "hidden_act": "silu", "torch_dtype": "float32",
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (directory / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": "float32"}, indent=2))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
     tokenizer.backend.save(str(directory / "tokenizer.json"))
     tok_config = {"add_bos_token": tokenizer.add_bos_token, "chat_template": tokenizer.chat_template}

