@@ -47,6 +47,8 @@ def _configs() -> dict[str, tuple[str, dict]]:
         "phi3": ("Phi3Config", _shape(sliding_window=WINDOW, pad_token_id=0, partial_rotary_factor=0.5)),
         "qwen3_moe": ("Qwen3MoeConfig", _shape(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                norm_topk_prob=True, mlp_only_layers=[1])),
+        "qwen3_moe-sparse": ("Qwen3MoeConfig", _shape(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                      norm_topk_prob=True)),   # every layer sparse (as llama.cpp's)
         "mixtral": ("MixtralConfig", _shape(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)),
     }
 
