@@ -80,7 +80,7 @@ class Family:
     name: str
     architectures: tuple[str, ...]      # config.json "architectures"
     model_types: tuple[str, ...]        # config.json "model_type"
-    gguf: tuple[str, ...]               # GGUF general.architecture values (models.gguf_families)
+    gguf: tuple[str, ...]               # GGUF general.architecture values it reads (models.gguf_file)
     adds: str                           # what it adds to Llama, for `pdqueue models`
     parse: Callable[[_Fields], dict]    # the family's ModelConfig fields beyond the shape
     moe: bool = False
@@ -272,8 +272,8 @@ FAMILIES: tuple[Family, ...] = (
            "the base: RMSNorm, SwiGLU, GQA, rope (default, linear, dynamic, llama3, yarn scaling)", _llama),
     Family("mistral", ("MistralForCausalLM",), ("mistral",), (),
            "sliding-window attention in every layer", _mistral),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), (), "q/k/v biases", _qwen2),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), (), "per-head q/k RMSNorm", _qwen3),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",), "q/k/v biases", _qwen2),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), "per-head q/k RMSNorm", _qwen3),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), (),
            "sandwich norms, (1 + w) norms, scaled embeddings, GELU-tanh, attention and logit soft-capping, "
            "alternating sliding/global layers", _gemma2),
@@ -281,7 +281,7 @@ FAMILIES: tuple[Family, ...] = (
            "Gemma 2's parts with q/k norms, 5 local : 1 global layers with their own rope base", _gemma3),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), (),
            "fused qkv and gate_up weights, partial rotary, longrope (short factors)", _phi3),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), (),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",),
            "Qwen3 with a top-k mixture of SwiGLU experts", _qwen3_moe, moe=True),
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), (),
            "Mistral with a top-2 mixture of SwiGLU experts", _mixtral, moe=True),
