@@ -191,3 +191,32 @@ def test_quantized_workers_answer_as_the_quantized_engine(cluster, checkpoints, 
     for pid, exp, res in zip(ids, want, answers(cluster)):
         assert_same_tokens(loaded, pid, exp, list(res.token_ids), greedy)
     wait_pools_free(cluster)
+
+
+def test_a_sliding_window_model_moves_only_the_blocks_its_window_reads(cluster, checkpoints):
+    """Mistral with an 8-token window in every layer: a 70-token prompt's handoff copies the
+    last blocks only, not all five, and still answers as transformers; a second prompt that
+    shares its first 36 tokens (on the same decode worker, its window reaching back into the
+    second block) is not served the blocks left unfilled there (they are never named in its
+    prefix cache)."""
+    tok = hf_models.smollm2_tokenizer()
+    directory = checkpoints["mistral"]
+    ids = tok.encode(" ".join(f"word{i}" for i in range(40)))[:70]
+    shorter = ids[:36]
+    assert len(ids) == 70
+    want = [hf_models.hf_greedy(directory, p, MAX_TOKENS) for p in (ids, shorter)]
+    cluster.model = str(directory)
+    cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
+    client = Client(cluster.redis_url, cluster.cluster)
+    results = []
+    for prompt_ids in (ids, shorter):
+        results.append(client.submit(prompt_ids=prompt_ids, max_tokens=MAX_TOKENS, temperature=0.0,
+                                     ignore_eos=True).result(60))
+    assert [list(r.token_ids) for r in results] == want
+    token_bytes = 4 * 2 * 2 * 16 * 4   # layers x (K, V) x KV heads x head_dim x float32
+    full = -(-70 // 16) * 16 * token_bytes
+    # (70 - 8) // 16 = 3: blocks 3 and 4 (positions 48-79) of the five travel
+    assert results[0].transfer_bytes == 2 * 16 * token_bytes < full
+    assert results[1].kv_reused_tokens == 0 and results[1].transfer_bytes > 0
+    print(f"a 70-token prompt's handoff: {results[0].transfer_bytes} bytes moved, {full} with every block")
+    wait_pools_free(cluster)

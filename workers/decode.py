@@ -259,9 +259,14 @@ class DecodeRole(Role):
                                               background=background)
                 job.state = JobState.FETCHING
                 # Blocks whose KV this engine already caches (an earlier turn, a shared system
-                # prompt) stay; only the rest travel.
+                # prompt) stay; only the rest travel, and of those only what a sliding window
+                # still reads when every layer slides (the older ones are left unfilled).
                 held = job.seq.num_cached_tokens // self.engine.config.block_size
-                self.fetcher.submit(job, h.ticket, job.seq.block_table[held:len(h.ticket["block_ids"])], held)
+                first = max(held, self.engine.first_needed_block(len(h.prompt_ids) + len(h.output_ids) - 1))
+                if first > held:
+                    self.engine.leave_unfilled(job.seq, held, first)
+                self.fetcher.submit(job, h.ticket, job.seq.block_table[first:len(h.ticket["block_ids"])], first,
+                                    reused_blocks=held)
                 fetches += 1
         return fetches
 

@@ -52,14 +52,17 @@ class Fetcher:
         self._thread = threading.Thread(target=self._run, name="kv-fetch", daemon=True)
         self._thread.start()
 
-    def submit(self, key: Any, ticket: dict, block_ids: list[int], first_block: int = 0) -> None:
-        """Copy ``ticket``'s blocks from ``first_block`` on into ``block_ids``."""
+    def submit(self, key: Any, ticket: dict, block_ids: list[int], first_block: int = 0,
+               reused_blocks: int | None = None) -> None:
+        """Copy ``ticket``'s blocks from ``first_block`` on into ``block_ids``; of those
+        before it, ``reused_blocks`` (default: all) were in this engine's prefix cache (the
+        others are older than a sliding window: not needed)."""
         self.in_flight += 1
-        self._todo.put((key, ticket, block_ids, first_block))
+        self._todo.put((key, ticket, block_ids, (first_block, first_block if reused_blocks is None else reused_blocks)))
 
     def release(self, ticket: dict) -> None:
         """Release the ticket's lease on the sender (no outcome to collect)."""
-        self._todo.put((_RELEASE, ticket, None, 0))
+        self._todo.put((_RELEASE, ticket, None, (0, 0)))
 
     def collect(self, wait_s: float = 0.0) -> Iterator[tuple[Any, FetchOutcome]]:
         """The finished fetches, each as soon as it is there; with ``wait_s``, waiting up
@@ -85,7 +88,7 @@ class Fetcher:
             item = self._todo.get()
             if item is None:
                 return
-            key, ticket, block_ids, first_block = item
+            key, ticket, block_ids, (first_block, reused) = item
             if key is _RELEASE:
                 try:
                     self.receiver.release(ticket)
@@ -96,7 +99,7 @@ class Fetcher:
             try:
                 result = self.receiver.fetch(ticket, block_ids, first_block)
                 outcome = FetchOutcome(result.path, result.seconds, result.nbytes, done_ms=now_ms(),
-                                       started_ms=started_ms, reused_blocks=first_block)
+                                       started_ms=started_ms, reused_blocks=reused)
                 if self.metrics is not None:
                     self.metrics.transferred(result.path, result.nbytes, result.seconds)
             except TransferError as exc:

@@ -30,6 +30,7 @@ Imports torch, models, the engine modules and pdqueue.protocol (``FinishReason``
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -80,6 +81,16 @@ def kv_layout_for(model_config, config: EngineConfig) -> KVCacheLayout:
                          model_config.num_kv_heads, model_config.head_dim, config.dtype)
 
 
+def kv_identity(loaded, layout: KVCacheLayout) -> str:
+    """What two engines must share for one to continue from the other's KV: the model (its
+    family config and the weights' fingerprint) and the KV layout (layers, KV heads, head_dim,
+    dtype, block size). Not the weights' format: an int8 prefill worker's KV is the same layout
+    and model as an fp32 decode worker's. A short hex digest."""
+    parts = (asdict(loaded.config) | {"name": ""}, getattr(loaded, "fingerprint", ""), layout.num_layers,
+             layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
 class LLMEngine:
     def __init__(self, loaded, config: EngineConfig, kv_cache: torch.Tensor | None = None,
                  prefill_only: bool = False, on_rewrite: Callable[[list[int]], None] | None = None):
@@ -94,7 +105,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.layout = kv_layout_for(loaded.config, config)
-        self.kv_identity = self.kv_identity_of(loaded, self.layout)   # handoffs carry it (workers/decode.py)
+        self.kv_identity = kv_identity(loaded, self.layout)   # handoffs carry it (workers/decode.py)
         if kv_cache is None:
             kv_cache = self.layout.allocate(device=config.device)
         else:
@@ -115,18 +126,6 @@ class LLMEngine:
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, OutputText] = {}
-
-    @staticmethod
-    def kv_identity_of(loaded, layout: KVCacheLayout) -> str:
-        """What two engines must share for one to continue from the other's KV: the model
-        (its family config and the weights' fingerprint) and the KV layout (layers, KV heads,
-        head_dim, dtype, block size). Not the weights' format: an int8 prefill worker's KV is
-        the same layout and model as an fp32 decode worker's. A short hex digest."""
-        import hashlib
-
-        parts = (asdict(loaded.config) | {"name": ""}, getattr(loaded, "fingerprint", ""), layout.num_layers,
-                 layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
-        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
     def _prefix_root(self, loaded) -> bytes:
         """What besides the tokens decides a block's KV (the prefix cache's chain start)."""
@@ -228,6 +227,22 @@ class LLMEngine:
                                                  same_root=bool(hash_root) and hash_root == self.block_manager.root)
         seq.num_cached_tokens = hits * self.config.block_size
         return seq
+
+    def first_needed_block(self, num_context: int) -> int:
+        """The first block a sequence of ``num_context`` computed tokens still reads: 0, or
+        for a model whose every layer slides (Mistral, Phi-3), the block of the oldest position
+        its window still covers. A decode worker copies no KV before it."""
+        window = self.model_config.max_window
+        return 0 if window is None else max(0, (num_context - window) // self.config.block_size)
+
+    def leave_unfilled(self, seq: Sequence, first_block: int, end_block: int) -> None:
+        """``seq``'s blocks ``first_block .. end_block - 1`` get no KV (older than every
+        layer's window): zeroed, never named in the prefix cache (another request could read
+        them), and not counted as reused."""
+        for block in seq.block_table[first_block:end_block]:
+            self.kv_cache[:, :, block].zero_()
+        seq.max_hashed_blocks = min(first_block, seq.max_hashed_blocks if seq.max_hashed_blocks is not None
+                                    else first_block)
 
     @property
     def prefix_root(self) -> bytes:
