@@ -115,7 +115,14 @@ def bench_quality(model, formats, window, max_tokens, threads, as_json):
     import torch
 
     from pdqueue.bench import quality
+    from pdqueue.models.loader import model_config_for
 
+    with model_errors():
+        moe = model_config_for(model).moe is not None
+    if moe and any(n != "fp32" for n in names):   # (models.quant refuses experts)
+        click.secho(f"--formats: {', '.join(n for n in names if n != 'fp32')} do not apply to a mixture of "
+                    "experts: fp32 only", fg="yellow", err=True)
+        names = ["fp32"]
     if threads:
         torch.set_num_threads(threads)
     with model_errors():
