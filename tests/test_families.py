@@ -295,6 +295,9 @@ def test_sharded_bfloat16_checkpoints_load_as_transformers_reads_them(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(directory / name, sharded / name)
     assert len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").exists()
+    # a file the index does not name (Mistral's repositories ship a consolidated.safetensors) is not read
+    from safetensors.torch import save_file
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(sharded / "consolidated.safetensors"))
     ids = prompt_ids()[0]
     with torch.no_grad():
         got = load_model(sharded).model.dense_logits(torch.tensor(ids))

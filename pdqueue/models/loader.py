@@ -240,6 +240,25 @@ def _hf_tokenizer(directory: Path, config: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index (model.safetensors.index.json)
+    names when it has one (Mistral's repositories also ship a consolidated.safetensors in
+    another naming), else model.safetensors, else every *.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (directory / n).exists()]
+        if missing:
+            raise FileNotFoundError(f"{directory}: the index names {missing[0]}, which is not there")
+        return [directory / n for n in names]
+    if (directory / "model.safetensors").exists():
+        return [directory / "model.safetensors"]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return files
+
+
 def _load_hf_dir(directory: Path, device, dtype, name: str | None = None) -> LoadedModel:
     from safetensors import safe_open
 
@@ -247,9 +266,7 @@ def _load_hf_dir(directory: Path, device, dtype, name: str | None = None) -> Loa
     tokenizer = _hf_tokenizer(directory, config)
     if tokenizer.eos_token_ids != config.eos_token_ids:  # tokenizer_config may name one more
         config = ModelConfig(**{**config.__dict__, "eos_token_ids": tokenizer.eos_token_ids})
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    files = checkpoint_files(directory)
 
     def weights():
         for file in files:
