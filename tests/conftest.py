@@ -127,7 +127,7 @@ PROCESS_MODULES = {
     "test_long_step.py", "test_netns.py", "test_nixl.py", "test_pipeline.py", "test_redis_cluster.py",
     "test_routing.py", "test_security.py", "test_switching.py", "test_supervision.py", "test_migration.py",
     "test_up_supervisor.py", "test_bench_clients.py", "test_elastic_chaos.py", "test_gateway_limits.py",
-    "test_up_stop.py",
+    "test_up_stop.py", "test_gguf_families.py", "test_families_pipeline.py",
 }
 
 
