@@ -11,7 +11,6 @@ from pathlib import Path
 
 import click
 
-from pdqueue.models.families import FAMILIES, PATHS, ConfigError, config_from_hf, family_for, weight_formats
 from workers.cli.common import UserError
 
 
@@ -20,6 +19,10 @@ from workers.cli.common import UserError
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def models(directory, as_json):
     """List the model families pdqueue serves, or read DIRECTORY's config.json as a worker would."""
+    # (imported here: the CLI package imports every command, and the gateway and metrics-sd
+    # import the CLI package without any model code)
+    from pdqueue.models.families import FAMILIES, PATHS, weight_formats
+
     if directory is not None:
         _show_directory(directory, as_json)
         return
@@ -40,6 +43,8 @@ def models(directory, as_json):
 
 
 def _show_directory(directory: Path, as_json: bool) -> None:
+    from pdqueue.models.families import ConfigError, config_from_hf, family_for, weight_formats
+
     path = directory / "config.json"
     try:
         raw = json.loads(path.read_text())
