@@ -7,7 +7,7 @@ embedded Redis, a real SIGINT to the terminal's process group.
 - A client whose `up` server is gone for good (here: ``--answer-grace-s 0``, answers left
   unread) fails at once with the reason, instead of retrying for ``unavailable_after_s``.
 - A kept log directory's ``up.log`` tells the whole stop.
-- README's word on where `up` prints the gateway's URL holds.
+- README's and the gateway page's word on where `up` prints the gateway's URL holds.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ def wait_for_line(up: Up, text: str, timeout: float = 60) -> None:
 
 
 def check_readme_gateway_line(out: str, state: dict) -> None:
-    """README tells where `up` prints the gateway's URL by the line's label, not its number
-    (a banner line more or less moved it: "its third line" was the fourth)."""
-    readme = (ROOT / "README.md").read_text()
-    assert "`up`'s line `OpenAI API: http://...` gives the URL" in readme
-    assert not re.search(r"its (first|second|third|fourth|fifth) line prints the URL", readme)
+    """README (its tour) and the gateway's page tell where `up` prints the gateway's URL by the
+    line's label, not its number (a banner line more or less moved it: "its third line" was
+    the fourth)."""
+    for doc in ("README.md", "docs/api/gateway.md"):
+        text = (ROOT / doc).read_text()
+        assert "`up`'s line `OpenAI API: http://...` gives the URL" in text, doc
+        assert not re.search(r"its (first|second|third|fourth|fifth) line prints the URL", text), doc
     match = re.search(r"^  OpenAI API: (http://\S+)/v1 ", out, re.M)
     assert match and match.group(1) == state["gateway_url"], out
 
