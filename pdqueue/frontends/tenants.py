@@ -221,7 +221,8 @@ def load_tenants(path: str | None, api_key: str | None = None) -> list[Tenant]:
             raise TenantError(f"--tenants {path}: not valid TOML ({exc})") from None
         table = data.get("tenants")
         if not isinstance(table, dict) or not table or set(data) - {"tenants"}:
-            raise TenantError(f"--tenants {path}: expected [tenants.NAME] tables only (see README, Tenants)")
+            raise TenantError(f"--tenants {path}: expected [tenants.NAME] tables only "
+                              "(see docs/api/gateway.md, Tenants)")
         tenants = [_tenant(name, t, f"--tenants {path}") for name, t in table.items()]
     if api_key:
         if any(t.name == DEFAULT_TENANT for t in tenants):

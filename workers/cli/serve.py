@@ -29,7 +29,7 @@ DEFAULT_PORT = 8000
 @click.option("--tenants", "tenants_path", envvar="PDQ_TENANTS", show_envvar=True, default=None,
               type=click.Path(dir_okay=False),
               help="A TOML file of tenants: API keys, share, requests_per_s, tokens_per_s, service_class "
-                   "(README, Tenants) [default: one tenant, --api-key's].")
+                   "(docs/api/gateway.md, Tenants) [default: one tenant, --api-key's].")
 @click.option("--max-backlog", type=click.IntRange(min=0), default=None,
               help="Answer 429 while the cluster's request backlog (lag + pending of the request streams) is "
                    "over this [default: no limit].")

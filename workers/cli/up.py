@@ -104,7 +104,7 @@ def check_port_free(port: int) -> None:
 @click.option("--take-prompts/--no-take-prompts", default=True, show_default=True,
               help="The decode workers also prefill the prompts a prefill worker places there when their first "
                    "token comes sooner so (in the time their decodes leave, chunks under --tbt-slo-ms); see "
-                   "README 'Prompt placement'. --no-take-prompts: a fixed split.")
+                   "docs/tuning/placement.md. --no-take-prompts: a fixed split.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
