@@ -172,9 +172,9 @@ def test_tiny_policies_agree(tiny, kind):
 
 def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
     """Prompts that arrive while others decode, under a TBT target no step can meet: their
-    chunks are cut to the minimum (scheduler.MIN_CHUNK), and every answer is still the
+    chunks are cut to the minimum (policies.MIN_CHUNK), and every answer is still the
     prefill_first engine's, token for token."""
-    from pdqueue.engine.scheduler import MIN_CHUNK
+    from pdqueue.engine.policies import MIN_CHUNK
 
     prompts = [tiny_prompts(lens=[8] * 4, seed=3)[i] for i in range(4)] + tiny_prompts(lens=[150, 90, 200], seed=4)
     params = [sampled(24, seed=50 + i, ignore_eos=True) for i in range(len(prompts))]
@@ -196,7 +196,7 @@ def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
         if steps > 8 and decoding:
             chunks.append(eng.stats.num_tokens - batch_before - decoding)
         steps += 1
-    assert eng.scheduler.num_budgeted_steps > 0
+    assert eng.scheduler.tbt.num_budgeted_steps > 0
     assert chunks and max(chunks) <= MIN_CHUNK, chunks
     flips = assert_all_same(tiny, prompts, first, [results[rid] for rid in ids], params,
                             label="tiny prefill_first vs chunked under a TBT budget")

@@ -158,7 +158,7 @@ def test_sampled_frequencies_follow_the_distribution(params, expected):
 @pytest.mark.parametrize("percentile", [50, 90, 99])
 def test_slow_gaps_allowed_is_what_the_percentile_tolerates(percentile):
     from pdqueue.bench.stats import percentile as pct
-    from pdqueue.engine.scheduler import slow_gaps_allowed
+    from pdqueue.engine.policies import slow_gaps_allowed
 
     for n in range(1, 80):
         allowed = slow_gaps_allowed(n, percentile)
@@ -217,7 +217,7 @@ def test_tbt_budget_cuts_prompt_chunks_only_for_decodes_without_slow_gaps_left()
     batch = dict((s.request_id, n) for s, n in sch2.schedule())
     # within 50 ms x STEP_SHARE: (42.5 ms - 10 - 2 x 1) / 0.1 ms = 305 tokens
     assert batch["b"] == 1 and batch["doc"] == pytest.approx(305, abs=2)
-    assert sch2.num_budgeted_steps == 1
+    assert sch2.tbt.num_budgeted_steps == 1
 
 
 def test_a_gap_past_the_target_counts_slow_though_its_step_was_within_the_share():
@@ -246,7 +246,7 @@ def test_a_step_that_spends_a_slow_gap_stays_within_slow_step_targets():
     """A decode that may still have a slow gap lets prompts take more than fits in the target,
     but not the whole 2048-token budget: what the cost model fits in SLOW_STEP_TARGETS targets
     (50 ms x 1.5 = 75 ms: (75 - 10 - 2 x 1) / 0.1 ms = 630 tokens); cold, COLD_CHUNK."""
-    from pdqueue.engine.scheduler import COLD_CHUNK, SLOW_STEP_TARGETS
+    from pdqueue.engine.policies import COLD_CHUNK, SLOW_STEP_TARGETS
 
     sch = budgeted(budget=2048)
     decoding(sch, "a", max_tokens=31)          # 30 gaps: 2 may be slow at p90
@@ -262,7 +262,7 @@ def test_a_step_that_spends_a_slow_gap_stays_within_slow_step_targets():
 
 
 def test_tbt_budget_counts_earned_gaps_without_ignore_eos_and_keeps_a_minimum_chunk():
-    from pdqueue.engine.scheduler import MIN_CHUNK
+    from pdqueue.engine.policies import MIN_CHUNK
 
     sch = budgeted(tbt_slo_ms=12.0)   # 10.2 ms for the step: 10 + 2 ms of decode leave nothing
     decoding(sch, "a", max_tokens=100, ignore_eos=False)   # may stop any time: no slow gap to spend
@@ -291,7 +291,7 @@ def test_a_foreground_prompt_waits_ahead_of_every_background_one():
 
 
 def test_background_decodes_pause_while_foreground_prompts_wait_but_never_starve():
-    from pdqueue.engine.scheduler import BACKGROUND_EVERY
+    from pdqueue.engine.policies import BACKGROUND_EVERY
 
     sch, _ = make(policy="chunked", num_blocks=64, budget=4)
     b = bg("b", 4)
@@ -320,7 +320,7 @@ def test_background_decodes_run_beside_foreground_decodes():
 
 
 def test_background_prompts_ride_along_foreground_prompts_only():
-    from pdqueue.engine.scheduler import BACKGROUND_PROMPT_TOKENS_BESIDE
+    from pdqueue.engine.policies import BACKGROUND_PROMPT_TOKENS_BESIDE
 
     sch, _ = make(policy="chunked", num_blocks=256, budget=512)
     f = seq("f", 4)
@@ -362,7 +362,7 @@ def test_a_preempted_background_sequence_waits_behind_the_foreground_prompts():
 
 
 def test_background_sequences_take_at_most_their_slots_and_prompt_tokens_per_step():
-    from pdqueue.engine.scheduler import BACKGROUND_PROMPT_TOKENS
+    from pdqueue.engine.policies import BACKGROUND_PROMPT_TOKENS
 
     config = EngineConfig(policy="chunked", block_size=4, max_num_batched_tokens=1024, max_num_seqs=8,
                           max_background_seqs=3)
@@ -381,7 +381,7 @@ def test_background_sequences_take_at_most_their_slots_and_prompt_tokens_per_ste
 
 
 def test_beside_foreground_work_background_decodes_take_turns():
-    from pdqueue.engine.scheduler import BACKGROUND_ROWS
+    from pdqueue.engine.policies import BACKGROUND_ROWS
 
     sch, _ = make(policy="chunked", num_blocks=256, budget=512, max_seqs=16)
     bgs = [bg(f"b{i}", 4) for i in range(2 * BACKGROUND_ROWS)]
@@ -409,7 +409,7 @@ def test_with_a_tbt_target_background_decodes_fill_half_of_it_beside_foreground_
     """A step of 10 ms + 2 ms a decode row: beside 2 foreground decodes, background rows up to
     half the TBT target (100 ms: 50 ms = 20 rows, less the 2 foreground ones), never fewer than
     BACKGROUND_ROWS; without a fitted cost model BACKGROUND_ROWS."""
-    from pdqueue.engine.scheduler import BACKGROUND_ROWS, BACKGROUND_STEP_SHARE
+    from pdqueue.engine.policies import BACKGROUND_ROWS, BACKGROUND_STEP_SHARE
 
     assert BACKGROUND_STEP_SHARE == 0.5 and BACKGROUND_ROWS == 1
     sch = budgeted(tbt_slo_ms=tbt_slo_ms, max_seqs=40)

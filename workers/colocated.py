@@ -27,7 +27,6 @@ from __future__ import annotations
 from pdqueue.control.commands import MIGRATE
 from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.engine.scheduler import STEP_SHARE
 from pdqueue.protocol import Handoff, encode_handoff
 from workers.common import Every, now_ms
 from workers.migration import Migrator
@@ -44,15 +43,14 @@ class ColocatedRole(RequestRole):
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self._check = Every(CHECK_EVERY_S)
-        self.tbt_budget_ms = shell.config.engine.tbt_slo_ms   # the planner may change it (set_tbt_budget)
         self._migrate: tuple[int, str] | None = None         # (count, command id) asked by a planner
 
     def load(self) -> dict:
         load = {**super().load(), "step_ms": round(self.step_s * 1000, 2),
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
                 "migrated_out": self.migrator.moved if self.migrator is not None else 0}
-        if self.engine.scheduler.policy == PrefillPolicy.CHUNKED:   # it takes budget commands (0: none)
-            load["tbt_budget_ms"] = self.tbt_budget_ms or 0
+        if self.engine.config.policy == PrefillPolicy.CHUNKED:   # it takes budget commands (0: none)
+            load["tbt_budget_ms"] = self.engine.scheduler.tbt.target_ms or 0
         return load
 
     def read_limit(self) -> int:
@@ -77,11 +75,10 @@ class ColocatedRole(RequestRole):
     def set_tbt_budget(self, tbt_slo_ms: float | None) -> str | None:
         """The chunked policy's TBT target from now on (None: chunks fill the token budget);
         why not, if it cannot."""
-        scheduler = self.engine.scheduler
-        if scheduler.policy != PrefillPolicy.CHUNKED:
-            return "the TBT budget needs the chunked policy (--policy chunked)"
-        scheduler.tbt_step_s = None if tbt_slo_ms is None else tbt_slo_ms / 1000 * STEP_SHARE
-        self.tbt_budget_ms = tbt_slo_ms
+        try:
+            self.engine.set_tbt_target(tbt_slo_ms)
+        except ValueError as e:
+            return str(e)
         return None
 
     def migrate_some(self, count: int, command_id: str) -> str | None:

@@ -72,8 +72,8 @@ class SpareTime:
     their decode rows alone (the prompt tokens in them are the spare time's use).
 
     Each step is measured against ``frame_s`` when that is longer than the step: the time the
-    TBT target allows a step (scheduler ``tbt_step_s``). A decode worker stepping back to back
-    has no idle time, but a 130 ms decode step under a 212 ms step budget leaves 39 % of
+    TBT target allows a step (``TbtBudget.step_s``, engine/policies.py). A decode worker
+    stepping back to back has no idle time, but a 130 ms decode step under a 212 ms step budget leaves 39 % of
     each step to prompt chunks (measured in float32, where decodes alone are ~130 ms: by the
     idle clock its spare read 0 and it took no prompt while the prefill worker queued
     seconds)."""
@@ -95,7 +95,7 @@ class SpareTime:
         ``prompts``), against the scheduler's TBT step budget."""
         cost = scheduler.cost
         decode_s = min(step_s, max(0.0, cost.predict(decode_rows, 0))) if prompts and cost.ready else step_s
-        self.add(decode_s, frame_s=scheduler.tbt_step_s or 0.0)
+        self.add(decode_s, frame_s=scheduler.tbt.step_s or 0.0)
 
 
 class JobState(Enum):

@@ -84,6 +84,17 @@ class Role(ABC):
     def close(self) -> None:
         """Release what ``start`` built (also after a failure)."""
 
+    # ---- the planner's levers (budget and migrate commands: switching.py) ---------------------
+    def set_tbt_budget(self, tbt_slo_ms: float | None) -> str | None:
+        """Its engine's TBT target from now on (None: none, ``LLMEngine.set_tbt_target``); why
+        not, if it cannot. By default it cannot."""
+        return f"the {self.name} role has no TBT budget"
+
+    def migrate_some(self, count: int, command_id: str) -> str | None:
+        """Move up to ``count`` running decodes to a decode worker; why not, if it cannot. By
+        default it cannot."""
+        return f"the {self.name} role has no running decodes to move"
+
 
 class RequestRole(Role):
     """A role that reads the request streams (group ``prefill``) through ``Intake`` and
@@ -139,7 +150,7 @@ class RequestRole(Role):
         would stop this worker reading the higher classes' streams)."""
         scheduler = self.engine.scheduler
         free_slots = min(self.engine.config.max_num_seqs - scheduler.num_unfinished,
-                         scheduler.max_background - scheduler.num_background, self.batch_room())
+                         self.engine.config.background_seqs - scheduler.num_background, self.batch_room())
         n = self.batch_gate.limit(waiting=self.engine.num_waiting, kv_free=self.engine.block_manager.num_free_blocks,
                                   kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
                                   batch_running=sum(a.request.background for a in self.inflight.values()),

@@ -35,9 +35,9 @@ commands, refuses or accepts them, asks the shell to switch (``WorkerShell.switc
 and writes the events; the shell tells it when the old role has drained (``drained``), when
 the new one serves (``done``) and when a switch failed (``failed``). The elastic planner's
 budget and migrate commands (no epoch, no backlog rule: the role keeps serving) go to the
-role (``set_tbt_budget``, ``migrate_some``), refused while the worker stops or switches, or
-by a role that has no such lever, and are answered with ``type=budget`` / ``type=migrate``
-events (``answer``).
+role (``set_tbt_budget``, ``migrate_some``: levers every role has, refusing by default),
+refused while the worker stops or switches, or by a role that has no such lever, and are
+answered with ``type=budget`` / ``type=migrate`` events (``answer``).
 
 Imports redis and pdqueue only (no torch).
 """
@@ -178,15 +178,14 @@ class SwitchControl:
         shell = self.shell
         budget = isinstance(cmd, commands.BudgetCommand)
         kind = commands.BUDGET if budget else commands.MIGRATE
-        method = getattr(shell.role, "set_tbt_budget" if budget else "migrate_some", None)
         if shell.stop.warm.is_set() or shell.stop.cold.is_set():
             reason = "the worker is stopping"
         elif self.switching is not None or shell.next_role is not None:
             reason = "a switch is in progress"
-        elif method is None:
-            reason = f"the {shell.role.name} role has no {'TBT budget' if budget else 'running decodes to move'}"
+        elif budget:   # (a role without the lever refuses: workers/role.py)
+            reason = shell.role.set_tbt_budget(cmd.tbt_slo_ms)
         else:
-            reason = method(cmd.tbt_slo_ms) if budget else method(cmd.count, command_id)
+            reason = shell.role.migrate_some(cmd.count, command_id)
         if reason:
             log.warning("worker %s: %s command %s refused: %s", shell.worker_id, kind, command_id, reason)
             self.answer(kind, command_id, "refused", reason=reason)

@@ -51,14 +51,14 @@ class EngineConfig:
     num_threads: int | None = None    # torch intra-op threads; None: torch's default
     prefix_caching: bool = True       # reuse the KV of cached full prompt blocks (block_manager.py)
     weights: str = "fp32"             # WEIGHT_FORMATS; the model is loaded so (models.loader.load_model)
-    # The chunked policy's TBT budget (scheduler.py): the inter-token gap each running request
+    # The chunked policy's TBT budget (policies.TbtBudget): the inter-token gap each running request
     # should keep at its ``tbt_percentile``-th percentile; None: chunks fill the token budget.
     tbt_slo_ms: float | None = None
     tbt_percentile: int = 90
     # A TTFT target: a waiting prompt whose first token can no longer come within it of its
-    # request's enqueue time waits behind those that still can (scheduler.py); None: off.
+    # request's enqueue time waits behind those that still can (policies.TtftLateness); None: off.
     ttft_slo_ms: float | None = None
-    # Background (batch-class) sequences admitted at once (scheduler.py); None: 3/4 of
+    # Background (batch-class) sequences admitted at once (policies.ClassShare); None: 3/4 of
     # max_num_seqs, so that online requests always find a slot.
     max_background_seqs: int | None = None
     # On a CUDA device, decode steps replay CUDA graphs (engine/cuda_graphs.py); ignored elsewhere.

@@ -17,7 +17,7 @@ whose copy is missing or does not hold exactly the tokens before this step's, an
 when the sequence finishes or is aborted (``release``, from the engine), or is in a step
 that is not a pure decode step (a prefill, a recompute after preemption, a chunk beside
 prefills) or in no step at all (preempted), unless the engine names it ``paused``: a
-background decode that sits steps out (scheduler.py) keeps its copy, which still holds
+background decode that sits steps out (policies.ClassShare) keeps its copy, which still holds
 exactly its context, since nothing wrote its KV meanwhile.
 Copies take at most ``budget_bytes`` (the pool's size by default: they never hold more
 tokens than the pool does, plus growth room); a step whose copies would not fit gathers.

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from pdqueue.engine.block_manager import BlockManager, prefix_root
-from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.config import EngineConfig, PrefillPolicy
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.engine.cuda_graphs import GraphedDecode
 from pdqueue.engine.model_runner import ModelRunner
@@ -91,6 +91,18 @@ def kv_identity(loaded, layout: KVCacheLayout) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
 
+def engine_prefix_root(loaded, config: EngineConfig, layout: KVCacheLayout) -> bytes:
+    """What besides the tokens decides a block's KV (the prefix cache's chain start)."""
+    weights = next(iter(loaded.model.parameters()), None)
+    parts = ("pdqueue-kv-1", config.model, asdict(loaded.config),
+             str(weights.dtype) if weights is not None else "", layout.dtype, config.block_size)
+    fmt = getattr(loaded, "weights", "fp32")   # quantized weights compute other KV (models/quant.py)
+    if fmt != "fp32":
+        parts += (f"weights={fmt}",)
+    fingerprint = getattr(loaded, "fingerprint", "")   # the weights' content (models/loader.py)
+    return prefix_root(*parts, f"fingerprint={fingerprint}") if fingerprint else prefix_root(*parts)
+
+
 class LLMEngine:
     def __init__(self, loaded, config: EngineConfig, kv_cache: torch.Tensor | None = None,
                  prefill_only: bool = False, on_rewrite: Callable[[list[int]], None] | None = None):
@@ -115,7 +127,7 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings)
         self.block_manager = BlockManager(self.layout.num_blocks, config.block_size,
                                           enable_caching=config.prefix_caching,
-                                          root=self._prefix_root(loaded), on_rewrite=on_rewrite)
+                                          root=engine_prefix_root(loaded, config, self.layout), on_rewrite=on_rewrite)
         self.scheduler = Scheduler(config, self.block_manager)
         graphs = None
         if config.cuda_graphs and GraphedDecode.usable(self.model, kv_cache.device):
@@ -126,17 +138,6 @@ class LLMEngine:
         self.stats = StepStats()
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, OutputText] = {}
-
-    def _prefix_root(self, loaded) -> bytes:
-        """What besides the tokens decides a block's KV (the prefix cache's chain start)."""
-        weights = next(iter(loaded.model.parameters()), None)
-        parts = ("pdqueue-kv-1", self.config.model, asdict(loaded.config),
-                 str(weights.dtype) if weights is not None else "", self.layout.dtype, self.config.block_size)
-        fmt = getattr(loaded, "weights", "fp32")   # quantized weights compute other KV (models/quant.py)
-        if fmt != "fp32":
-            parts += (f"weights={fmt}",)
-        fingerprint = getattr(loaded, "fingerprint", "")   # the weights' content (models/loader.py)
-        return prefix_root(*parts, f"fingerprint={fingerprint}") if fingerprint else prefix_root(*parts)
 
     @property
     def prefix_caching(self) -> bool:
@@ -196,7 +197,7 @@ class LLMEngine:
 
     def can_reserve(self, num_tokens: int, background: bool = False) -> bool:
         """Whether ``reserve`` has a slot and the blocks (a background sequence, one of its
-        own slots: scheduler.py)."""
+        own slots: policies.ClassShare)."""
         return (len(self.scheduler.running) < self.config.max_num_seqs
                 and (not background or self.scheduler.can_run_background())
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
@@ -204,7 +205,7 @@ class LLMEngine:
     def make_room(self, num_tokens: int) -> bool:
         """Foreground work of ``num_tokens`` to ``reserve``: preempt running background
         sequences, newest first (they recompute later), until it fits; whether it does.
-        Batch gives its room back when online work needs it (scheduler.py)."""
+        Batch gives its room back when online work needs it (policies.ClassShare)."""
         while not self.can_reserve(num_tokens):
             if not self.scheduler.preempt_background():
                 return False
@@ -284,6 +285,13 @@ class LLMEngine:
         """Prefill role: blocks detached in a StepOutput come back here when their lease ends
         (full ones stay cached, with their KV and epochs, until evicted)."""
         self.block_manager.free_blocks(block_ids)
+
+    def set_tbt_target(self, tbt_slo_ms: float | None) -> None:
+        """The chunked policy's TBT target from now on (None: chunks fill the token budget;
+        policies.TbtBudget); ValueError on another policy or a target <= 0."""
+        if self.config.policy != PrefillPolicy.CHUNKED:
+            raise ValueError("the TBT budget needs the chunked policy (--policy chunked)")
+        self.scheduler.tbt.set(tbt_slo_ms)
 
     # ---- stepping --------------------------------------------------------------------
     @property

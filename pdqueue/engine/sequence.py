@@ -44,9 +44,9 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.max_hashed_blocks: int | None = None   # cap on blocks named (KV from an engine with another chain root)
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
-        self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (scheduler.py)
+        self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (policies.py)
         self.last_token_s: float | None = None   # perf_counter() when this engine sampled its last token
-        self.background = background   # the batch class: yields to the others (scheduler.py)
+        self.background = background   # the batch class: yields to the others (policies.ClassShare)
         self.decode_here = False       # prefill engine: keep decoding it after its first token
         # The waiting order (scheduler.py): the service class's rank (0 first) and the
         # deadline (epoch ms; None: after those with one), then arrival.

@@ -2,7 +2,7 @@
 + c * prefill tokens``, fitted by recursive least squares with forgetting (recent steps
 weigh most: the load, the thread count and the machine's other work all move it).
 
-Used by the chunked scheduler's TBT budget (scheduler.py): the prompt tokens that fit beside
+Used by the chunked scheduler's TBT budget (policies.py): the prompt tokens that fit beside
 the running decodes in one inter-token gap. Three terms are enough here: the per-token
 attention cost of a chunk grows with its context, but for the prompts a chunk budget matters
 for (hundreds of tokens) the linear terms dominate, and the forgetting follows the rest.

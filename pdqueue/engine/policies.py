@@ -1,0 +1,245 @@
+"""The scheduler's policies: scheduler.py keeps the queues and asks these three objects, as
+mini-sglang's scheduler asks its ``PrefillAdder``.
+
+- ``TbtBudget``: the TBT target (``EngineConfig.tbt_slo_ms``; ``LLMEngine.set_tbt_target``
+  changes it), its one conversion to seconds, and what it allows prompt chunks beside decodes;
+- ``ClassShare``: what background (batch-class) sequences may take: slots, prompt tokens,
+  decode rows;
+- ``TtftLateness``: which waiting prompts can no longer make their TTFT target.
+
+Each is state plus decisions; none holds a queue. The step cost model (step_cost.py) is the
+scheduler's, shared with them.
+
+Imports sequence and step_cost.
+"""
+
+from __future__ import annotations
+
+from pdqueue.engine.sequence import Sequence, SequenceStatus
+from pdqueue.engine.step_cost import StepCostModel
+
+MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
+STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
+# A step that spends a slow gap ends within this many TBT targets: a decode worker taking
+# placed prompts did best with 64-token chunks under a 60 ms target and 256 under 250 ms,
+# steps of ~1.2-1.5 targets either way; a fixed chunk is right for one target only.
+SLOW_STEP_TARGETS = 1.5
+COLD_CHUNK = 64       # prompt tokens of a slow-gap step before the cost model is ready
+BACKGROUND_EVERY = 4  # paused background decodes still run every this many steps (their bounded share)
+# What background work may add to a step. On a CPU a decode row costs a fraction of a step
+# of one decode and a prompt token less, so beside online decodes background gets one row a
+# step and a few prompt tokens in the steps that prefill online prompts; alone, short steps
+# (an online request arriving during one waits half of it).
+BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences, at least
+# ... and as many more as keep the step within this share of the TBT target (by the step
+# cost model): one row a step alone left most of the capacity the online decodes leave unused.
+BACKGROUND_STEP_SHARE = 0.5
+BACKGROUND_PROMPT_TOKENS = 64   # background prompt tokens per step, nothing else running
+BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (in steps with foreground prompt tokens)
+
+
+def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
+    """How many of ``num_gaps`` gaps may exceed a target while their ``percentile``-th
+    percentile (linear interpolation, as pdqueue.bench.stats) stays within it."""
+    if num_gaps <= 1:
+        return 0
+    return num_gaps - 1 - (-(-percentile * (num_gaps - 1) // 100))
+
+
+def slow_gaps_left(seq: Sequence, percentile: int) -> int:
+    """A request's allowance, counted on the gaps it will have: ``max_tokens - 1`` with
+    ``ignore_eos``, else the gaps it already has (it may stop at any token)."""
+    p = seq.params
+    num_gaps = p.max_tokens - 1 if p.ignore_eos else seq.num_output_tokens
+    return slow_gaps_allowed(num_gaps, percentile) - seq.slow_gaps
+
+
+class TbtBudget:
+    """The TBT target (chunked policy only). A running request meets it when the
+    ``percentile``-th percentile of its gaps is within it, so a few of its gaps may be slow:
+    with n gaps, ``n - 1 - ceil(p (n - 1) / 100)`` of them (``slow_gaps_allowed``; 2 of 30 at
+    p90, none of 8). While every decode in the step can still afford one slow gap, prompt
+    chunks take what fits in ``SLOW_STEP_TARGETS`` targets (TTFT first, but no gap of seconds
+    behind a whole token budget of prompt); otherwise they take only what fits beside the
+    decodes within ``STEP_SHARE`` of the target, as predicted by the step cost model from this
+    engine's own steps (at least ``MIN_CHUNK`` tokens, so prompts always progress; exactly that
+    while the model has not learned the cost of a prompt token). A step that runs past its
+    share counts one slow gap for each of its decodes, and so does a gap since a decode's
+    previous token (the time between steps included) past the whole target.
+
+    ``target_ms`` is the one name of the target; ``target_s`` and ``step_s`` (the step's
+    share) derive from it in ``set``; None: no target (chunks fill the token budget)."""
+
+    def __init__(self, target_ms: float | None, percentile: int, cost: StepCostModel):
+        self.percentile = percentile
+        self.cost = cost
+        self.num_budgeted_steps = 0   # steps whose prompt chunks the budget cut
+        self.set(target_ms)
+
+    def set(self, target_ms: float | None) -> None:
+        if target_ms is not None and not target_ms > 0:
+            raise ValueError(f"a TBT target must be > 0 ms, got {target_ms}")
+        self.target_ms = target_ms
+        self.target_s = None if target_ms is None else target_ms / 1000
+        self.step_s = None if target_ms is None else self.target_s * STEP_SHARE
+
+    def prompt_tokens(self, decodes: list[Sequence], full: int) -> int:
+        """Prompt tokens a step of ``decodes`` may take while prompts wait to be computed
+        (``full``: what the token budget leaves; with a target only)."""
+        if all(slow_gaps_left(seq, self.percentile) > 0 for seq in decodes):
+            # A slow gap to spend: prompts take more, but the step stays within
+            # SLOW_STEP_TARGETS targets; before the cost is learned, COLD_CHUNK.
+            fit = self.cost.prefill_tokens_within(self.target_s * SLOW_STEP_TARGETS, len(decodes))
+            return min(full, COLD_CHUNK if fit is None else max(MIN_CHUNK, fit))
+        fit = self.cost.prefill_tokens_within(self.step_s, len(decodes))
+        if fit is not None and fit >= full:   # the whole budget fits
+            return full
+        # Not learned yet (or no positive per-token cost seen): the smallest chunk, whose
+        # step teaches the model what a prompt token costs here.
+        self.num_budgeted_steps += 1
+        return MIN_CHUNK if fit is None else max(MIN_CHUNK, fit)
+
+    def observe(self, decodes: list[Sequence], seconds: float, ended_s: float | None) -> None:
+        """After a step of ``seconds`` that ended at ``ended_s`` (perf_counter; None: unknown):
+        its ``decodes`` each count a slow gap if the step ran past its share or the gap since
+        the decode's previous token (the time between the steps included: publishing, intake,
+        waits for fetches) ran past the whole target."""
+        if self.step_s is None:
+            return
+        for seq in decodes:
+            gap_s = ended_s - seq.last_token_s if ended_s is not None and seq.last_token_s is not None else 0.0
+            if seconds > self.step_s or gap_s > self.target_s:
+                seq.slow_gaps += 1
+
+    def rows_within(self, share: float, num_rows: int) -> int:
+        """Decode rows a step of ``num_rows`` rows can add and still end within ``share`` of the
+        target (0 without a target or a fitted cost model)."""
+        if self.target_s is None or not self.cost.ready:
+            return 0
+        a, b, _ = self.cost.theta
+        if b <= 0:
+            return 0
+        return max(0, int((self.target_s * share - max(a, 0.0)) / b) - num_rows)
+
+
+class ClassShare:
+    """What background sequences (the batch service class, ``Sequence.background``) take:
+    only what the others leave, given back at the next step.
+
+    - slots: at most ``max_seqs`` (``EngineConfig.background_seqs``, 3/4 of the slots by
+      default) run at once, so an online request always finds one; a foreground prompt waits
+      ahead of every background one (the scheduler's waiting order);
+    - prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's while no foreground
+      sequence runs or waits (a step of batch prompts is short, so an online request that
+      arrives during it waits little); beside foreground sequences, at most
+      ``BACKGROUND_PROMPT_TOKENS_BESIDE``, and only in steps that compute foreground prompt
+      tokens anyway: any prompt token in a step of decodes makes it a mixed step, which
+      gathers every row's K/V (decode_kv.py);
+    - decode rows: while foreground sequences run or wait, ``BACKGROUND_ROWS`` background
+      decodes a step, in turn, or with a TBT target as many as keep the step within
+      ``BACKGROUND_STEP_SHARE`` of it; while foreground prompt tokens wait to be computed,
+      none, except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode
+      keeps its KV: nothing is recomputed;
+    - preemption: the newest background sequence goes before any foreground one.
+
+    Which sequences yield is ``Sequence.background`` (the batch class; the engine is told it
+    per request), not the class's rank: a sequence reserved for imported KV carries no rank."""
+
+    def __init__(self, max_seqs: int, tbt: TbtBudget):
+        self.max_seqs = max_seqs
+        self.tbt = tbt
+        self.num_paused_steps = 0   # steps in a row that paused the background decodes
+        self.tokens = 0             # background prompt tokens left in the step being scheduled
+        self._turn = 0              # which background decodes run beside foreground ones (in turn)
+
+    def begin_step(self, alone: bool) -> None:
+        """A step is being scheduled; ``alone``: no foreground sequence runs or waits."""
+        self.tokens = BACKGROUND_PROMPT_TOKENS if alone else 0
+
+    def ride_along(self) -> None:
+        """The step computes foreground prompt tokens anyway: background prompts may join it."""
+        self.tokens = BACKGROUND_PROMPT_TOKENS_BESIDE
+
+    def can_run(self, running) -> bool:
+        """Whether one more background sequence may take a slot beside ``running``."""
+        return sum(s.background for s in running) < self.max_seqs
+
+    def chunk(self, num_new: int) -> int:
+        """Of ``num_new`` tokens of a background prompt being continued, what it takes (0: none)."""
+        num_new = min(num_new, self.tokens)
+        if num_new > 0:
+            self.tokens -= num_new
+        return num_new
+
+    def may_admit(self, running, num_new: int, whole_prompts: bool, first: bool) -> bool:
+        """Whether a background prompt of ``num_new`` tokens may start (``first``: the first of the step's batch)."""
+        return self.can_run(running) and self.tokens > 0 and not (whole_prompts and not first
+                                                                   and num_new > self.tokens)
+
+    def admitted(self, num_new: int, whole_prompts: bool) -> int:
+        """A background prompt starts: the tokens it computes in this step."""
+        if not whole_prompts:
+            num_new = min(num_new, self.tokens)
+        self.tokens -= num_new
+        return num_new
+
+    def paused(self, running, batch) -> tuple[Sequence, ...]:
+        """Background decodes that sit this step out (running, between two decode steps)."""
+        if not any(s.background for s in running):
+            return ()
+        stepping = {id(s) for s, _ in batch}
+        return tuple(s for s in running if s.background and s.status == SequenceStatus.RUNNING
+                     and s.num_uncomputed_tokens == 1 and id(s) not in stepping)
+
+    @staticmethod
+    def newest(running) -> Sequence | None:
+        """The sequence to preempt first: the newest background one (None: none runs)."""
+        return next((s for s in reversed(running) if s.background), None)
+
+    def rows(self, running, waiting) -> int | None:
+        """How many background decodes this step takes: 0 while foreground prompt tokens wait
+        to be computed (but every ``BACKGROUND_EVERY``-th step), ``BACKGROUND_ROWS`` (or as
+        many as fit the TBT budget's share) while foreground sequences run or wait, else all
+        (None)."""
+        if not any(s.background for s in running):
+            return None
+        foreground_waiting = any(not s.background for s in waiting)
+        prompt_pending = foreground_waiting or any(not s.background and s.num_uncomputed_tokens > 1 for s in running)
+        if prompt_pending and self.num_paused_steps < BACKGROUND_EVERY - 1:
+            self.num_paused_steps += 1
+            return 0
+        self.num_paused_steps = 0
+        if foreground_waiting or any(not s.background for s in running):
+            foreground = sum(1 for s in running if not s.background and s.num_uncomputed_tokens == 1)
+            return max(BACKGROUND_ROWS, self.tbt.rows_within(BACKGROUND_STEP_SHARE, foreground))
+        return None
+
+    def chosen(self, running, rows: int) -> set[int] | None:
+        """The ids of the ``rows`` background decodes that run this step, in turn (None: none is ready)."""
+        ready = [s for s in running if s.background and s.num_uncomputed_tokens == 1]
+        if not ready:
+            return None
+        start = self._turn % len(ready)
+        self._turn = start + rows
+        return {id(s) for s in (ready[start:] + ready[:start])[:rows]}
+
+
+class TtftLateness:
+    """With a TTFT target (``EngineConfig.ttft_slo_ms``; each sequence's ``ttft_due_ms``): a
+    waiting prompt whose first token can no longer come by its due time (now, plus what
+    computing the prompt costs by the step cost model) is late, and waits behind those that
+    still can: under overload, serving the ones already lost first only loses the next ones too."""
+
+    def __init__(self, cost: StepCostModel):
+        self.cost = cost
+
+    def mark(self, waiting, now_ms: float) -> bool:
+        """Mark the late ones among ``waiting``; whether any became late."""
+        changed = False
+        for seq in waiting:
+            if seq.late or seq.ttft_due_ms is None or seq.background or seq.num_output_tokens:
+                continue   # (a preempted sequence's first token is out: it keeps its place)
+            cost_ms = 1000 * self.cost.predict(0, seq.num_uncomputed_tokens) if self.cost.ready else 0.0
+            if now_ms + cost_ms > seq.ttft_due_ms:
+                seq.late = changed = True
+        return changed
