@@ -170,6 +170,21 @@ def test_tiny_policies_agree(tiny, kind):
     report_flips(f"tiny {kind} policies", flips, len(prompts))
 
 
+def test_the_engine_sets_its_tbt_target_through_one_setter(tiny):
+    """``LLMEngine.set_tbt_target``: the chunked policy's scheduler takes the new target (None:
+    none); another policy, or a target <= 0, is refused and leaves it as it was."""
+    eng = engine(tiny, policy="chunked", tbt_slo_ms=200.0)
+    eng.set_tbt_target(120.0)
+    assert (eng.scheduler.tbt.target_ms, eng.scheduler.tbt.target_s) == (120.0, 0.12)
+    with pytest.raises(ValueError):
+        eng.set_tbt_target(0)
+    assert eng.scheduler.tbt.target_ms == 120.0
+    eng.set_tbt_target(None)
+    assert eng.scheduler.tbt.step_s is None
+    with pytest.raises(ValueError, match="chunked policy"):
+        engine(tiny, policy="prefill_first").set_tbt_target(100.0)
+
+
 def test_tiny_tbt_budget_cuts_chunks_and_keeps_the_tokens(tiny):
     """Prompts that arrive while others decode, under a TBT target no step can meet: their
     chunks are cut to the minimum (policies.MIN_CHUNK), and every answer is still the

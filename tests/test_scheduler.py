@@ -278,6 +278,23 @@ def test_without_a_tbt_target_chunks_fill_the_token_budget():
     assert dict((s.request_id, n) for s, n in sch.schedule())["doc"] == 400
 
 
+def test_the_tbt_target_is_held_in_ms_and_converted_once():
+    """TbtBudget holds the target (ms) and derives the seconds and the step's share from it;
+    setting it changes the next step's decision; a target <= 0 is refused."""
+    from pdqueue.engine.policies import STEP_SHARE
+
+    sch = budgeted(tbt_slo_ms=50.0)
+    assert (sch.tbt.target_ms, sch.tbt.target_s, sch.tbt.step_s) == (50.0, 0.05, 0.05 * STEP_SHARE)
+    decoding(sch, "b", max_tokens=8)           # 7 gaps: none may be slow
+    sch.add(seq("doc", 400))
+    sch.tbt.set(None)                           # off: chunks fill the token budget
+    assert (sch.tbt.target_s, sch.tbt.step_s) == (None, None)
+    assert dict((s.request_id, n) for s, n in sch.schedule())["doc"] == 400
+    for bad in (0, -5.0):
+        with pytest.raises(ValueError):
+            sch.tbt.set(bad)
+
+
 # ---- background sequences (the batch service class) -------------------------------------------
 def bg(rid, n):
     return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), background=True)
