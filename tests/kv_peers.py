@@ -51,7 +51,7 @@ def _sender_main(conn, cfg: dict) -> None:
     auth = KVAuth([bytes.fromhex(k) for k in cfg["secrets"]], cfg["cluster"]) if cfg["secrets"] else None
     sender = KVSender.for_shared_pool(pool, cfg["node"], lease_s=cfg["lease_s"],
                                       max_frame_bytes=cfg["max_frame_bytes"], data_port=cfg["data_port"], auth=auth,
-                                      nixl=cfg.get("nixl", False))
+                                      transfer="nixl" if cfg.get("nixl") else "auto")
     conn.send({"endpoint": sender.endpoint, "segment": pool.name, "nonce": pool.nonce, "pid": os.getpid(),
                "data_endpoint": sender.data_endpoint})
     freed = []   # handed back while waiting for blocks to export, reported by the next poll

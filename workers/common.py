@@ -19,10 +19,11 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import Limits
+from pdqueue.transfer import registry as transports
 
 log = logging.getLogger("pdqueue.worker")
 
-TRANSFERS = ("auto", "shm", "tcp", "zmq", "nixl")   # --transfer: how KV reaches the decode side
+TRANSFERS = transports.modes()                       # --transfer: auto or a transport (pdqueue.transfer.registry)
 ROUTING_MODES = ("cache", "off")                      # --routing (workers/routing.py)
 PLACEMENTS = ("auto", "always", "off")                # --placement (workers/placement.py)
 DECODE_HERE = ("auto", "off")                         # --decode-here (workers/prefill.py)
@@ -34,7 +35,7 @@ class WorkerConfig:
     cluster: str = "default"
     engine: EngineConfig = field(default_factory=EngineConfig)
     routing: str = "cache"          # cache | off: send requests to the worker caching their prefix (workers/routing.py)
-    transfer: str = "auto"          # auto | shm | tcp | zmq | nixl: how KV reaches the decode side
+    transfer: str = "auto"          # auto or a transport (TRANSFERS): how KV reaches the decode side
     bind: str = "tcp://127.0.0.1:*"  # the prefill worker's KV server (zmq ROUTER)
     data_port: int | None = 0       # its TCP data server on the same host (0: any free port; None: none)
     advertise: str | None = None    # the KV server address put in tickets (":*": the bound port)

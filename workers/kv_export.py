@@ -12,13 +12,14 @@ from workers.common import kv_auth_for
 from workers.recovery import REDIS_DOWN
 
 
-def make_sender(shell, kv_cache, layout, *, nixl: bool = False) -> KVSender:
+def make_sender(shell, kv_cache, layout, *, transfer: str = "auto") -> KVSender:
     """A sender of the shell's pool with ``shared_blocks`` (requests sharing cached prefix
     blocks lease them together): over its shared segment when it has one, else over the
-    tensor (ZeroMQ; and the TCP data wire when the pool is in host memory)."""
+    tensor (ZeroMQ; and the TCP data wire when the pool is in host memory). ``transfer``:
+    the worker's --transfer, which starts the sender halves run only when named (nixl)."""
     config = shell.config
     sender_config = SenderConfig(endpoint=config.bind, advertise=config.advertise, lease_s=config.lease_s,
-                                 data_port=config.data_port, shared_blocks=True, nixl=nixl,
+                                 data_port=config.data_port, shared_blocks=True, transfer=transfer,
                                  auth=kv_auth_for(config, shell.r, shell.keys))   # signs tickets; peers must prove the secret
     if shell.segment is not None:
         return KVSender.for_shared_pool(shell.segment, shell.node, config=sender_config)

@@ -41,6 +41,7 @@ from dataclasses import replace
 
 from pdqueue.protocol import Handoff
 from pdqueue.queue.registry import list_workers
+from pdqueue.transfer.registry import same_host_possible
 from pdqueue.transfer.sender import KVSender
 from workers.kv_export import close_sender, make_sender, serve_leases
 
@@ -106,7 +107,7 @@ class Migrator:
             return None
         if not peers:
             return None
-        if shell.config.transfer in ("auto", "shm") and any(w.get("node") == shell.node for w in peers):
+        if same_host_possible(shell.config.transfer) and any(w.get("node") == shell.node for w in peers):
             return shell.keys.handoff_node(shell.node)
         return shell.keys.handoff
 

@@ -44,6 +44,7 @@ import time
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, encode_handoff
 from pdqueue.transfer.leases import LeaseState
+from pdqueue.transfer.registry import same_host_possible
 from workers.common import Every, now_ms
 from workers.decode_peers import DecodePeers
 from workers.kv_export import close_sender, make_sender, serve_leases
@@ -82,7 +83,7 @@ class PrefillRole(RequestRole):
         # bumped only when the engine rewrites it (on_rewrite), and leases may share blocks.
         self.engine = LLMEngine(shell.loaded, config.engine, kv_cache=kv_cache, prefill_only=True,
                                 on_rewrite=self.pool.bump_epochs if self.pool is not None else None)
-        self.sender = make_sender(shell, kv_cache, self.engine.layout, nixl=config.transfer == "nixl")
+        self.sender = make_sender(shell, kv_cache, self.engine.layout, transfer=config.transfer)
         self._check = Every(CHECK_EVERY_S)
         self.kept = 0   # requests decoded here because no decode worker had room (heartbeat ``decoded_here``)
         self.batch_leased: set[str] = set()   # batch requests handed off whose KV is still leased here
@@ -177,7 +178,7 @@ class PrefillRole(RequestRole):
         """This node's handoff stream when a decode worker lives on this node, else the global one."""
         shell = self.shell
         self.peers.refresh()
-        if shell.config.transfer in ("auto", "shm") and shell.node in self.peers.nodes:
+        if same_host_possible(shell.config.transfer) and shell.node in self.peers.nodes:
             return shell.keys.handoff_node(shell.node)
         return shell.keys.handoff
 

@@ -95,7 +95,8 @@ def _peer_main(conn, cfg: dict) -> None:
         pool.tensor.uniform_(-1, 1)
         src_planes = planes(pool.tensor)
         auth = KVAuth(bytes.fromhex(cfg["secret"]), BENCH_CLUSTER)
-        senders = {True: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120, auth=auth, nixl=cfg["nixl"]),
+        senders = {True: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120, auth=auth,
+                                                  transfer="nixl" if cfg["nixl"] else "auto"),
                    False: KVSender.for_shared_pool(pool, cfg["node"], lease_s=120)}   # as with --kv-auth off
         listener = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=_serve_raw, args=(listener, pool.tensor), daemon=True).start()

@@ -32,7 +32,7 @@ class Completion:
                                 # handoff + transfer + first_step
     prefill_worker: str = ""
     decode_worker: str = ""
-    transfer_path: str = ""     # "shm", "tcp", "zmq", "nixl", "cache", "local", "recompute", "none"
+    transfer_path: str = ""     # a transport's name (pdqueue.transfer.registry), "cache", "local", "recompute", "none"
     cached_tokens: int = 0      # prompt tokens served from the prefix cache (not computed)
     kv_reused_tokens: int = 0   # decode: prompt tokens whose KV the decode worker held already (not fetched)
 

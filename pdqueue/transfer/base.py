@@ -1,4 +1,6 @@
-"""The transfer interface: the ticket that joins the two halves, and the backend registry.
+"""The transfer interface: the ticket that joins the two halves, and what each half of a
+transport implements (``Transport``: the receiver's, ``Source``: the sender's; the names
+and modules of the transports are in transfer.registry).
 
 A prefill worker's ``KVSender.export`` pins blocks under a lease and returns a ``Ticket``;
 the ticket travels (via Redis) to a decode worker whose ``KVReceiver.fetch`` copies the
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
 
 import msgpack
 
@@ -198,13 +200,38 @@ class Transport(ABC):
         """Release everything the backend holds."""
 
 
-TRANSPORTS: dict[str, type[Transport]] = {}
-AUTO_ORDER: list[str] = []   # preference of mode="auto": first backend whose can_fetch holds
+@dataclass(slots=True)
+class SourceContext:
+    """What a transport's sender half (``Source``) is started with by ``KVSender``."""
+
+    pool: "torch.Tensor"         # the sender's pool (a shm segment's tensor, or the engine's)
+    planes: "torch.Tensor"       # the same as [2 * num_layers, num_blocks, -1] (blocks.planes)
+    layout: KVCacheLayout
+    worker_id: str
+    incarnation: str
+    config: Any                  # the sender's ``SenderConfig``
+    endpoint: str                # the advertised ZeroMQ endpoint (the control channel)
+    admission: Any               # the sender's ``Admission``: decides every request of any wire
+    handshake_timeout_s: float | None = None   # how long a new connection has to authenticate (None: no auth)
 
 
-def register_transport(cls: type[Transport], *, auto_rank: int | None = None) -> type[Transport]:
-    """Make a backend selectable by name; ``auto_rank`` inserts it into the auto order."""
-    TRANSPORTS[cls.name] = cls
-    if auto_rank is not None and cls.name not in AUTO_ORDER:
-        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), cls.name)
-    return cls
+class Source(ABC):
+    """A transport's sender half, run by a ``KVSender`` beside its ZeroMQ ROUTER (the control
+    channel every path uses). ``start`` returns None when it cannot serve this sender's
+    pool or configuration. ``ticket_fields``: what it puts in every ticket (e.g. the TCP
+    data endpoint). ``answer``: its ops (the registry's ``ops`` of its transport), asked
+    by an authenticated peer of this incarnation, on the control channel."""
+
+    @classmethod
+    @abstractmethod
+    def start(cls, ctx: SourceContext) -> "Source | None":
+        """Bind and start serving, or None."""
+
+    def ticket_fields(self) -> dict:
+        return {}
+
+    def answer(self, seq, op: str, request_id) -> bytes:
+        raise NotImplementedError(op)
+
+    def close(self) -> None:
+        """Stop serving and free everything (a read or send in flight then fails)."""

@@ -7,8 +7,8 @@ memory between agents; UCX picks the transports it finds
 one host also ``cma``/shared memory), with no change here. Only this module imports it,
 and only when a sender or receiver is asked for the ``nixl`` path.
 
-- Sender (``NixlSource``, owned by a ``KVSender`` made with ``nixl=True``: the prefill worker
-  with ``--transfer nixl``): one agent per sender incarnation, named
+- Sender (``NixlSource``, the transport's ``Source``, started by a ``KVSender`` made with
+  ``transfer="nixl"``: the prefill worker with ``--transfer nixl``): one agent per sender incarnation, named
   ``pdq-<worker>-<incarnation>-<random>``; the whole pool is registered once (memory type
   ``VRAM`` with the device index for a CUDA pool, ``DRAM`` otherwise), so a decode worker
   reads device memory straight into its own pool, with no staging copy in Python.
@@ -34,7 +34,8 @@ and only when a sender or receiver is asked for the ``nixl`` path.
   (its connection closed, the transfer cancelled) before the blocks are given back to the
   caller, and forgotten, so the next ticket fetches the metadata afresh.
 
-Imports torch and numpy; nixl_cu12 (or nixl_cu13) lazily.
+Imports torch and numpy; nixl_cu12 (or nixl_cu13) lazily (transfer.registry names this
+module; it is imported only when the ``nixl`` path is used or checked).
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdqueue.transfer.base import ReceiveContext, Ticket, Transport, register_transport
+from pdqueue.transfer.base import ReceiveContext, Source, SourceContext, Ticket, Transport
 from pdqueue.transfer.blocks import block_runs
 from pdqueue.transfer.errors import FailureCode, TransferError
+from pdqueue.transfer.leases import LeaseTable
+from pdqueue.transfer.sender_admission import lease_error, lease_lost
+from pdqueue.transfer.wire import ok_reply
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +140,16 @@ class Registration:
             self.agent.deregister_memory(descs)
 
 
-class NixlSource:
-    """The sender's agent and registered pool (see the module docstring)."""
+class NixlSource(Source):
+    """The sender's agent and registered pool (see the module docstring), started by a
+    ``KVSender`` of a worker with ``--transfer nixl``. Its ops, for an authenticated peer of
+    this incarnation: ``nixl_md``, this sender's agent metadata and registered pool;
+    ``acquire``, the lease acquired (extended to ``lease_s``) for a one-sided read, with the
+    seconds it has left."""
 
-    def __init__(self, pool_tensor: torch.Tensor, worker_id: str, incarnation: str):
+    def __init__(self, pool_tensor: torch.Tensor, worker_id: str, incarnation: str, leases: LeaseTable | None = None):
         self.name = f"pdq-{worker_id}-{incarnation}-{secrets.token_hex(4)}"
+        self.leases = leases
         self.agent = make_agent(self.name)
         self.registration = Registration(self.agent, pool_tensor)
         self.metadata = self.agent.get_agent_metadata()
@@ -148,11 +157,26 @@ class NixlSource:
                  BACKEND, self.registration.nbytes / 2**20, self.registration.mem, self.registration.dev,
                  len(self.metadata))
 
+    @classmethod
+    def start(cls, ctx: SourceContext) -> "NixlSource":
+        return cls(ctx.pool, ctx.worker_id, ctx.incarnation, ctx.admission.leases)
+
     def describe(self) -> dict:
         """The ``nixl_md`` reply's fields."""
         reg = self.registration
         return {"agent": self.name, "md": self.metadata, "addr": reg.addr, "nbytes": reg.nbytes,
                 "mem": reg.mem, "dev": reg.dev}
+
+    def answer(self, seq, op: str, request_id) -> bytes:
+        if op == "nixl_md":
+            return ok_reply(seq, **self.describe())
+        if not self.leases.acquire(request_id):
+            return lease_error(self.leases, seq, request_id)
+        lease = self.leases.get(request_id)
+        if lease is None:
+            return lease_lost(seq, request_id)
+        return ok_reply(seq, request_id=request_id, block_ids=list(lease.block_ids), agent=self.name,
+                        hold_s=max(0.0, lease.deadline - self.leases.clock()))
 
     def close(self) -> None:
         self.registration.close()
@@ -331,5 +355,3 @@ class NixlTransport(Transport):
         except Exception as exc:
             log.info("NIXL: unloading agent %s: %r", remote.name, exc)
 
-
-register_transport(NixlTransport)

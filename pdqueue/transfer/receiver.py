@@ -3,7 +3,7 @@
 ``fetch(ticket, dst_block_ids)`` validates the ticket (version, its MAC when the receiver
 has the cluster's ``KVAuth``, layout, block ids, and the sender's incarnation when an
 ``is_current`` check is given), picks a backend (mode "auto":
-the first registered backend in ``AUTO_ORDER`` that can serve the ticket and whose
+the first transport of ``registry.auto_order()`` that can serve the ticket and whose
 ``check`` passes, i.e. shm on the same node when the segment maps, else tcp when the ticket
 names a data endpoint and a connection can be made, else zmq; or the one named by
 ``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce) the
@@ -15,7 +15,7 @@ Ownership: the caller allocates ``dst_block_ids`` and owns them throughout; it m
 the engine read or write them before ``fetch`` returns, and must free them (and recompute)
 if ``fetch`` raises. Thread safety: ``fetch`` and ``close`` may be called from any threads
 (a background fetch thread is the intended user); calls are serialised by one lock.
-Imports torch, zmq and socket (through the backends).
+Imports torch and zmq (the control channel); each transport's module when it is first used.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import time
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import paths  # noqa: F401  (registers the shm, tcp and zmq backends)
-from pdqueue.transfer import nixl  # noqa: F401  (registers the nixl backend; imports NIXL only when used)
+from pdqueue.transfer import registry
 from pdqueue.transfer.auth import KVAuth
-from pdqueue.transfer.base import AUTO_ORDER, TRANSFER_VERSION, TRANSPORTS, FetchResult, ReceiveContext, Ticket, Transport
+from pdqueue.transfer.base import TRANSFER_VERSION, FetchResult, ReceiveContext, Ticket, Transport
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR
 from pdqueue.transfer.zmq import ControlClient
@@ -48,8 +47,8 @@ class KVReceiver:
         """``is_current(worker_id, incarnation) -> bool``, if given (e.g. a registry lookup),
         rejects tickets of replaced senders without any I/O. ``auth``: the cluster's secret
         and name; tickets must carry its MAC and senders must prove it (None: no checks)."""
-        if mode != "auto" and mode not in TRANSPORTS:
-            raise ValueError(f"unknown transfer mode {mode!r}; expected auto or one of {sorted(TRANSPORTS)}")
+        for name in registry.candidates(mode):   # ValueError naming the transports for an unknown mode
+            registry.spec(name).receiver_class()   # imported now rather than during a first fetch
         layout.check_pool(pool_tensor)
         self.layout = layout
         self.node = node
@@ -157,7 +156,7 @@ class KVReceiver:
                                 FailureCode.STALE_INCARNATION)
 
     def _choose(self, ticket: Ticket) -> Transport:
-        names = AUTO_ORDER if self.mode == "auto" else [self.mode]
+        names = registry.candidates(self.mode)
         error: TransferError | None = None
         for name in names:
             transport = self._transport(name)
@@ -180,5 +179,5 @@ class KVReceiver:
     def _transport(self, name: str) -> Transport:
         transport = self._transports.get(name)
         if transport is None:
-            transport = self._transports[name] = TRANSPORTS[name](self._ctx)
+            transport = self._transports[name] = registry.spec(name).receiver_class()(self._ctx)
         return transport

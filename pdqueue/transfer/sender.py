@@ -1,5 +1,6 @@
-"""The sender half (prefill worker): exports tickets and serves them over a TCP data server
-and a ZeroMQ ROUTER.
+"""The sender (prefill worker): exports tickets and serves them over a ZeroMQ ROUTER (the
+control channel, transfer.zmq) and the sender halves of the transports (transfer.registry:
+the TCP data server of transfer.tcp; the NIXL agent of transfer.nixl when named).
 
 Lifecycle of an exported request: ``export`` leases its blocks and returns a Ticket (with
 the blocks' epochs when the pool is a shared segment) -> a receiver on this node copies
@@ -13,8 +14,8 @@ With ``shared_blocks`` (the prefill role: its engine caches prefixes) leases may
 blocks and ``poll_freeable`` bumps nothing: the engine bumps a block's epoch when it
 rewrites it (``LLMEngine(on_rewrite=)``), since a handed-back block stays cached, intact.
 
-Admission and each request's answer: sender_admission.py; the ZeroMQ wire:
-sender_router.py; the TCP data wire: sender_data.py.
+Admission and each request's answer: sender_admission.py; the ZeroMQ wire's ROUTER:
+zmq.py (``RouterServer``); the TCP data wire's server: tcp.py (``DataSource``).
 
 Who owns what: the engine owns the pool and writes only blocks it owns; leased blocks are
 read-only for everyone until ``poll_freeable`` returns them (see leases.py); a lease lost
@@ -35,15 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer import registry
 from pdqueue.transfer.auth import HANDSHAKE_TIMEOUT_S, KVAuth
-from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
+from pdqueue.transfer.base import TRANSFER_VERSION, Source, SourceContext, Ticket
 from pdqueue.transfer.blocks import MAX_FRAME_BYTES, planes
 from pdqueue.transfer.leases import LeaseTable
-from pdqueue.transfer.nixl import NixlSource
-from pdqueue.transfer.sender_admission import Admission, NixlOps
-from pdqueue.transfer.sender_data import DataHandler
-from pdqueue.transfer.sender_router import RouterServer
+from pdqueue.transfer.sender_admission import Admission
 from pdqueue.transfer.shm import SharedKVPool
+from pdqueue.transfer.zmq import RouterServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +57,11 @@ class SenderConfig:
     peers that prove the secret (None: no authentication). ``shared_blocks``: the engine
     shares blocks between requests (prefix caching) and bumps a block's epoch itself before
     it rewrites it; leases may then overlap and handing one back bumps nothing (see the
-    module docstring). ``nixl``: also serve the pool to one-sided NIXL reads (transfer.nixl:
-    ops ``nixl_md`` and ``acquire``)."""
+    module docstring). ``transfer``: the worker's ``--transfer``; the sender halves of the
+    transports registered ``serve="named"`` run only when it names them (``nixl``: also
+    serve the pool to one-sided NIXL reads, ops ``nixl_md`` and ``acquire``), those
+    registered ``serve="always"`` whenever they can serve the pool (``tcp``: a pool in host
+    memory and a ``data_port``)."""
 
     endpoint: str = "tcp://127.0.0.1:*"
     advertise: str | None = None
@@ -68,7 +71,7 @@ class SenderConfig:
     data_timeout_s: float = 30.0
     auth: KVAuth | None = None
     shared_blocks: bool = False
-    nixl: bool = False
+    transfer: str = registry.AUTO
 
 
 class KVSender:
@@ -80,9 +83,9 @@ class KVSender:
                  node: str, segment_name: str | None = None, nonce: str | None = None,
                  config: SenderConfig | None = None, *, shared_pool: SharedKVPool | None = None, **options):
         config = dataclasses.replace(config or SenderConfig(), **options)
+        registry.check_mode(config.transfer)
         layout.check_pool(pool_tensor)
         self.config = config
-        self.nixl = NixlSource(pool_tensor, worker_id, incarnation) if config.nixl else None
         self.layout = layout
         self.worker_id = worker_id
         self.incarnation = incarnation
@@ -93,24 +96,27 @@ class KVSender:
         self.leases = LeaseTable(config.lease_s, shared_blocks=config.shared_blocks)
         self.shared_blocks = config.shared_blocks
         self.auth = config.auth
-        self.admission = Admission(worker_id, incarnation, nonce, config.auth, self.leases, layout,
-                                   NixlOps(self.nixl, self.leases, worker_id))
+        self.admission = Admission(worker_id, incarnation, nonce, config.auth, self.leases, layout)
         pool_planes = planes(pool_tensor)
         self._router = RouterServer(self.admission, pool_planes, layout, worker_id, config.endpoint,
                                     config.advertise, config.max_frame_bytes)
         self.endpoint = self._router.endpoint
-        self._data: DataHandler | None = None
-        self.data_endpoint = ""
-        if config.data_port is not None and pool_tensor.device.type == "cpu":
-            try:
-                self._data = DataHandler(self.admission, pool_tensor, pool_planes, layout,
-                                         _bind_host(config.endpoint), config.data_port, config.data_timeout_s,
-                                         name=f"kv-data-{worker_id}",
-                                         handshake_timeout_s=HANDSHAKE_TIMEOUT_S if config.auth is not None else None)
-            except BaseException:
-                self._router.close()
-                raise
-            self.data_endpoint = f"tcp://{_bind_host(self.endpoint)}:{self._data.address[1]}"
+        self.sources: dict[str, Source] = self.admission.sources   # the transports' sender halves running
+        ctx = SourceContext(pool_tensor, pool_planes, layout, worker_id, incarnation, config, self.endpoint,
+                            self.admission, HANDSHAKE_TIMEOUT_S if config.auth is not None else None)
+        self._ticket_fields: dict = {}
+        try:
+            for spec in registry.served(config.transfer):
+                source = spec.source_class().start(ctx)
+                if source is not None:
+                    self.sources[spec.name] = source
+                    self._ticket_fields.update(source.ticket_fields())
+        except BaseException:
+            for source in self.sources.values():
+                source.close()
+            self._router.close()
+            raise
+        self.data_endpoint = self._ticket_fields.get("data_endpoint", "")   # the TCP data server's, "" without
         self._stop = threading.Event()
         self._router.start()
 
@@ -142,8 +148,8 @@ class KVSender:
         deadline = self.leases.add(request_id, block_ids, num_tokens, lease_s)
         ticket = Ticket(TRANSFER_VERSION, request_id, self.worker_id, self.incarnation, self.node,
                         self.segment_name, self.nonce, block_ids, num_tokens, self.layout.to_dict(),
-                        self.endpoint, time.time() + (deadline - self.leases.clock()), epochs, self.data_endpoint,
-                        cluster=self.auth.cluster if self.auth is not None else "",
+                        self.endpoint, time.time() + (deadline - self.leases.clock()), epochs,
+                        **self._ticket_fields, cluster=self.auth.cluster if self.auth is not None else "",
                         block_hashes=tuple(bytes(h) for h in block_hashes[:len(block_ids)]), hash_root=bytes(hash_root))
         if self.auth is not None:
             ticket = dataclasses.replace(ticket, mac=self.auth.ticket_mac(ticket))
@@ -169,11 +175,16 @@ class KVSender:
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._data is not None:
-            self._data.close()
+        # Sender halves answered over the control channel (NIXL's agent) close after it: no
+        # op reaches them any more; a read still in flight then fails on the receiver. The
+        # others (the TCP data server: its connections are shut) close first.
+        late = [name for name in self.sources if registry.spec(name).ops]
+        for name, source in self.sources.items():
+            if name not in late:
+                source.close()
         self._router.close()
-        if self.nixl is not None:
-            self.nixl.close()   # deregistered: a read still in flight fails on the receiver
+        for name in late:
+            self.sources[name].close()
 
     def __enter__(self) -> "KVSender":
         return self
@@ -181,8 +192,3 @@ class KVSender:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _bind_host(endpoint: str) -> str:
-    """The host of ``tcp://host:port`` (``*`` meaning every interface)."""
-    host = endpoint.partition("://")[2].rpartition(":")[0]
-    return "0.0.0.0" if host in ("*", "") else host.strip("[]")

@@ -1,5 +1,6 @@
 """What a ``KVSender`` answers, on either wire: admission (the handshake, sealed requests,
-refusals) and the decision on each request (``Admission.answer``), NIXL's ops included.
+refusals) and the decision on each request (``Admission.answer``); the ops of a
+transport's sender half (transfer.registry's ``ops``: NIXL's) go to that ``Source``.
 
 Both wires carry the same requests, and two methods decide every one of them: ``admit``
 takes a message's bytes from a peer (a ZeroMQ identity or a TCP connection, each with its
@@ -24,15 +25,17 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import zmq as wire
+from pdqueue.transfer import registry, wire
 from pdqueue.transfer.auth import NONCE_BYTES, PENDING_TTL_S, KVAuth, Peer, constant_time_equal
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.errors import FailureCode
 from pdqueue.transfer.leases import LeaseState, LeaseTable
-from pdqueue.transfer.nixl import NixlSource
+
+if TYPE_CHECKING:
+    from pdqueue.transfer.base import Source
 
 log = logging.getLogger("pdqueue.transfer.sender")   # refusals are the sender's log lines
 
@@ -74,38 +77,17 @@ def lease_lost(seq, request_id) -> bytes:
     return wire.error_reply(seq, FailureCode.LEASE_LOST, f"lease of {request_id!r} lost while staging")
 
 
-class NixlOps:
-    """The NIXL path (transfer.nixl), for an authenticated peer of this incarnation:
-    ``nixl_md``, this sender's agent metadata and registered pool; ``acquire``, the lease
-    acquired (extended to ``lease_s``) for a one-sided read, with the seconds it has left."""
-
-    def __init__(self, source: NixlSource | None, leases: LeaseTable, worker_id: str):
-        self.source, self.leases, self.worker_id = source, leases, worker_id
-
-    def answer(self, seq, op: str, request_id) -> bytes:
-        if self.source is None:
-            return wire.error_reply(seq, FailureCode.SEGMENT_UNAVAILABLE,
-                                    f"{self.worker_id} runs no NIXL agent (start it with --transfer nixl)")
-        if op == "nixl_md":
-            return wire.ok_reply(seq, **self.source.describe())
-        if not self.leases.acquire(request_id):
-            return lease_error(self.leases, seq, request_id)
-        lease = self.leases.get(request_id)
-        if lease is None:
-            return lease_lost(seq, request_id)
-        return wire.ok_reply(seq, request_id=request_id, block_ids=list(lease.block_ids), agent=self.source.name,
-                             hold_s=max(0.0, lease.deadline - self.leases.clock()))
-
-
 class Admission:
     """Admission and the decision on each request, for one sender (see the module docstring).
     Called from the ROUTER thread and the data server's connection threads at once: the
     refusal counter is locked; a peer's state belongs to the thread serving it."""
 
     def __init__(self, worker_id: str, incarnation: str, nonce: str | None, auth: KVAuth | None,
-                 leases: LeaseTable, layout: KVCacheLayout, nixl: NixlOps):
+                 leases: LeaseTable, layout: KVCacheLayout):
         self.worker_id, self.incarnation, self.nonce = worker_id, incarnation, nonce
-        self.auth, self.leases, self.layout, self.nixl = auth, leases, layout, nixl
+        self.auth, self.leases, self.layout = auth, leases, layout
+        self.sources: dict[str, Source] = {}   # the transports' sender halves this sender runs, by name
+        self._leased_ops = frozenset({"fetch", "release"}) | registry.leased_ops()   # checked against the MAC
         self.auth_failures = 0   # refused messages and connections
         self._lock = threading.Lock()
         self._logged_peers: set[str] = set()
@@ -185,14 +167,20 @@ class Admission:
                                     f"which now runs incarnation {self.incarnation}")
         if msg.get("nonce") != self.nonce:
             return wire.error_reply(seq, FailureCode.NONCE_MISMATCH, "ticket nonce does not match the segment")
-        if self.auth is not None and op in ("fetch", "release", "acquire") and not self._mac_matches(request_id, msg):
+        if self.auth is not None and op in self._leased_ops and not self._mac_matches(request_id, msg):
             return self.refuse(peer, seq, f"the ticket MAC of {request_id!r} is not the one issued (a forged "
                                           "ticket, or another cluster's or secret's)", tell=True)
         if op == "release":
             valid = self.leases.release(request_id)
             return wire.ok_reply(seq, valid=valid) if answer_release and not msg.get("noreply") else None
-        if op in ("nixl_md", "acquire"):
-            return self.nixl.answer(seq, op, request_id)
+        owner = registry.op_owner(op) if op not in ("fetch", "release") else None
+        if owner is not None:   # an op of a transport's sender half (the NIXL path's nixl_md, acquire)
+            source = self.sources.get(owner.name)
+            if source is None:
+                return wire.error_reply(seq, FailureCode.SEGMENT_UNAVAILABLE, f"{self.worker_id} "
+                                        f"{owner.unserved or f'runs no {owner.name} sender half'} "
+                                        f"(start it with --transfer {owner.name})")
+            return source.answer(seq, op, request_id)
         if op != "fetch":
             return wire.error_reply(seq, FailureCode.BAD_REPLY, f"unknown op {op!r}")
         first = msg.get("first_block", 0)

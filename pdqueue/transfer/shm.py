@@ -1,4 +1,6 @@
-"""A paged KV pool inside a named POSIX shared-memory segment.
+"""The ``shm`` transport: a paged KV pool inside a named POSIX shared-memory segment (the
+sender's half: the prefill worker's pool lives in it) and ``ShmTransport``, the receiver's
+copy out of it (same shared-memory domain only).
 
 Segment ``<shm_dir>/<prefix>-<worker_id>-<incarnation>`` (mode 0600) holds a page-aligned
 header (magic, version, epochs offset, pool offset, random nonce, msgpack metadata: layout
@@ -34,6 +36,14 @@ Who frees what:
 
 The plain ``os.open``/``mmap`` is used on purpose: ``multiprocessing.shared_memory`` registers
 segments with a resource tracker that unlinks them when any attaching process exits.
+
+``ShmTransport`` (receiver): maps the sender's segment read-only once per (segment, nonce)
+and keeps the mapping (at most MAX_MAPPINGS, least recently used dropped; mappings whose
+segment was unlinked are dropped too, so a departed sender's memory is returned). Check the
+ticket's block epochs (LEASE_EXPIRED if the blocks went back to the sender's engine
+already) -> copy -> check them again (LEASE_LOST: they went back while we copied; the copy
+is discarded) -> a fire-and-forget release over the control channel. No round trip: the
+epochs say what the sender would.
 Imports torch, msgpack, engine.kv_cache.
 """
 
@@ -49,6 +59,7 @@ import secrets
 import struct
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +69,8 @@ import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.procs import pid_alive
+from pdqueue.transfer.base import ReceiveContext, Ticket, Transport
+from pdqueue.transfer.blocks import copy_blocks, planes
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.node import DEFAULT_SHM_DIR
 
@@ -68,6 +81,8 @@ SEGMENT_MAGIC = b"PDQKVSEG"
 SEGMENT_VERSION = 2   # 2: block epochs between the metadata and the pool
 _HEADER = struct.Struct("<8sIII16sI")   # magic, version, epochs offset, pool offset, nonce, metadata length
 _PREFAULT_CHUNK = 64 << 20
+MAX_MAPPINGS = 8          # segments a receiver keeps mapped
+_SWEEP_EVERY_S = 1.0      # how often it drops mappings of unlinked segments
 
 
 def segment_name(name_prefix: str, worker_id: str, incarnation: str) -> str:
@@ -380,3 +395,70 @@ def _reserve(fd: int, size: int, shm_dir: str) -> None:
         if exc.errno == errno.ENOSPC:
             raise too_small(free) from None
         # a filesystem without fallocate: the pages come as the pool is touched
+
+
+# ---- the receiver half: the shm backend (the sender half is the segment above) ----------------
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, ctx: ReceiveContext):
+        super().__init__(ctx)
+        self.shm_dir = ctx.extra.get("shm_dir", DEFAULT_SHM_DIR)
+        self._mappings: OrderedDict[tuple[str, str], SharedKVPool] = OrderedDict()
+        self._last_sweep = 0.0
+
+    def can_fetch(self, ticket: Ticket) -> bool:
+        return ticket.node == self.ctx.node and bool(ticket.segment) and bool(ticket.nonce)
+
+    def check(self, ticket: Ticket) -> None:
+        segment = self._mapping(ticket)
+        info = segment.info
+        if (info.worker_id, info.incarnation) != (ticket.worker_id, ticket.incarnation):
+            raise TransferError(f"segment {info.name} belongs to {info.worker_id}/{info.incarnation}, the ticket "
+                                f"to {ticket.worker_id}/{ticket.incarnation}", FailureCode.STALE_INCARNATION)
+        if not info.layout.compatible_with(self.ctx.layout) or max(ticket.block_ids) >= info.layout.num_blocks:
+            raise TransferError(f"segment {info.name} layout {info.layout} cannot serve the ticket",
+                                FailureCode.LAYOUT_MISMATCH)
+
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
+        segment = self._mapping(ticket)
+        if len(ticket.block_epochs) != len(ticket.block_ids):
+            raise TransferError(f"ticket has {len(ticket.block_epochs)} block epochs for {len(ticket.block_ids)} "
+                                "blocks", FailureCode.BAD_TICKET)
+        src_ids, expected = ticket.block_ids[first_block:], list(ticket.block_epochs[first_block:])
+        if segment.epochs_of(src_ids) != expected:
+            raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
+                                "(lease released or expired)", FailureCode.LEASE_EXPIRED)
+        copy_blocks(planes(segment.tensor), src_ids, planes(self.ctx.pool), dst_block_ids)
+        if segment.epochs_of(src_ids) != expected:
+            raise TransferError(f"the blocks of {ticket.request_id!r} went back to {ticket.worker_id}'s engine "
+                                "while they were copied", FailureCode.LEASE_LOST)
+        self.ctx.control.release_nowait(ticket)
+        return len(src_ids) * 2 * self.ctx.layout.num_layers * self.ctx.layout.block_nbytes
+
+    def forget(self, ticket: Ticket) -> None:
+        for key in [k for k in self._mappings if k[0] == ticket.segment]:
+            self._mappings.pop(key).close()
+
+    def close(self) -> None:
+        while self._mappings:
+            self._mappings.popitem()[1].close()
+
+    def _mapping(self, ticket: Ticket) -> SharedKVPool:
+        now = time.monotonic()
+        if now - self._last_sweep > _SWEEP_EVERY_S:
+            self._last_sweep = now
+            for key in [k for k, seg in self._mappings.items() if seg.is_unlinked()]:
+                self._mappings.pop(key).close()
+        key = (ticket.segment, ticket.nonce)
+        segment = self._mappings.get(key)
+        if segment is not None:
+            self._mappings.move_to_end(key)
+            return segment
+        segment = SharedKVPool.attach(ticket.segment, ticket.nonce, shm_dir=self.shm_dir)
+        if len(self._mappings) >= MAX_MAPPINGS:
+            self._mappings.popitem(last=False)[1].close()
+        self._mappings[key] = segment
+        log.info("mapped KV segment %s of %s", ticket.segment, ticket.worker_id)
+        return segment

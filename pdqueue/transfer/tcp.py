@@ -1,4 +1,5 @@
-"""The TCP data wire: KV bytes from the sender's pool straight into the receiver's pool.
+"""The ``tcp`` transport, both halves: the TCP data wire, KV bytes from the sender's pool
+straight into the receiver's pool.
 
 Why beside ZeroMQ: a ZeroMQ fetch costs two copies a plain socket does not make (the
 sender gathers blocks into frames; libzmq receives into its own buffers, which the receiver
@@ -30,12 +31,22 @@ address, challenge and session), which the handler reads and writes. ``DataClien
 connection per sender endpoint (LRU, at most MAX_CONNECTIONS), authenticated when it is
 given the cluster's ``KVAuth`` (the handshake runs when it connects), and is not thread-safe
 (``KVReceiver`` serialises calls). Each owns its sockets and threads and frees them on
-``close()``. Imports the standard library, and msgpack through transfer.zmq's pack/unpack
-(which loads pyzmq too).
+``close()``.
+
+``TcpTransport`` (receiver): one connection per sender data endpoint, authenticated when it
+is made if the receiver has the cluster's ``KVAuth``; a ``fetch`` request (sealed), the
+reply header validated like zmq's, then ``recvmsg_into`` straight into the destination
+blocks, one buffer per run of consecutive (source, destination) blocks per plane; then a
+fire-and-forget release. Any failure closes the connection. Chosen before zmq in auto mode
+when the ticket names a data endpoint; a data endpoint that refuses connections lets auto
+mode fall back to zmq. ``DataSource`` (sender): the ``DataServer`` and its request handler
+(what to answer is decided by the sender's ``Admission``).
+Imports the standard library, torch, and msgpack through transfer.wire; never zmq.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import struct
@@ -44,10 +55,15 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterator, Sequence
 
+import torch
+
+from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer.auth import ClientHandshake, KVAuth, Peer, Session
+from pdqueue.transfer.base import ReceiveContext, Source, SourceContext, Ticket, Transport
 from pdqueue.transfer.blocks import block_runs, position_runs
 from pdqueue.transfer.errors import FailureCode, TransferError
-from pdqueue.transfer.zmq import ControlClient, hello, pack, unpack
+from pdqueue.transfer.sender_admission import Admission, Fetch
+from pdqueue.transfer.wire import check_reply, check_reply_describes, hello, pack, request, seal, unpack
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +319,7 @@ class DataClient:
         if reply is None:
             raise TransferError(f"KV data endpoint {endpoint} closed the connection at the handshake",
                                 FailureCode.PEER_TIMEOUT)
-        ControlClient.check_reply(endpoint, "hello", reply)   # e.g. a sender without authentication
+        check_reply(endpoint, "hello", reply)   # e.g. a sender without authentication
         session = handshake.finish(reply)
         if session is None:
             raise TransferError(f"{endpoint} did not prove this cluster's KV secret (an impostor, or a sender of "
@@ -328,3 +344,157 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         raise TransferError(f"bad KV data endpoint {endpoint!r} (expected tcp://host:port)",
                             FailureCode.BAD_TICKET)
     return host.strip("[]"), int(port)
+
+
+def bind_host(endpoint: str) -> str:
+    """The host of ``tcp://host:port`` (``*`` meaning every interface)."""
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    return "0.0.0.0" if host in ("*", "") else host.strip("[]")
+
+
+# ---- the receiver half: the tcp backend -------------------------------------------------------
+
+class TcpTransport(Transport):
+    """The TCP data wire (tcp.py): bytes land straight in the destination blocks."""
+
+    name = "tcp"
+
+    def __init__(self, ctx: ReceiveContext):
+        super().__init__(ctx)
+        self.client = DataClient(ctx.timeout_s, ctx.auth)
+        self._seq = itertools.count(1)
+        on_host = ctx.pool.device.type == "cpu"
+        self._pool_bytes = memoryview(ctx.pool.view(-1).view(torch.uint8).numpy()) if on_host else None
+
+    def can_fetch(self, ticket: Ticket) -> bool:
+        return bool(ticket.data_endpoint) and self._pool_bytes is not None
+
+    def check(self, ticket: Ticket) -> None:
+        self.client.connect(ticket.data_endpoint)
+
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
+        endpoint, layout = ticket.data_endpoint, self.ctx.layout
+        num_planes, block_nbytes = 2 * layout.num_layers, layout.block_nbytes
+        plane_nbytes = layout.num_blocks * block_nbytes
+        src_ids = ticket.block_ids[first_block:]
+        expected = num_planes * len(src_ids) * block_nbytes
+        try:
+            conn, header = self._ask(endpoint, ticket, first_block)
+            check_reply(endpoint, "fetch", header)   # an error reply raises here
+            check_reply_describes(ticket, header, layout, first_block)
+            if header.get("nbytes") != expected:
+                raise TransferError(f"fetch reply announces {header.get('nbytes')} bytes, expected {expected}",
+                                    FailureCode.BAD_REPLY)
+            recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
+                              for p, _s, d, n in stream_pieces(num_planes, src_ids, dst_block_ids)
+                              for start in (p * plane_nbytes + d * block_nbytes,)])
+        except TransferError:
+            self.client.forget(endpoint)   # data may still be on its way: start afresh
+            raise
+        except (OSError, ValueError) as exc:   # socket.timeout is an OSError
+            self.client.forget(endpoint)
+            timed_out = isinstance(exc, TimeoutError)
+            raise TransferError(f"fetch from {endpoint} failed: {exc!r}" + (
+                f" (nothing for {self.ctx.timeout_s}s: sender dead or stuck)" if timed_out else ""),
+                FailureCode.PEER_TIMEOUT if timed_out or isinstance(exc, ConnectionError)
+                else FailureCode.BAD_REPLY) from None
+        try:
+            send_control(conn, request("release", 0, ticket, noreply=True))
+        except OSError:
+            self.client.forget(endpoint)   # the lease runs to its deadline instead
+        return expected
+
+    def _ask(self, endpoint: str, ticket: Ticket, first_block: int = 0):
+        """Send the fetch request and read the reply header: (connection, header). A kept
+        connection that turns out dead before any reply (the sender restarted on a pinned
+        port, a middlebox dropped it) is replaced once by a new one."""
+        for attempt in range(2):
+            conn, reused = self.client.connect(endpoint)
+            try:
+                seq = next(self._seq)
+                raw = request("fetch", seq, ticket, **({"first_block": first_block} if first_block else {}))
+                session = self.client.sessions.get(endpoint)
+                if session is not None:
+                    raw = seal(session, raw, seq)
+                send_control(conn, raw)
+                header = recv_control(conn)
+                if header is None:
+                    raise ConnectionError("the sender closed the connection")
+                return conn, header
+            except ConnectionError:
+                self.client.forget(endpoint)
+                if not reused or attempt:
+                    raise
+                log.info("kept connection to %s was dead; reconnecting once", endpoint)
+        raise AssertionError("unreachable")
+
+    def forget(self, ticket: Ticket) -> None:
+        self.client.forget(ticket.data_endpoint)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---- the sender half: the data server's request handler ---------------------------------------
+
+class DataSource(Source):
+    """The sender half: owns the ``DataServer`` (its listener, connections and their
+    threads) from construction (bound at once) to ``close``; its connection threads write a
+    fetch's blocks straight from a pool in host memory, and the lease is held until the
+    ``sendmsg`` calls have returned. Started for a pool in host memory when the sender has
+    a ``data_port``; its endpoint (the ZeroMQ endpoint's host, the bound port) goes in
+    every ticket as ``data_endpoint``."""
+
+    def __init__(self, admission: Admission, pool_tensor: torch.Tensor, pool_planes: torch.Tensor,
+                 layout: KVCacheLayout, host: str, port: int, timeout_s: float, *, name: str,
+                 handshake_timeout_s: float | None, advertise_host: str):
+        self.admission, self.layout = admission, layout
+        self._planes = pool_planes
+        self._pool_bytes = memoryview(pool_tensor.view(-1).view(torch.uint8).numpy())
+        self.server = DataServer(host, port, self.serve, timeout_s, name=name,
+                                 handshake_timeout_s=handshake_timeout_s,
+                                 on_refused=lambda peer, reason: admission.refuse(peer, None, reason))
+        self.address = self.server.address
+        self.endpoint = f"tcp://{advertise_host}:{self.address[1]}"
+
+    @classmethod
+    def start(cls, ctx: SourceContext) -> "DataSource | None":
+        config = ctx.config
+        if config.data_port is None or ctx.pool.device.type != "cpu":
+            return None
+        return cls(ctx.admission, ctx.pool, ctx.planes, ctx.layout, bind_host(config.endpoint), config.data_port,
+                   config.data_timeout_s, name=f"kv-data-{ctx.worker_id}",
+                   handshake_timeout_s=ctx.handshake_timeout_s, advertise_host=bind_host(ctx.endpoint))
+
+    def ticket_fields(self) -> dict:
+        return {"data_endpoint": self.endpoint}
+
+    def close(self) -> None:
+        self.server.close()
+
+    def serve(self, conn, raw: bytes, peer: Peer) -> bool:
+        """Serve one message; False (or an exception) closes the connection. A peer without
+        a session that gets any reply is refused: it is closed."""
+        msg, authenticated, reply = self.admission.admit(raw, peer)
+        if msg is None:
+            if reply is not None:
+                send_control(conn, reply)
+            return authenticated   # here: whether the peer may go on
+        sending = threading.Event()
+        sending.set()
+        try:
+            answer = self.admission.answer(msg, authenticated=authenticated, peer=peer, answer_release=False,
+                                           hold=lambda: not sending.is_set())
+            if not isinstance(answer, Fetch):
+                if answer is not None:
+                    send_control(conn, answer)
+                return authenticated or answer is None
+            num_planes, block_nbytes = self._planes.shape[0], self.layout.block_nbytes
+            plane_nbytes = self._planes.shape[1] * block_nbytes
+            send_control(conn, answer.header(nbytes=num_planes * len(answer.block_ids) * block_nbytes))
+            send_views(conn, [self._pool_bytes[start:start + n * block_nbytes]   # from the pool, no copy
+                              for p, first, n in source_pieces(num_planes, answer.block_ids)
+                              for start in (p * plane_nbytes + first * block_nbytes,)])
+            return True
+        finally:
+            sending.clear()   # sent: the kernel holds copies, the blocks may go back

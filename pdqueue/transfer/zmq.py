@@ -1,9 +1,11 @@
-"""The ZeroMQ wire between a KVSender (ROUTER) and its receivers (DEALER), and the request
-and reply messages that the TCP data wire (tcp.py) speaks too.
+"""The ``zmq`` transport, both halves: the ZeroMQ wire between a KVSender (ROUTER) and its
+receivers (DEALER). The ROUTER is also the control channel of every path (the shm path's
+releases, the NIXL path's ops), so every sender runs it.
 
 Every request is one msgpack frame ``{v, op, seq, request_id, incarnation, nonce, mac}`` with
 ``op`` one of ``fetch`` or ``release`` (``noreply`` for fire-and-forget; ``mac`` is the
-ticket's, which the sender compares with the one it issued). With authentication
+ticket's, which the sender compares with the one it issued); the messages are built in
+transfer.wire, which the TCP data wire speaks too. With authentication
 (transfer.auth) a receiver first sends ``{v, op: hello, seq, cn}`` and gets ``{v, seq, ok,
 sn, proof}``; every later request goes inside ``{v, op: sealed, seq, body, tag[, proof]}``
 (``body``: the packed request; the client's ``proof`` on the first one). A release is
@@ -26,69 +28,54 @@ before the first fetch on a new socket, and again on a new socket after
 is dropped (linger 0) so a late reply cannot be taken for the next one. It is not
 thread-safe: ``KVReceiver`` serialises all calls. It owns its sockets and its zmq context
 and frees them on ``close()``.
-Imports zmq, msgpack, transfer.base (the one direction: base never imports this module).
+
+``ZmqTransport`` (receiver): one ``fetch`` request (sealed, after a handshake on a new
+socket, with ``KVAuth``); the reply header is validated (request, blocks, shape, dtype,
+frame plan and count) before a byte is copied, then each data frame as it arrives (its
+size against the plan) and copied while the next one is on the wire; then a
+fire-and-forget release (the sender read every frame under a held lease, or sent an
+error in its place, so the copy is good whatever the release says).
+
+``RouterServer`` (sender): the ROUTER socket and the thread that serves it. A fetch's reply
+is a header, then the blocks gathered frame by frame into a staging buffer under the lease,
+each frame sent as its own message as soon as it is staged, so that staging, the wire and
+the receiver's copying overlap. The thread owns the socket, its zmq context and the staging
+buffer (zmq may still send from it after ``_send_staged`` returns: a busy buffer is never
+reused, one abandoned midway is dropped). What it answers is decided by the sender's
+``Admission`` (transfer.sender_admission).
+Imports torch, zmq, msgpack (through transfer.wire), transfer.base (the one direction: base
+never imports this module).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
+import warnings
 from collections import OrderedDict
 from typing import Iterator
 
-import msgpack
+import torch
 import zmq
 
-from pdqueue.transfer.auth import CLIENT_REFRESH_S, ClientHandshake, KVAuth, Session
-from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
+from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.transfer.auth import CLIENT_REFRESH_S, MAX_PEERS, SESSION_IDLE_S, ClientHandshake, KVAuth, Peer, Session
+from pdqueue.transfer.base import Ticket, Transport
+from pdqueue.transfer.blocks import copy_blocks, plan_frames, planes
 from pdqueue.transfer.errors import FailureCode, TransferError
+from pdqueue.transfer.sender_admission import Admission, Fetch, lease_lost
+from pdqueue.transfer.wire import (check_reply, check_reply_describes, data_tag, error_reply, hello,  # noqa: F401
+                                   ok_reply, pack, request, seal, unpack)
+
+_sender_log = logging.getLogger("pdqueue.transfer.sender")
 
 MAX_ACCEPTED_FRAME_BYTES = 64 << 20   # a receiver drops a peer that sends a bigger frame
 MAX_REQUEST_BYTES = 64 << 10          # a sender drops a peer that sends a bigger request
 MAX_SOCKETS = 64                      # DEALERs kept open (one per sender endpoint), LRU
 CLOSE_LINGER_MS = 200                 # how long close() lets queued fire-and-forget releases leave
-
-
-def pack(message: dict) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(raw: bytes) -> dict:
-    message = msgpack.unpackb(raw, raw=False)
-    if not isinstance(message, dict):
-        raise ValueError("message is not a map")
-    return message
-
-
-def request(op: str, seq: int, ticket: Ticket, **extra) -> bytes:
-    return pack({"v": TRANSFER_VERSION, "op": op, "seq": seq, "request_id": ticket.request_id,
-                 "incarnation": ticket.incarnation, "nonce": ticket.nonce, "mac": ticket.mac, **extra})
-
-
-def hello(seq: int, handshake: ClientHandshake) -> bytes:
-    return pack({"v": TRANSFER_VERSION, "seq": seq, **handshake.hello_fields()})
-
-
-def seal(session: Session, body: bytes, seq: int) -> bytes:
-    """A request (``body``, packed, with this ``seq``) inside a sealed message; the first one
-    of a session carries the client's proof."""
-    message = {"v": TRANSFER_VERSION, "op": "sealed", "seq": seq, "body": body, "tag": session.tag(body)}
-    if session.proof is not None:
-        message["proof"], session.proof = session.proof, None
-    return pack(message)
-
-
-def data_tag(seq: int, index: int) -> bytes:
-    return pack({"v": TRANSFER_VERSION, "seq": seq, "i": index})
-
-
-def error_reply(seq, code: FailureCode, reason: str, **extra) -> bytes:
-    return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": False, "code": code.value,
-                 "reason": reason, **extra})
-
-
-def ok_reply(seq, **fields) -> bytes:
-    return pack({"v": TRANSFER_VERSION, "seq": seq, "ok": True, **fields})
+_POLL_MS = 10   # how often the ROUTER's serving thread checks for close() (a switch waits for it)
 
 
 class ControlClient:
@@ -146,7 +133,7 @@ class ControlClient:
                                     FailureCode.BAD_REPLY) from None
             if len(parts) == 1 and tag.get("seq") == seq:
                 self.forget(endpoint)
-                self.check_reply(endpoint, "fetch", tag)   # an error reply: raises
+                check_reply(endpoint, "fetch", tag)   # an error reply: raises
             if len(parts) != 2 or tag.get("seq") != seq or tag.get("i") != index:
                 self.forget(endpoint)
                 raise TransferError(f"expected data frame {index} of fetch {seq} from {endpoint}, got "
@@ -172,7 +159,7 @@ class ControlClient:
             # idle one): a new socket, a new handshake, once.
             self.forget(endpoint)
             return self._call(ticket, op, again=False, **extra)
-        self.check_reply(endpoint, op, header)
+        check_reply(endpoint, op, header)
         return header, frames, seq
 
     def _session(self, endpoint: str) -> Session:
@@ -188,7 +175,7 @@ class ControlClient:
             seq = next(self._seq)
             header, _ = self._ask(endpoint, self._socket(endpoint), seq, hello(seq, handshake), "hello")
             try:
-                self.check_reply(endpoint, "hello", header)
+                check_reply(endpoint, "hello", header)
             except TransferError:
                 self.forget(endpoint)
                 raise
@@ -224,19 +211,6 @@ class ControlClient:
             if header.get("seq") == seq:
                 return header, frames[1:]   # anything else is a late reply to an earlier request
 
-    @staticmethod
-    def check_reply(endpoint: str, op: str, header: dict) -> None:
-        """Raise TransferError unless ``header`` is a successful reply of our version."""
-        if header.get("v") != TRANSFER_VERSION:
-            raise TransferError(f"{endpoint} speaks transfer version {header.get('v')}, "
-                                f"expected {TRANSFER_VERSION}", FailureCode.VERSION_MISMATCH)
-        if not header.get("ok"):
-            try:
-                code = FailureCode(header.get("code"))
-            except ValueError:
-                code = FailureCode.BAD_REPLY
-            raise TransferError(f"{endpoint}: {header.get('reason')}", code)
-
     def forget(self, endpoint: str, linger_ms: int = 0) -> None:
         self._sessions.pop(endpoint, None)
         sock = self._sockets.pop(endpoint, None)
@@ -264,3 +238,180 @@ class ControlClient:
         sock.connect(endpoint)
         self._sockets[endpoint] = sock
         return sock
+
+
+# ---- the receiver half: the zmq backend ------------------------------------------------------
+
+class ZmqTransport(Transport):
+    name = "zmq"
+
+    def can_fetch(self, ticket: Ticket) -> bool:
+        return bool(ticket.endpoint)
+
+    def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
+        header, frames = self.ctx.control.fetch(ticket, first_block)
+        layout = self.ctx.layout
+        num_planes = 2 * layout.num_layers
+        check_reply_describes(ticket, header, layout, first_block)
+        max_frame_bytes = header.get("max_frame_bytes")
+        if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
+            raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", FailureCode.BAD_REPLY)
+        if header.get("frames") != "staged":
+            raise TransferError(f"unknown frame plan {header.get('frames')!r}", FailureCode.BAD_REPLY)
+        num_blocks = len(ticket.block_ids) - first_block
+        plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
+        if header.get("num_frames") != len(plan):
+            raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
+                                FailureCode.BAD_REPLY)
+        dst = planes(self.ctx.pool)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for (p0, p1, b0, b1), frame in zip(plan, frames):
+                if len(frame) != (p1 - p0) * (b1 - b0) * layout.block_nbytes:
+                    self.ctx.control.forget(ticket.endpoint)   # the rest of the reply is still queued
+                    raise TransferError(f"data frame of {len(frame)} bytes, expected "
+                                        f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", FailureCode.BAD_REPLY)
+                src = torch.frombuffer(frame.buffer, dtype=layout.torch_dtype).view(p1 - p0, b1 - b0, -1)
+                copy_blocks(src, range(b1 - b0), dst[p0:p1], dst_block_ids[b0:b1])
+        self.ctx.control.release_nowait(ticket)
+        return num_planes * num_blocks * layout.block_nbytes
+
+    def forget(self, ticket: Ticket) -> None:
+        self.ctx.control.forget(ticket.endpoint)
+
+
+# ---- the sender half: the ROUTER (every sender runs it: the control channel of every path) ----
+
+class RouterServer:
+    """Binds ``endpoint`` at construction; ``start`` runs the serving thread, ``close``
+    stops it and frees the socket. ``endpoint`` here: the address put in tickets
+    (``advertise``, a trailing ``:*`` standing for the port bound, else the bound one)."""
+
+    def __init__(self, admission: Admission, pool_planes: torch.Tensor, layout: KVCacheLayout, worker_id: str,
+                 endpoint: str, advertise: str | None, max_frame_bytes: int):
+        self.admission, self.layout, self.worker_id = admission, layout, worker_id
+        self.max_frame_bytes = max_frame_bytes
+        self._planes = pool_planes
+        self._peers: OrderedDict[bytes, Peer] = OrderedDict()   # ZeroMQ identities (serving thread only)
+        self._open_peer = Peer(address="any")   # without authentication every peer is this one
+        self._staging: torch.Tensor | None = None     # flat uint8, pre-faulted, reused
+        self._staging_tracker: zmq.MessageTracker | None = None   # its last frame in flight, if any
+        self._context = zmq.Context()
+        self._sock = self._context.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, 0)   # a ROUTER drops at its high-water mark: never
+        try:
+            self._sock.bind(endpoint)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            self._context.term()
+            raise
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise and advertise.endswith(":*"):
+            advertise = advertise[:-1] + bound.rpartition(":")[2]
+        self.endpoint = advertise or bound
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"kv-sender-{worker_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread (if started) and free the socket; pending replies are dropped."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sock.close(linger=0)
+        self._context.term()
+        self._staging = None
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._sock.poll(_POLL_MS, zmq.POLLIN):
+                    continue
+                frames = self._sock.recv_multipart(copy=False)
+                identity = frames[0].bytes
+                reply = self._handle(identity, frames[-1].bytes, frames[-1])
+                if reply:
+                    self._sock.send_multipart([identity, *reply])
+            except Exception:   # never let one bad request stop the server
+                _sender_log.exception("KV sender %s: failed to serve a request", self.worker_id)
+
+    def _peer(self, identity: bytes, frame: zmq.Frame) -> Peer:
+        """The state of a ZeroMQ identity (LRU, at most MAX_PEERS; an idle session expires)."""
+        if self.admission.auth is None:
+            return self._open_peer
+        peer = self._peers.get(identity)
+        if peer is None:
+            try:
+                address = frame.get("Peer-Address")
+            except Exception:
+                address = "?"
+            peer = self._peers[identity] = Peer(address=f"zmq:{address}")
+            while len(self._peers) > MAX_PEERS:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(identity)
+            if peer.session is not None and time.monotonic() - peer.session.used > SESSION_IDLE_S:
+                peer.session = None
+        return peer
+
+    def _handle(self, identity: bytes, raw: bytes, frame: zmq.Frame) -> list:
+        peer = self._peer(identity, frame)
+        msg, authenticated, reply = self.admission.admit(raw, peer)
+        if msg is None:
+            return [reply] if reply else []
+        try:
+            answer = self.admission.answer(msg, authenticated=authenticated, peer=peer, answer_release=True)
+            if isinstance(answer, Fetch):
+                return self._send_staged(identity, answer)
+            return [] if answer is None else [answer]
+        except Exception as exc:   # answer rather than let the receiver time out
+            _sender_log.exception("KV sender %s: %s of %r failed", self.worker_id, msg.get("op"), msg.get("request_id"))
+            return [error_reply(msg.get("seq"), FailureCode.BAD_REPLY, f"sender failed: {exc!r}")]
+
+    def _send_staged(self, identity: bytes, fetch: Fetch) -> list:
+        """Send the header, then each frame as its own message ``[data_tag, bytes]``, staged
+        (gathered from the leased blocks) just before it is sent and sent only if the lease
+        still held when staging ended. Returns an error reply, or [] once everything is
+        queued on the socket. (Frames sent zero-copy straight from the pool measured 15-20%
+        slower: pyzmq wakes its gc thread for every such frame.)"""
+        seq, request_id, block_ids = fetch.seq, fetch.request_id, fetch.block_ids
+        num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), self.layout.block_nbytes
+        plan = plan_frames(num_planes, num_blocks, block_nbytes, self.max_frame_bytes)
+        staging = self._staging_buffer(num_planes * num_blocks * block_nbytes)
+        staged_bytes = staging.view(num_planes, num_blocks, block_nbytes)
+        staged = staging.view(self.layout.torch_dtype).view(num_planes, num_blocks, -1)
+        self._sock.send_multipart([identity, fetch.header(num_frames=len(plan), max_frame_bytes=self.max_frame_bytes,
+                                                          frames="staged")])
+        last, tracker = len(plan) - 1, None
+        leases = self.admission.leases
+        try:
+            for index, (p0, p1, b0, b1) in enumerate(plan):
+                copy_blocks(self._planes[p0:p1], block_ids[b0:b1], staged[p0:p1], range(b0, b1))
+                if not leases.is_held(request_id):
+                    return [lease_lost(seq, request_id)]
+                # Only the last frame is tracked: ZeroMQ frees a peer's messages in order, so
+                # once it is done the whole staging buffer is free again.
+                frame = zmq.Frame(staged_bytes[p0:p1, b0:b1].reshape(-1).numpy(), track=index == last)
+                self._sock.send_multipart([identity, data_tag(seq, index), frame], copy=False)
+                if index == last:
+                    tracker = frame.tracker
+                del frame   # a live Frame object would keep its message (and the tracker) busy
+        finally:
+            self._staging_tracker = tracker
+            if tracker is None:
+                # Failed midway: earlier frames may still be queued (they keep the buffer
+                # alive until sent), so this buffer is never reused.
+                self._staging = None
+        return []
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A pre-faulted byte buffer of ``nbytes``; a new one while zmq still sends the old."""
+        busy = self._staging_tracker is not None and not self._staging_tracker.done
+        if self._staging is None or busy or self._staging.numel() < nbytes:
+            self._staging = torch.zeros(max(nbytes, 1 << 20), dtype=torch.uint8)
+            self._staging_tracker = None
+        return self._staging[:nbytes]

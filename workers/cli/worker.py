@@ -11,6 +11,7 @@ import click
 
 from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import ROLES
+from pdqueue.transfer import registry as transports
 from workers.common import DECODE_HERE, PLACEMENTS, ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
 from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
                                 check_model, engine_options, load, model_option, redis_security_options)
@@ -77,9 +78,7 @@ def limit_options(f):
               default=config_default("max_num_batched_tokens", EngineConfig), show_default=True)
 @click.option("--transfer", type=click.Choice(TRANSFERS), default=config_default("transfer"),
               show_default=True,
-              help="How KV reaches the decode side (auto: shm on the same node, else the TCP data wire, "
-                   "else zmq; nixl: one-sided reads over NIXL/UCX, RDMA where the hardware has it, on "
-                   "prefill and decode workers alike; needs pdqueue[rdma]).")
+              help=transports.help_text())
 @click.option("--routing", type=click.Choice(ROUTING_MODES), envvar="PDQ_ROUTING", show_envvar=True,
               default=config_default("routing"), show_default=True,
               help="Prefill, colocated: cache-aware routing (cache: a request goes to the worker that caches the "
@@ -285,13 +284,11 @@ def advertised_endpoint(bind: str, host: str | None) -> str | None:
 
 
 def check_transfer(transfer: str) -> None:
-    """--transfer nixl needs NIXL (pdqueue[rdma]): say so at start, not at the first handoff."""
-    if transfer == "nixl":
-        from pdqueue.transfer.nixl import nixl_missing
-
-        missing = nixl_missing()
-        if missing:
-            raise UserError(f"--transfer nixl: {missing}")
+    """A transport that cannot run here (--transfer nixl without NIXL, pdqueue[rdma]): say so at
+    start, not at the first handoff."""
+    missing = transports.missing(transfer)
+    if missing:
+        raise UserError(f"--transfer {transfer}: {missing}")
 
 
 def check_redis(url: str) -> None:
