@@ -38,10 +38,11 @@ from pdqueue.keys import Keys
 from pdqueue.transfer import FailureCode, KVAuth, KVReceiver, KVSender, TransferError, generate_secret
 from pdqueue.transfer import auth as kvauth
 from pdqueue.transfer import sender as sender_module
-from pdqueue.transfer import zmq as wire
+from pdqueue.transfer import wire
 from pdqueue.transfer.auth import ClientHandshake, parse_secrets
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.tcp import DataClient, parse_endpoint, recv_control, recv_frame, send_control
+from pdqueue.transfer.zmq import ControlClient
 from tests.cluster import Cluster
 from tests.helpers import oracle, wait_for
 from tests.kv_peers import AUTH, NODE, SMALL, Receiver, SenderProcess, no_segment_left_behind, resign, rid  # noqa: F401 (an autouse fixture)
@@ -489,7 +490,7 @@ def test_sender_refuses_a_ticket_it_did_not_issue(sender, wire_name):
     bad = [FORGERIES[name](ticket) for name in ("other_secret", "other_cluster", "random_mac")]
     before = sender.auth_failures()
     if wire_name == "zmq":
-        client = wire.ControlClient(5, AUTH)
+        client = ControlClient(5, AUTH)
         try:
             for forged in bad:
                 with pytest.raises(TransferError) as err:

@@ -25,7 +25,7 @@ import torch
 from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.transfer import (FailureCode, KVReceiver, LeaseTable, SharedKVPool, Ticket, TransferError,
                               cleanup_segments, node_id)
-from pdqueue.transfer import zmq as wire
+from pdqueue.transfer import wire
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.blocks import plan_frames
 from pdqueue.transfer.tcp import recv_control, send_control
