@@ -75,9 +75,10 @@ class SenderConfig:
 
 
 class KVSender:
-    """The lease API (``export``, ``poll_freeable``, ``revoke``) over the two wires it
-    starts. ``shared_pool``: the segment ``pool_tensor`` lives in, whose block epochs this
-    sender keeps (see shm.py). ``config``, or its fields as keywords."""
+    """The lease API (``export``, ``poll_freeable``, ``revoke``) over the wires it starts
+    (the ROUTER, and ``sources``: the registered sender halves that serve, by name).
+    ``shared_pool``: the segment ``pool_tensor`` lives in, whose block epochs this sender
+    keeps (see shm.py). ``config``, or its fields as keywords."""
 
     def __init__(self, pool_tensor: torch.Tensor, layout: KVCacheLayout, worker_id: str, incarnation: str,
                  node: str, segment_name: str | None = None, nonce: str | None = None,
