@@ -27,6 +27,14 @@ from pdqueue.protocol import Completion, FinishReason, done_entry
 from pdqueue.queue.registry import Heartbeat
 
 T0 = 10_000.0
+# The settings the recorded phases below were shaped for: their completions span 60 s
+# (PlannerConfig's own defaults, those of `up --adapt` and `plan`, look back 30 s).
+RECORDED = dict(window_s=60.0, min_dwell_s=60.0, cooldown_s=20.0, move_timeout_s=60.0)
+
+
+def recorded(**kw) -> PlannerConfig:
+    return PlannerConfig(**{**RECORDED, **kw})
+
 
 # ---- recorded phases ---------------------------------------------------------------------
 # (finish offset s, ttft_ms, tbt_p50_ms, tbt_max_ms, prompt tokens, output tokens, prefill_ms)
@@ -156,7 +164,7 @@ def test_config_is_validated():
 # ---- reactive ------------------------------------------------------------------------------
 
 def test_chat_phase_holds_and_says_why():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, PREFILL, DECODE, DECODE))
     for i in range(5):
         d = planner.decide(obs(T0 + 10 * i, ws, CHAT))
@@ -167,7 +175,7 @@ def test_chat_phase_holds_and_says_why():
 
 
 def test_document_phase_moves_one_decode_worker_to_prefill_after_confirmation():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four(epochs=(0, 3, 5, 7), running=(1, 2, 0, 1))
     first = planner.decide(obs(T0, ws, DOCS_FAST_DECODE, request_lag=6))
     assert first.moves == () and "not yet confirmed" in first.reason and "1/2" in first.reason
@@ -184,7 +192,7 @@ def test_document_phase_moves_one_decode_worker_to_prefill_after_confirmation():
 
 
 def test_prefill_short_but_decode_cannot_spare_holds_with_reason():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, DECODE, DECODE, PREFILL), running=(1, 12, 12, 1))
     for i in range(3):
         d = planner.decide(obs(T0 + 5 * i, ws, DOCS, request_lag=8))
@@ -193,7 +201,7 @@ def test_prefill_short_but_decode_cannot_spare_holds_with_reason():
 
 
 def test_decode_short_moves_prefill_to_decode_when_prefill_has_headroom():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, PREFILL, PREFILL, DECODE))
     rows = [(o, 500, 300, 300, pt, ot, pf) for o, _t, _a, _b, pt, ot, pf in CHAT]
     planner.decide(obs(T0, ws, rows, handoff_lag=2))
@@ -204,7 +212,7 @@ def test_decode_short_moves_prefill_to_decode_when_prefill_has_headroom():
 
 
 def test_both_sides_short_is_overload_not_a_move():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, PREFILL, DECODE, DECODE))
     rows = [(o, ttft, 300, 300, pt, ot, pf) for o, ttft, _a, _b, pt, ot, pf in DOCS]
     for i in range(4):
@@ -214,7 +222,7 @@ def test_both_sides_short_is_overload_not_a_move():
 
 
 def test_burst_is_seen_in_the_queue_before_any_completion():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, DECODE, DECODE, DECODE), running=(2, 0, 0, 0))
     d1 = planner.decide(obs(T0, ws, (), request_lag=12))
     assert d1.moves == ()
@@ -225,7 +233,7 @@ def test_burst_is_seen_in_the_queue_before_any_completion():
 
 
 def test_shrinking_queue_is_not_pressure():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four((PREFILL, DECODE, DECODE, DECODE))
     for i, lag in enumerate((30, 20, 12, 8)):
         d = planner.decide(obs(T0 + 3 * i, ws, (), request_lag=lag))
@@ -259,7 +267,7 @@ def test_hysteresis_alternating_borderline_observations_do_not_flip_roles():
 
 
 def test_hysteresis_prefill_short_then_healthy_alternating_never_moves():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = four()
     for i in range(12):
         rows, lag = (DOCS_FAST_DECODE, 8) if i % 2 == 0 else (CHAT, 0)
@@ -418,7 +426,7 @@ def test_only_switchable_workers_move():
 # ---- hard rules: repair, and a long randomized run -----------------------------------------
 
 def test_repair_when_the_prefill_worker_died():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = [worker("d0", DECODE, 3, running=4), worker("d1", DECODE, 1, running=0)]
     d = planner.decide(obs(T0, ws, (), request_lag=5))
     assert d.action == "repair" and d.moves == (Move("d1", DECODE, PREFILL, 1),)
@@ -426,7 +434,7 @@ def test_repair_when_the_prefill_worker_died():
 
 
 def test_repair_a_lone_decode_worker_waits_for_its_handoffs():
-    planner = Planner()
+    planner = Planner(recorded())
     ws = [worker("d0", DECODE, running=2)]
     d = planner.decide(obs(T0, ws, (), request_lag=5, handoff_pending=2))
     assert d.moves == () and "cannot repair" in d.reason
@@ -573,7 +581,7 @@ def test_two_workers_document_phase_goes_colocated_in_a_safe_order_and_comes_bac
 
 def test_two_workers_moderate_documents_stay_disaggregated():
     """25 % documents at 2 req/s measured TTFT p90 2.9 s within the 4 s SLO: stay 1P+1D."""
-    planner = Planner()
+    planner = Planner(recorded())
     ws = [worker("p", PREFILL), worker("d", DECODE)]
     rows = [(o, min(ttft, 2900), p50, mx, pt, ot, pf) for o, ttft, p50, mx, pt, ot, pf in DOCS]
     for i in range(6):
@@ -646,7 +654,7 @@ def pobs(t, workers, comps, **kw):
 
 
 PRED = dict(mode="predictive", prefill_tok_s_prior=1000, decode_base_ms_prior=20,
-            decode_per_seq_ms_prior=5, tbt_slo_ms=100, cooldown_s=0, min_dwell_s=0)
+            decode_per_seq_ms_prior=5, tbt_slo_ms=100, cooldown_s=0, min_dwell_s=0, window_s=60.0)
 
 
 def test_capacity_model():
@@ -732,7 +740,7 @@ def test_predictive_uses_several_moves_per_decision_when_safe():
 
 
 def test_capacity_is_learned_from_completions_and_heartbeats():
-    planner = Planner(PlannerConfig(cooldown_s=1e9))
+    planner = Planner(recorded(cooldown_s=1e9))
     # prefill: p90 of new completions' rates, the first sample replaces the prior
     ws = [worker("p", PREFILL), worker("d", DECODE)]
     planner.decide(obs(T0, ws, CHAT))
@@ -842,7 +850,7 @@ def test_observe_reads_a_real_cluster(r):
     # without ``now``: the server's clock; the planner takes the observation as it is
     o2 = observe(r, keys)
     assert abs(o2.time - __import__("time").time()) < 60
-    decision = Planner().decide(o)
+    decision = Planner(recorded()).decide(o)
     assert decision.counts == {PREFILL: 1, DECODE: 2, COLOCATED: 0}
 
 
@@ -850,5 +858,22 @@ def test_observe_an_empty_cluster(r):
     o = observe(r, Keys("nothing"), now=1_700_000_000.0)
     assert o.workers == () and o.completions == ()
     assert (o.request_lag, o.request_pending, o.handoff_lag, o.handoff_pending) == (0, 0, 0, 0)
-    d = Planner().decide(o)
+    d = Planner(recorded()).decide(o)
     assert d.moves == () and d.counts == {PREFILL: 0, DECODE: 0, COLOCATED: 0}
+
+
+def test_the_cli_takes_the_planners_defaults_from_planner_config():
+    """`up --adapt` and `plan` show and use PlannerConfig's defaults (the one place they are
+    written): the options' defaults are its fields, and a config built from them is its own."""
+    import click
+
+    from workers.cli.common import planner_config, planner_options
+
+    command = planner_options(click.Command("x", callback=lambda **kw: kw))
+    defaults = {p.name: p.default for p in command.params if p.name != "elastic"}
+    d = PlannerConfig()
+    assert (d.window_s, d.min_dwell_s, d.cooldown_s, d.move_timeout_s) == (30.0, 30.0, 10.0, 90.0)
+    assert defaults == {"plan_mode": d.mode, "ttft_slo_ms": d.ttft_slo_ms, "tbt_slo_ms": d.tbt_slo_ms,
+                        "dwell_s": d.min_dwell_s, "cooldown_s": d.cooldown_s, "window_s": d.window_s}
+    assert planner_config(**defaults) == d
+    assert planner_config(**{**defaults, "dwell_s": 5.0}).move_timeout_s == 60.0   # at least MOVE_TIMEOUT_MIN_S

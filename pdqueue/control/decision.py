@@ -1,8 +1,17 @@
-"""The planner's settings and what it answers: ``PlannerConfig``, ``Move``, ``Decision``."""
+"""The planner's settings and what it answers: ``PlannerConfig``, ``Move``, ``Decision``.
+
+``PlannerConfig``'s defaults are the planner's, wherever it runs: ``pdqueue up --adapt`` and
+``pdqueue plan`` take their option defaults from it (workers/cli/common.py ``planner_options``),
+so a planner built in Python and one started from the CLI decide alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MODES = ("reactive", "predictive")
+"""The planner's policies (``PlannerConfig.mode``; the CLI's ``--mode`` choices)."""
+MOVE_TIMEOUT_MIN_S = 60.0
+"""The shortest time a move is waited for when ``PlannerConfig.move_timeout_s`` is not given."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -10,10 +19,12 @@ class PlannerConfig:
     ttft_slo_ms: float = 4000.0
     tbt_slo_ms: float = 250.0
     mode: str = "reactive"            # "reactive" | "predictive"
-    window_s: float = 60.0            # completions older than this are ignored
-    min_dwell_s: float = 60.0         # a worker switched less than this ago is not moved
-    cooldown_s: float = 20.0          # between decisions that move something
-    move_timeout_s: float = 60.0      # a move not applied by then is forgotten
+    window_s: float = 30.0            # completions older than this are ignored
+    min_dwell_s: float = 30.0         # a worker switched less than this ago is not moved
+    cooldown_s: float = 10.0          # between decisions that move something
+    # A move not applied by then is forgotten; None: ``max(MOVE_TIMEOUT_MIN_S, 3 x min_dwell_s)``
+    # (a switch settles what the worker holds first, which takes longer with a longer dwell).
+    move_timeout_s: float | None = None
     min_prefill: int = 0
     min_decode: int = 0
     min_colocated: int = 0
@@ -54,7 +65,9 @@ class PlannerConfig:
     migrate_max: int = 8              # running decodes per migration
 
     def __post_init__(self) -> None:
-        if self.mode not in ("reactive", "predictive"):
+        if self.move_timeout_s is None:
+            object.__setattr__(self, "move_timeout_s", max(MOVE_TIMEOUT_MIN_S, 3 * self.min_dwell_s))
+        if self.mode not in MODES:
             raise ValueError(f"mode must be 'reactive' or 'predictive', got {self.mode!r}")
         for name in ("ttft_slo_ms", "tbt_slo_ms", "window_s", "prefill_tok_s_prior",
                      "decode_base_ms_prior", "backlog_drain_s"):

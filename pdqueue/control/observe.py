@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.control.decision import PlannerConfig
 from pdqueue.control.observation import CompletionObs, Observation, WorkerObs
 from pdqueue.protocol import ProtocolError, ResultType, as_str, entry_id_ms, parse_result
 from pdqueue.queue.backlog import streams_backlog
@@ -118,9 +119,12 @@ def server_time(r: redis.Redis) -> float:
     return int(seconds) + int(micros) / 1e6
 
 
-def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: float = 60.0, *,
+def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: float | None = None, *,
             done_limit: int = DONE_LIMIT) -> Observation:
-    """One ``Observation`` of the cluster (see the module docstring). Raises redis errors."""
+    """One ``Observation`` of the cluster (see the module docstring); ``window_s`` None: the
+    planner's default (``PlannerConfig.window_s``). Raises redis errors."""
+    if window_s is None:
+        window_s = PlannerConfig().window_s
     if now is None:
         now = server_time(r)
     now_ms = int(now * 1000)

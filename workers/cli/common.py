@@ -324,21 +324,25 @@ def print_line(console, markup: str) -> None:
 # ---- the planner's settings (`plan`, `up --adapt`) ----------------------------------------
 
 def planner_options(f):
-    """The planner's settings, shared by `plan` and `up --adapt`."""
+    """The planner's settings, shared by `plan` and `up --adapt`; their defaults are
+    ``PlannerConfig``'s (pdqueue/control/decision.py), the one place they are written."""
+    from pdqueue.control.decision import MODES, PlannerConfig
+
+    d = PlannerConfig()
     for opt in reversed([
-        click.option("--mode", "plan_mode", type=click.Choice(["reactive", "predictive"]), default="reactive",
+        click.option("--mode", "plan_mode", type=click.Choice(MODES), default=d.mode,
                      show_default=True, help="reactive: SLO breaches and backlog, one step at a time; "
                                              "predictive: demand over measured capacity."),
-        click.option("--ttft-slo-ms", type=click.FloatRange(min=1), default=4000.0, show_default=True,
+        click.option("--ttft-slo-ms", type=click.FloatRange(min=1), default=d.ttft_slo_ms, show_default=True,
                      help="Time-to-first-token target (`up` gives it to every worker too: prompts that can no "
                           "longer make it wait behind those that still can)."),
-        click.option("--tbt-slo-ms", type=click.FloatRange(min=1), default=250.0, show_default=True,
+        click.option("--tbt-slo-ms", type=click.FloatRange(min=1), default=d.tbt_slo_ms, show_default=True,
                      help="Target for each request's p90 time between tokens."),
-        click.option("--dwell-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+        click.option("--dwell-s", type=click.FloatRange(min=0), default=d.min_dwell_s, show_default=True,
                      help="A worker is not switched again sooner than this."),
-        click.option("--cooldown-s", type=click.FloatRange(min=0), default=10.0, show_default=True,
+        click.option("--cooldown-s", type=click.FloatRange(min=0), default=d.cooldown_s, show_default=True,
                      help="At least this long between decisions that switch someone."),
-        click.option("--window-s", type=click.FloatRange(min=1), default=30.0, show_default=True,
+        click.option("--window-s", type=click.FloatRange(min=1), default=d.window_s, show_default=True,
                      help="Completions older than this are not looked at."),
         click.option("--elastic", is_flag=True,
                      help="Also set each colocated worker's TBT budget (workers on --policy chunked) and move "
@@ -353,7 +357,6 @@ def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, wind
 
     try:
         return PlannerConfig(ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, mode=plan_mode, min_dwell_s=dwell_s,
-                             cooldown_s=cooldown_s, window_s=window_s,
-                             move_timeout_s=max(60.0, 3 * dwell_s), elastic=elastic)
+                             cooldown_s=cooldown_s, window_s=window_s, elastic=elastic)
     except ValueError as exc:
         raise UserError(f"planner: {exc}") from None
