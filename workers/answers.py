@@ -73,7 +73,7 @@ class Tally:
 
 class Unit:
     """The answers of one moment of a worker (a step, an intake batch), written together.
-    ``WorkerShell.unit()`` makes one and submits it to the publisher."""
+    ``ShellView.unit()`` (the shell as a role sees it) makes one and submits it to the publisher."""
 
     def __init__(self, keys: Keys, worker_id: str, group: str):
         self.keys, self.worker_id, self.group = keys, worker_id, group

@@ -27,18 +27,18 @@ from __future__ import annotations
 from pdqueue.control.commands import MIGRATE
 from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Handoff, encode_handoff
+from pdqueue.protocol import Handoff, Role as RoleName, encode_handoff
 from workers.common import Every, now_ms
 from workers.migration import Migrator
-from workers.role import RequestRole
+from workers.role import RequestRole, RoleHost
 
 CHECK_EVERY_S = 0.1   # cancel keys and deadlines of the requests in hand
 
 
 class ColocatedRole(RequestRole):
-    name = "colocated"
+    name = RoleName.COLOCATED.value
 
-    def start(self, shell) -> None:
+    def start(self, shell: RoleHost) -> None:
         super().start(shell)
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
@@ -97,7 +97,7 @@ class ColocatedRole(RequestRole):
         (count, command_id), self._migrate = self._migrate, None
         target = self.migrator.peer_stream()
         moved = self.migrate_out(target, count) if target is not None else 0
-        self.shell.switches.answer(MIGRATE, command_id, "done", moved=moved, to=target or "")
+        self.shell.answer_command(MIGRATE, command_id, "done", moved=moved, to=target or "")
 
     def migrate_out(self, target: str | None = None, limit: int | None = None) -> int:
         """The requests past their first token go on on a decode worker (all of them when not
@@ -136,7 +136,7 @@ class ColocatedRole(RequestRole):
 
     def close(self) -> None:
         if self._migrate is not None:   # stopped or switched before the next step boundary
-            self.shell.switches.answer(MIGRATE, self._migrate[1], "failed", reason="the role stopped first")
+            self.shell.answer_command(MIGRATE, self._migrate[1], "failed", reason="the role stopped first")
             self._migrate = None
         if self.migrator is not None:
             self.migrator.close()

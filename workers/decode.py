@@ -46,13 +46,13 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, decode_handoff,
-                              encode_handoff, entry_id_ms)
+from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, Role as RoleName,
+                              decode_handoff, encode_handoff, entry_id_ms)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
 from workers.migration import Migrator
-from workers.role import IDLE_BLOCK_MS, Role
+from workers.role import IDLE_BLOCK_MS, Role, RoleHost
 
 log = logging.getLogger("pdqueue.decode")
 
@@ -124,10 +124,10 @@ class Job:
 
 
 class DecodeRole(Role):
-    name = "decode"
+    name = RoleName.DECODE.value
     group = DECODE_GROUP
 
-    def start(self, shell) -> None:
+    def start(self, shell: RoleHost) -> None:
         self.shell = shell
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node,
@@ -178,7 +178,7 @@ class DecodeRole(Role):
             online_waiting = len(backlog) - batch_waiting
             if not online_waiting and batch_waiting < READ_LIMIT and room > 0 \
                     and self.engine.block_manager.num_free_blocks > 0:
-                self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0)
+                self.accept(*self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0))
         elif not self.engine.has_unfinished and not self.jobs and not self.fetcher.in_flight:
             # (a fetch of a dropped job still writes into its reserved blocks: the pool
             # outlives this role, so the next one must not get them before it is over)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pdqueue.protocol import Role
 from pdqueue.queue.registry import list_workers
 
 EVERY_S = 0.5   # how often the decode workers' heartbeats are read
@@ -40,7 +41,7 @@ class DecodePeers:
             return
         self._asked_at = now
         try:
-            self.workers = list_workers(self.r, self.keys, role="decode")
+            self.workers = list_workers(self.r, self.keys, role=Role.DECODE.value)
         except Exception:
             return
         self.read_at = now

@@ -5,14 +5,17 @@ colocated role (workers/migration.py) share."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pdqueue.transfer.sender import KVSender, SenderConfig
 from workers.common import kv_auth_for
 from workers.recovery import REDIS_DOWN
 
+if TYPE_CHECKING:
+    from workers.role import RoleHost
 
-def make_sender(shell, kv_cache, layout, *, transfer: str = "auto") -> KVSender:
+
+def make_sender(shell: RoleHost, kv_cache, layout, *, transfer: str = "auto") -> KVSender:
     """A sender of the shell's pool with ``shared_blocks`` (requests sharing cached prefix
     blocks lease them together): over its shared segment when it has one, else over the
     tensor (ZeroMQ; and the TCP data wire when the pool is in host memory). ``transfer``:
@@ -29,11 +32,11 @@ def make_sender(shell, kv_cache, layout, *, transfer: str = "auto") -> KVSender:
     return KVSender(kv_cache, layout, shell.worker_id, shell.incarnation, shell.node, config=sender_config)
 
 
-def serve_leases(shell, sender: KVSender, free_released: Callable[[], None]) -> None:
+def serve_leases(shell: RoleHost, sender: KVSender, free_released: Callable[[], None]) -> None:
     """Warm stop or switch: keep serving exported KV until every lease is released or
     expired, at most ``lease_s + 1`` s (switch commands are still answered: ``shell.tick``)."""
     deadline = time.monotonic() + shell.config.lease_s + 1
-    while len(sender.leases) and time.monotonic() < deadline and not shell.stop.cold.is_set():
+    while len(sender.leases) and time.monotonic() < deadline and not shell.cold_stop:
         free_released()
         try:
             shell.tick()

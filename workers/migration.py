@@ -38,12 +38,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from pdqueue.protocol import Handoff
+from pdqueue.protocol import Handoff, Role
 from pdqueue.queue.registry import list_workers
 from pdqueue.transfer.registry import same_host_possible
 from pdqueue.transfer.sender import KVSender
 from workers.kv_export import close_sender, make_sender, serve_leases
+
+if TYPE_CHECKING:
+    from workers.role import RoleHost
 
 log = logging.getLogger("pdqueue.migration")
 
@@ -54,7 +58,7 @@ PEERS_EVERY_S = 0.2   # while requests remain that could not move yet, peers are
 class Migrator:
     """A role's side of moving its running requests away (decode role)."""
 
-    def __init__(self, shell, engine):
+    def __init__(self, shell: RoleHost, engine):
         self.shell, self.engine = shell, engine
         self.sender: KVSender | None = None
         self.announced_at: float | None = None
@@ -70,10 +74,8 @@ class Migrator:
         if self.announced_at is not None:
             return
         self.announced_at = time.monotonic()
-        hb = self.shell.heartbeat
-        hb.update(draining=1)
         try:
-            hb.beat()
+            self.shell.advertise(draining=1)
         except Exception as exc:   # the next regular beat says it; peers may then hand work here
             log.warning("could not announce the drain: %s", exc)
 
@@ -100,7 +102,7 @@ class Migrator:
     def _find_target(self) -> str | None:
         shell = self.shell
         try:
-            peers = [w for w in list_workers(shell.r, shell.keys, role="decode")
+            peers = [w for w in list_workers(shell.r, shell.keys, role=Role.DECODE.value)
                      if w["worker_id"] != shell.worker_id and not w.get("switching_to")
                      and not (w.get("load") or {}).get("draining")]
         except Exception:

@@ -31,7 +31,7 @@ Dropped (another worker took the entry over): aborted in the engine, no answer. 
 exported KV until every lease is gone (``drain``, at most lease + 1 s). The pool outlives
 the role: before the next role gets it, the shell bumps every block's epoch.
 
-The KV pool is the process's (``WorkerShell.kv_pool``), in a named shared-memory segment
+The KV pool is the process's (``RoleHost.kv_pool``), in a named shared-memory segment
 (created once, pre-faulted), so a decode worker on this node copies blocks straight out of
 it; the sender's TCP data server and ZeroMQ socket serve the others.
 """
@@ -42,14 +42,14 @@ import logging
 import time
 
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Completion, Handoff, encode_handoff
+from pdqueue.protocol import Completion, Handoff, Role as RoleName, encode_handoff
 from pdqueue.transfer.leases import LeaseState
 from pdqueue.transfer.registry import same_host_possible
 from workers.common import Every, now_ms
 from workers.decode_peers import DecodePeers
 from workers.kv_export import close_sender, make_sender, serve_leases
 from workers.placement import Placement
-from workers.role import RequestRole
+from workers.role import RequestRole, RoleHost
 
 log = logging.getLogger("pdqueue.prefill")
 
@@ -64,9 +64,9 @@ BATCH_AHEAD = 8
 
 
 class PrefillRole(RequestRole):
-    name = "prefill"
+    name = RoleName.PREFILL.value
 
-    def start(self, shell) -> None:
+    def start(self, shell: RoleHost) -> None:
         super().start(shell)
         config = shell.config
         # One read of the decode workers' heartbeats serves the handoff stream, the placement

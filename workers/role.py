@@ -1,19 +1,35 @@
-"""What a role is: the contract between the process shell (``WorkerShell``) and the part of
-a worker that can be replaced while the process lives (prefill, decode, colocated).
+"""What a role is: the contract between the process shell (``WorkerShell``, workers/shell.py)
+and the part of a worker that can be replaced while the process lives (prefill, decode,
+colocated). Both directions are written down here, and each is one way:
 
-The shell owns everything process-level (identity, Redis, publisher, heartbeat, recovery,
-the loop); a role owns its engine and the entries it holds, and answers through the
-shell's units. The shell calls, in this order:
+- ``Role``: what the shell calls of a role, in this order:
 
-    start(shell)                  build the engine and what serves it; nothing read yet
-    accept(entries, resumed=True) entries an earlier process under this worker id held
-    loop:  drop(lost)             entries another worker took over (``Recovery.keep``)
-           step() -> bool         one iteration; it may call ``shell.take(limit, block_ms)``,
-                                  which calls ``accept``; False: nothing left to do
-           load()                 for the heartbeat
-    drain()                       after the loop ended (warm stop, burst, switch); a long
-                                  one calls ``shell.tick()`` now and then (switch commands)
-    close()                       always, last
+      start(shell)                  build the engine and what serves it; nothing read yet
+      accept(entries, resumed=True) entries an earlier process under this worker id held
+      loop:  drop(lost)             entries another worker took over (``Recovery.keep``)
+             step() -> bool         one iteration: it pulls its input (``shell.take``) and
+                                    takes it in itself; False: nothing left to do
+             load()                 for the heartbeat
+      drain()                       after the loop ended (warm stop, burst, switch); a long
+                                    one calls ``shell.tick()`` now and then (switch commands)
+      close()                       always, last
+
+  and the planner's levers (``set_tbt_budget``, ``migrate_some``), which every role has:
+  by default they refuse with a reason, so the switch control (workers/switching.py) calls
+  them on any role and never probes it.
+
+- ``RoleHost``: what a role may use of the shell, all of it, typed. ``shell`` in a role is
+  a ``RoleHost`` (the shell hands it a ``ShellView``, which has these members and no
+  other), never the ``WorkerShell``: a role cannot reach the shell's parts (heartbeat,
+  switch control, recovery, publisher); what it needs of them is a method here
+  (``advertise``, ``answer_command``, ``take``, ``unit``). Input flows one way: ``take``
+  *returns* what Recovery finds or one read brings (an ``Input``) and the role takes it in
+  (``accept``); the shell never calls back into the role to deliver it.
+  tests/test_role_contract.py pins this: the role modules use no other member of the shell
+  and the view has exactly these.
+
+- ``ROLE_CLASSES``: the roles a worker can run, name (``pdqueue.protocol.Role``) ->
+  ``module:class``, imported when first asked for (``role_for``).
 
 A role's engine uses the process's KV pool (``shell.kv_pool()``), so a switch from one role
 to another allocates nothing.
@@ -23,21 +39,116 @@ to another allocates nothing.
 
 from __future__ import annotations
 
+import importlib
 import time
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import Completion, FinishReason
+from pdqueue.protocol import Completion, FinishReason, Role as RoleName
 from workers.admission import BatchGate
 from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake
 from workers.routing import Router, online_load
 
+if TYPE_CHECKING:
+    import redis
+    import torch
+
+    from pdqueue.keys import Keys
+    from pdqueue.models.loader import LoadedModel
+    from pdqueue.protocol import Request
+    from pdqueue.telemetry.metrics import WorkerMetrics
+    from pdqueue.transfer.shm import SharedKVPool
+    from workers.answers import Unit
+    from workers.common import WorkerConfig
+
 IDLE_BLOCK_MS = 100  # an idle role's read blocks this long (a busy one never blocks)
 
 
+class Input(NamedTuple):
+    """What ``RoleHost.take`` hands a role: entries ((stream, entry_id, fields)) and whether
+    they were taken over (``resumed``: redelivered or reclaimed by Recovery, so work may
+    have been done) rather than read new."""
+    entries: list
+    resumed: bool
+
+
+class RoleHost(Protocol):
+    """What a role may use of the process it runs in: the values the shell holds for every
+    role, and what it does for one. Nothing else (see the module docstring)."""
+
+    config: WorkerConfig        # the worker's settings
+    loaded: LoadedModel         # the model, loaded once per process
+    worker_id: str
+    incarnation: str            # this process under ``worker_id`` (a KV sender's identity)
+    node: str                   # the shared-memory domain (pdqueue/transfer/node.py)
+    keys: Keys
+    r: redis.Redis              # the worker's Redis client
+    metrics: WorkerMetrics      # what the role observes (answers, TTFT, gaps, ...)
+
+    @property
+    def segment(self) -> SharedKVPool | None:
+        """The KV pool's shared memory segment, if it has one (after ``kv_pool``)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Whether to take new input: not after a warm stop, nor while a switch waits."""
+
+    @property
+    def cold_stop(self) -> bool:
+        """A cold stop was asked: whatever blocks (a drain) ends now."""
+
+    def kv_pool(self, shared: bool = False) -> torch.Tensor:
+        """The process's KV pool, which every role's engine uses (``shared``: in a named
+        shared memory segment, on CPU)."""
+
+    def take(self, limit: int, block_ms: int, only: str | None = None) -> Input:
+        """Input for the role: what Recovery finds (resumed), else up to ``limit`` new
+        entries of the role's ``read_streams`` (one read, blocking ``block_ms`` when nothing
+        is there); with ``only``: one read of that stream alone, nothing recovered."""
+
+    def unit(self) -> AbstractContextManager[Unit]:
+        """A unit of answers (workers/answers.py), published when the block ends."""
+
+    def cancelled(self, request_ids: list[str]) -> set[str]:
+        """Which of ``request_ids`` a producer cancelled (one round trip)."""
+
+    def to_stop(self, requests: dict[str, Request]) -> dict[str, FinishReason]:
+        """Which of ``requests`` (by id) must stop now: cancelled, else past their deadline."""
+
+    def tick(self) -> None:
+        """The shell's chores between steps (switch commands, the heartbeat's load): for a
+        role that blocks a while (a drain serving its leases)."""
+
+    def advertise(self, **fields) -> None:
+        """Show these fields in the worker's heartbeat, written now."""
+
+    def answer_command(self, kind: str, command_id: str, status: str, **fields) -> None:
+        """An event answering a planner's command later than when it came (``migrate``'s
+        ``done``, workers/switching.py)."""
+
+
+# The roles a worker can run: name -> "module:class", imported when first asked for (a
+# worker imports its own roles' modules only).
+ROLE_CLASSES: dict[str, str] = {
+    RoleName.PREFILL.value: "workers.prefill:PrefillRole",
+    RoleName.DECODE.value: "workers.decode:DecodeRole",
+    RoleName.COLOCATED.value: "workers.colocated:ColocatedRole",
+}
+
+
+def role_for(role_name: str) -> Role:
+    """A new (not started) role of that name (``ROLE_CLASSES``)."""
+    if role_name not in ROLE_CLASSES:
+        raise ValueError(f"unknown role {role_name!r} (one of {', '.join(ROLE_CLASSES)})")
+    module, _, class_name = ROLE_CLASSES[role_name].partition(":")
+    return vars(importlib.import_module(module))[class_name]()
+
+
 class Role(ABC):
-    name: str    # "prefill" | "decode" | "colocated": the heartbeat's role, the default worker id's prefix
+    name: str    # a pdqueue.protocol.Role value (ROLE_CLASSES): the heartbeat's role, the default worker id's prefix
     group: str   # the consumer group it reads its input with
 
     @abstractmethod
@@ -53,8 +164,9 @@ class Role(ABC):
         return {}
 
     @abstractmethod
-    def start(self, shell) -> None:
-        """Build the engine and what serves it (``shell`` gives config, model, Redis, units)."""
+    def start(self, shell: RoleHost) -> None:
+        """Build the engine and what serves it (``shell``: all the role may use of the
+        process, ``RoleHost``; kept as ``self.shell``)."""
 
     @abstractmethod
     def step(self) -> bool:
@@ -64,7 +176,9 @@ class Role(ABC):
     @abstractmethod
     def accept(self, entries: list, resumed: bool) -> None:
         """Take in input entries ((stream, entry_id, fields)); ``resumed``: taken over from
-        another consumer (or an earlier process of ours), so work may have been done."""
+        another consumer (or an earlier process of ours), so work may have been done. The
+        shell calls it once, at start, with what an earlier process held; after that the
+        role calls it itself, with what it pulled (``shell.take``)."""
 
     @abstractmethod
     def held(self) -> dict[str, tuple[str, str]]:
@@ -103,7 +217,7 @@ class RequestRole(Role):
 
     group = PREFILL_GROUP
 
-    def start(self, shell) -> None:
+    def start(self, shell: RoleHost) -> None:
         self.shell = shell
         # Cache-aware routing (workers/routing.py): its own stream, read after requests:high.
         self.router = Router(shell.r, shell.keys, shell.worker_id, self, shell.config.routing)
@@ -113,7 +227,6 @@ class RequestRole(Role):
         self.inflight: dict[str, Admitted] = {}
         # Batch only into the capacity the higher classes leave (workers/admission.py).
         self.batch_gate = BatchGate()
-        self._turn: str | None = None   # a stream read alone (batch's or interactive's turn), else None
         self.step_s = 0.0   # moving average of an engine step
 
     def streams(self) -> list[str]:
@@ -122,19 +235,13 @@ class RequestRole(Role):
         return self.router.all_streams()
 
     def read_streams(self) -> list[str]:
-        if self._turn is not None:
-            return [self._turn]
         return self.router.read_streams()
 
     def _read_only(self, stream: str, n: int) -> None:
         """One read of ``stream`` alone (at most ``n`` entries, no wait), then accept them."""
-        self._turn = stream
-        try:
-            entries = self.shell.read(n, block_ms=0)
-        finally:
-            self._turn = None
+        entries, resumed = self.shell.take(n, block_ms=0, only=stream)
         if entries:
-            self.accept(entries, resumed=False)
+            self.accept(entries, resumed)
 
     def take_interactive(self) -> None:
         """Lower classes wait in the engine and no interactive request does: the interactive
@@ -187,7 +294,7 @@ class RequestRole(Role):
         # waiting there queue behind whatever this brings), nor one that can still make its TTFT
         # target (the late ones wait behind what this brings; at most read_limit of them held).
         if self.shell.accepting and self.nothing_waits_on_time():
-            self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS)
+            self.accept(*self.shell.take(self.read_limit(), block_ms=0 if busy else IDLE_BLOCK_MS))
             if self.engine.scheduler.num_waiting_foreground == 0 and self.shell.accepting:
                 # Entries routed to a dead worker (or, when idle, to one that lags)
                 taken = self.router.take_over(self.read_limit(), idle=not self.engine.has_unfinished)
@@ -196,7 +303,7 @@ class RequestRole(Role):
             if self.shell.accepting:
                 self.take_batch()
         elif self.shell.accepting and self.reads_ahead():
-            self.shell.take(self.read_limit() - self.engine.scheduler.num_waiting_foreground, block_ms=0)
+            self.accept(*self.shell.take(self.read_limit() - self.engine.scheduler.num_waiting_foreground, block_ms=0))
         elif self.shell.accepting and not self.engine.scheduler.num_waiting_rank(0):
             self.take_interactive()
         elif not busy:

@@ -10,7 +10,7 @@ the heartbeat, the metrics (``pdqueue.telemetry.metrics.WorkerMetrics``; served 
 takes room), the role epoch; and the KV pool, made when the first role
 asks for it (``kv_pool``) and used by every role after it. ``run()``:
 
-    start  role.start(shell) (its engine, on the shell's KV pool); the consumer groups
+    start  role.start(view) (its engine, on the shell's KV pool); the consumer groups
            exist; the first heartbeat (retried while Redis is down; a stop meanwhile,
            warm or cold, ends the worker: it holds nothing yet); what an earlier
            process under this worker id took and never acknowledged
@@ -31,9 +31,13 @@ asks for it (``kv_pool``) and used by every role after it. ``run()``:
            the publisher flushed and closed, role.close(), the KV pool freed (its segment
            unlinked), the heartbeat removed
 
-Roles answer through ``shell.unit()`` (workers/answers.py), take input through
-``shell.take(limit, block_ms)`` (what Recovery finds first, else one read), and ask
-``shell.accepting`` whether to take any.
+A role sees the shell through a ``ShellView``, the shell's side of the contract in
+workers/role.py (``RoleHost``: its members and no other): it answers through
+``unit()`` (workers/answers.py), pulls its input with ``take(limit, block_ms)`` (what
+Recovery finds first, else one read; returned, never pushed back into the role), asks
+``accepting`` whether to take any, shows fields in the heartbeat with ``advertise`` and
+answers a planner's command late with ``answer_command``. The roles a worker can run are
+``ROLE_CLASSES`` (workers/role.py; ``role_for``).
 
 ``switch_role(role)`` replaces the role in place, the model and the KV pool staying: the
 current role stops accepting and finishes what it holds (as on a warm stop), drains and
@@ -46,11 +50,13 @@ in ms, +1 per switch), ``switchable``, ``role_since_ms`` and ``switching_to`` (e
 a switch is under way) as top-level fields of ``worker:<id>``; decode and colocated roles
 add ``step_ms`` to the load. Should the new role fail to start, the worker answers
 ``failed`` and starts its old role again (same epoch), and stops only if that fails too.
+The switch control sees the shell as a ``SwitchHost`` (workers/switching.py).
 """
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from typing import Iterator
 
 import redis
 
@@ -68,7 +74,7 @@ from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_i
 from workers.recovery import REDIS_DOWN, Recovery
 from workers.kv_pool import ProcessKV, SegmentSweep
 from workers.outage import EXIT_REDIS_GONE, Outage, RedisGone, StoppedWaiting  # noqa: F401 (re-exported)
-from workers.role import Role
+from workers.role import Input, Role, role_for
 from workers.switching import SwitchControl
 
 log = logging.getLogger("pdqueue.worker")
@@ -120,6 +126,7 @@ class WorkerShell:
             log.info("metrics: http://%s/metrics", shown)
         self.sweep_segments = SegmentSweep(self.r, self.keys, min(config.heartbeat_ttl_s, config.lease_s) / 3)
         self.switches = SwitchControl(self, role_for)   # the switch commands (workers/switching.py)
+        self.view = ShellView(self)          # what a role sees of this shell (workers/role.py RoleHost)
         self.next_role: Role | None = None
         self._role_open = False              # role.start succeeded and role.close is due
         # The KV pool: one per process, made when the first role asks (``kv_pool``).
@@ -205,21 +212,16 @@ class WorkerShell:
     def load(self) -> dict:
         return {**self.role.load(), "failed_units": self.failed_units}
 
-    # ---- the KV pool -------------------------------------------------------------------
-    def kv_pool(self, shared: bool = False):
-        """The process's KV pool tensor, which every role's engine uses (workers/kv_pool.py)."""
-        return self.kv.pool(shared)
-
     @property
     def segment(self):
-        """The pool's shared memory segment, if it has one."""
+        """The KV pool's shared memory segment, if it has one (workers/kv_pool.py)."""
         return self.kv.segment
 
     # ---- roles -------------------------------------------------------------------------
     @property
-    def accepting(self) -> bool:
-        """Whether the role takes new input: not after a warm stop, nor before a switch."""
-        return not self.stop.warm.is_set() and self.next_role is None
+    def stopping(self) -> bool:
+        """A stop was asked, warm or cold."""
+        return self.stop.warm.is_set() or self.stop.cold.is_set()
 
     def switch_role(self, role: Role) -> None:
         """Replace the running role by ``role`` once it has finished what it holds (it takes
@@ -254,7 +256,7 @@ class WorkerShell:
 
     def _start_role(self, role: Role, epoch: int | None = None) -> None:
         self.metrics.activate(role.name)   # what the role observes carries its name
-        role.start(self)   # a role whose start fails releases what it built before raising
+        role.start(self.view)   # a role whose start fails releases what it built before raising
         self.role, self._role_open = role, True
         while True:
             try:
@@ -268,6 +270,11 @@ class WorkerShell:
         self.heartbeat.update(**{"role": role.name, "node": "", "endpoints": {}, **role.registration()},
                               role_epoch=self.role_epoch, role_since_ms=self.role_since_ms, switching_to="",
                               load=self.load())
+        self.beat_now()
+
+    def advertise(self, **fields) -> None:
+        """Show these fields in ``worker:<id>`` now (``beat_now``)."""
+        self.heartbeat.update(**fields)
         self.beat_now()
 
     def beat_now(self) -> None:
@@ -299,64 +306,6 @@ class WorkerShell:
                 self.outage.stopped_waiting(exc)
                 self.outage.down(exc, "redis unavailable at start (%s); retrying")
 
-    # ---- what roles use ------------------------------------------------------------------
-    @contextmanager
-    def unit(self):
-        """A ``Unit`` of answers, submitted to the publisher when the block ends (not when
-        it raises: then the entries stay pending and are taken in again)."""
-        unit = Unit(self.keys, self.worker_id, self.role.group)
-        yield unit
-        if unit:
-            self.publisher.submit(unit.ops)
-            self.metrics.answered(unit.tally)
-
-    def take(self, limit: int, block_ms: int) -> None:
-        """Input for the role: what Recovery finds (resumed), else up to ``limit`` new
-        entries (one read, blocking ``block_ms`` when nothing is there)."""
-        entries = self.recovery.recover(self.role, limit)
-        if entries:
-            self.role.accept(entries, resumed=True)
-        else:
-            self.role.accept(self.read(limit, block_ms), resumed=False)
-
-    def read(self, limit: int, block_ms: int) -> list:
-        """XREADGROUP of the role's streams, highest priority first; [] while Redis is down."""
-        try:
-            entries = streams.read_group(self.r, self.role.group, self.worker_id, self.role.read_streams(),
-                                         count=limit, block_ms=block_ms or None)
-            self.outage.answered()
-            return entries
-        except REDIS_DOWN as exc:
-            self.outage.down(exc)
-            return []
-        except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc) or "no longer exists" in str(exc):
-                # Redis restarted without persistence, or a stream was deleted under a blocked read
-                self.ensure_groups()
-                return []
-            raise
-
-    def cancelled(self, request_ids_: list[str]) -> set[str]:
-        """Which of ``request_ids_`` a producer cancelled (``cancel:<id>`` set): one round trip."""
-        if not request_ids_:
-            return set()
-        try:
-            with self.r.pipeline(transaction=False) as pipe:
-                for rid in request_ids_:
-                    pipe.exists(self.keys.cancel(rid))
-                flags = pipe.execute()
-        except REDIS_DOWN:
-            return set()
-        return {rid for rid, flag in zip(request_ids_, flags) if flag}
-
-    def to_stop(self, requests: dict[str, Request]) -> dict[str, FinishReason]:
-        """Which of ``requests`` (by id) must stop now: cancelled, else past their deadline."""
-        stopped = {rid: FinishReason.CANCELLED for rid in self.cancelled(list(requests))}
-        t = now_ms()
-        stopped.update({rid: FinishReason.EXPIRED for rid, req in requests.items()
-                        if rid not in stopped and req.expired(t)})
-        return stopped
-
     # ---- Redis ---------------------------------------------------------------------------
     def ensure_groups(self) -> None:
         """Every group exists (created at "0": entries added before any worker are served)."""
@@ -378,17 +327,97 @@ class WorkerShell:
         self.recovery.on_unit_failed()
 
 
-def role_for(role_name: str) -> Role:
-    """A new (not started) role of that name."""
-    if role_name == "prefill":
-        from workers.prefill import PrefillRole as role_class
-    elif role_name == "decode":
-        from workers.decode import DecodeRole as role_class
-    elif role_name == "colocated":
-        from workers.colocated import ColocatedRole as role_class
-    else:
-        raise ValueError(f"unknown role {role_name!r}")
-    return role_class()
+class ShellView:
+    """The shell as a role sees it: ``RoleHost`` (workers/role.py), these members and no
+    other, handed to the role at ``start``. The values are the shell's; the methods act on
+    the shell's parts (publisher, recovery, heartbeat, switch control) for the role now."""
+
+    def __init__(self, shell: WorkerShell):
+        self._shell = shell
+        self.config, self.loaded, self.metrics = shell.config, shell.loaded, shell.metrics
+        self.worker_id, self.incarnation, self.node = shell.worker_id, shell.incarnation, shell.node
+        self.keys, self.r = shell.keys, shell.r
+
+    @property
+    def segment(self):
+        return self._shell.kv.segment
+
+    @property
+    def accepting(self) -> bool:
+        return not self._shell.stop.warm.is_set() and self._shell.next_role is None
+
+    @property
+    def cold_stop(self) -> bool:
+        return self._shell.stop.cold.is_set()
+
+    def kv_pool(self, shared: bool = False):
+        return self._shell.kv.pool(shared)
+
+    @contextmanager
+    def unit(self) -> Iterator[Unit]:
+        """A ``Unit`` of answers, submitted to the publisher when the block ends (not when
+        it raises: then the entries stay pending and are taken in again)."""
+        shell = self._shell
+        unit = Unit(self.keys, self.worker_id, shell.role.group)
+        yield unit
+        if unit:
+            shell.publisher.submit(unit.ops)
+            self.metrics.answered(unit.tally)
+
+    def take(self, limit: int, block_ms: int, only: str | None = None) -> Input:
+        role = self._shell.role
+        if only is not None:
+            return Input(self._read([only], limit, block_ms), resumed=False)
+        entries = self._shell.recovery.recover(role, limit)
+        if entries:
+            return Input(entries, resumed=True)
+        return Input(self._read(role.read_streams(), limit, block_ms), resumed=False)
+
+    def _read(self, stream_names: list[str], limit: int, block_ms: int) -> list:
+        """XREADGROUP of ``stream_names``, highest priority first; [] while Redis is down."""
+        shell = self._shell
+        try:
+            entries = streams.read_group(self.r, shell.role.group, self.worker_id, stream_names,
+                                         count=limit, block_ms=block_ms or None)
+            shell.outage.answered()
+            return entries
+        except REDIS_DOWN as exc:
+            shell.outage.down(exc)
+            return []
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc) or "no longer exists" in str(exc):
+                # Redis restarted without persistence, or a stream was deleted under a blocked read
+                shell.ensure_groups()
+                return []
+            raise
+
+    def cancelled(self, request_ids_: list[str]) -> set[str]:
+        if not request_ids_:
+            return set()
+        try:
+            with self.r.pipeline(transaction=False) as pipe:
+                for rid in request_ids_:
+                    pipe.exists(self.keys.cancel(rid))
+                flags = pipe.execute()
+        except REDIS_DOWN:
+            return set()
+        return {rid for rid, flag in zip(request_ids_, flags) if flag}
+
+    def to_stop(self, requests: dict[str, Request]) -> dict[str, FinishReason]:
+        stopped = {rid: FinishReason.CANCELLED for rid in self.cancelled(list(requests))}
+        t = now_ms()
+        stopped.update({rid: FinishReason.EXPIRED for rid, req in requests.items()
+                        if rid not in stopped and req.expired(t)})
+        return stopped
+
+    def tick(self) -> None:
+        self._shell.tick()
+
+    def advertise(self, **fields) -> None:
+        self._shell.advertise(**fields)
+
+    def answer_command(self, kind: str, command_id: str, status: str, **fields) -> None:
+        self._shell.switches.answer(kind, command_id, status, **fields)
 
 
 def make_worker(role_name: str, config: WorkerConfig, loaded) -> WorkerShell:

@@ -3,7 +3,7 @@ a switch in progress, and the rule that a switch must not leave a backlog with n
 serve it.
 
 A worker started with ``--switchable`` reads ``control:<id>`` every ``CONTROL_EVERY_S``
-(``WorkerShell.control``) and answers each command with events on ``events``
+(``SwitchControl.poll``, from the shell's ``tick``) and answers each command with events on ``events``
 (``type=switch``): ``refused`` (with the reason), or ``accepted`` and later ``done`` (or
 ``failed``). It refuses, in this order:
 
@@ -33,7 +33,8 @@ A worker started with ``--switchable`` reads ``control:<id>`` every ``CONTROL_EV
 ``SwitchControl`` is this protocol in a worker (``WorkerShell.switches``): it reads the
 commands, refuses or accepts them, asks the shell to switch (``WorkerShell.switch_role``)
 and writes the events; the shell tells it when the old role has drained (``drained``), when
-the new one serves (``done``) and when a switch failed (``failed``). The elastic planner's
+the new one serves (``done``) and when a switch failed (``failed``). What it uses of the
+shell is ``SwitchHost``, typed, and nothing else (tests/test_role_contract.py). The elastic planner's
 budget and migrate commands (no epoch, no backlog rule: the role keeps serving) go to the
 role (``set_tbt_budget``, ``migrate_some``: levers every role has, refusing by default),
 refused while the worker stops or switches, or by a role that has no such lever, and are
@@ -47,16 +48,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from pdqueue.control import commands
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.protocol import REQUEST_ROLES
+from pdqueue.protocol import REQUEST_ROLES, Role
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 from workers.common import Every
 from workers.recovery import REDIS_DOWN
+
+if TYPE_CHECKING:
+    import redis
+
+    from workers.common import WorkerConfig
+    from workers.role import Role as WorkerRole
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -87,17 +94,17 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
     others = [w for w in list_workers(r, keys) if w["worker_id"] != worker_id]
     after = {w["worker_id"]: (w.get("switching_to") or w.get("role") or "") for w in others}
     after[worker_id] = to_role
-    prefill = sorted(wid for wid, role in after.items() if role == "prefill")
-    has_decode = any(role == "decode" for role in after.values())
+    prefill = sorted(wid for wid, role in after.items() if role == Role.PREFILL)
+    has_decode = any(role == Role.DECODE for role in after.values())
     has_request_role = any(role in REQUEST_ROLES for role in after.values())
     if from_role in REQUEST_ROLES and not has_request_role:
         n = streams_backlog(r, request_streams_of(r, keys), PREFILL_GROUP, not_held_by=worker_id).total
         if n:
             return f"nobody left to serve it: last prefill-capable worker, {n} request(s) queued"
-    if not has_decode and prefill and (from_role == "decode" or to_role == "prefill"):
-        who = "last decode worker" if from_role == "decode" else "no decode worker"
+    if not has_decode and prefill and (from_role == Role.DECODE or to_role == Role.PREFILL):
+        who = "last decode worker" if from_role == Role.DECODE else "no decode worker"
         return f"nobody left to serve it: {who}, prefill worker(s) {', '.join(prefill)} would hand off to nobody"
-    if from_role == "decode" and not has_decode:
+    if from_role == Role.DECODE and not has_decode:
         nodes = {w.get("node") for w in others if w.get("node")} | {node}
         streams = [keys.handoff, *(keys.handoff_node(n) for n in sorted(nodes))]
         n = streams_backlog(r, streams, DECODE_GROUP, not_held_by=worker_id).total
@@ -106,11 +113,35 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
     return None
 
 
-class SwitchControl:
-    """The switch commands of one worker (see the module docstring). ``shell`` is its
-    ``WorkerShell``; ``make_role(name)`` builds the role a command asks for."""
+class SwitchHost(Protocol):
+    """What the switch control uses of its worker's shell (``WorkerShell``), all of it."""
 
-    def __init__(self, shell, make_role: Callable[[str], object]):
+    config: WorkerConfig          # ``switchable``
+    worker_id: str
+    node: str
+    keys: Keys
+    r: redis.Redis
+    role: WorkerRole              # the role now: its name, what it holds, its levers
+    role_epoch: int
+    next_role: WorkerRole | None  # the role a switch under way goes to
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was asked, warm or cold."""
+
+    def switch_role(self, role: WorkerRole) -> None:
+        """Replace the running role by ``role`` once it has finished what it holds."""
+
+    def advertise(self, **fields) -> None:
+        """Show these fields in the worker's heartbeat, written now."""
+
+
+class SwitchControl:
+    """The switch commands of one worker (see the module docstring). ``shell``: its
+    ``WorkerShell``, as a ``SwitchHost``; ``make_role(name)`` builds the role a command asks
+    for (workers/role.py ``role_for``)."""
+
+    def __init__(self, shell: SwitchHost, make_role: Callable[[str], WorkerRole]):
         self.shell = shell
         self.make_role = make_role
         self.switching: Switching | None = None   # an accepted switch command, until done or failed
@@ -149,8 +180,7 @@ class SwitchControl:
         sw = Switching(command_id, role.name, cmd.role, shell.role_epoch, held=len(role.held()),
                        leases=int(role.load().get("leases", 0)), read_at=read_at)
         self.switching = sw
-        shell.heartbeat.update(switching_to=cmd.role)
-        shell.beat_now()
+        shell.advertise(switching_to=cmd.role)
         self.event("accepted", sw, by=cmd.by)
         log.info("worker %s: switch %s -> %s accepted (command %s by %s; %d in hand, %d leases)", shell.worker_id,
                  role.name, cmd.role, command_id, cmd.by or "?", sw.held, sw.leases)
@@ -161,7 +191,7 @@ class SwitchControl:
         shell = self.shell
         if not shell.config.switchable:
             return FIXED_ROLE
-        if shell.stop.warm.is_set() or shell.stop.cold.is_set():
+        if shell.stopping:
             return "the worker is stopping"
         if self.switching is not None or shell.next_role is not None:
             to = self.switching.to_role if self.switching else shell.next_role.name
@@ -178,7 +208,7 @@ class SwitchControl:
         shell = self.shell
         budget = isinstance(cmd, commands.BudgetCommand)
         kind = commands.BUDGET if budget else commands.MIGRATE
-        if shell.stop.warm.is_set() or shell.stop.cold.is_set():
+        if shell.stopping:
             reason = "the worker is stopping"
         elif self.switching is not None or shell.next_role is not None:
             reason = "a switch is in progress"

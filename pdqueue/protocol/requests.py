@@ -16,6 +16,8 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0   # 0 = off
+MAX_TENANT_CHARS = 256   # a request's usage labels (``tenant``, ``ref``) are at most this long
+MAX_REF_CHARS = 1024
 MAX_TOKENS_CONTEXT = "context"
 """The wire value of ``max_tokens=None``: up to the model's context (what the prompt leaves
 of it; OpenAI's chat without ``max_tokens``). The worker that tokenizes the prompt sets it."""
@@ -38,6 +40,11 @@ class Request:
     messages: tuple[dict, ...] | None = None  # [{"role", "content"}]: the chat template is applied to them
     enqueued_ms: int = 0             # unix ms, from the stream entry id (0 if unknown)
     service_class: ServiceClass | None = None  # wire field ``class``; None: from ``priority``
+    # Usage labels (pdqueue/queue/ledger.py): carried prefill -> handoff -> decode into the
+    # request's usage record; absent on the wire: "".
+    tenant: str = ""                 # who is billed: the gateway's tenant, or the producer's own name
+    ref: str = ""                    # the producer's name for it ("batch:<batch id>:<custom_id>",
+                                     # "idempotency-key:<key>"): the record names it
 
     def __post_init__(self) -> None:
         # Accept lists and plain strings from Python callers; validate_request judges values.
@@ -86,7 +93,8 @@ class Request:
 _RANKS = {c: i for i, c in enumerate(ServiceClass)}
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
-                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages", "class")
+                  "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages", "class",
+                  "tenant", "ref")
 # Set by a worker that routes a request to a peer (workers/routing.py): who moved it, and
 # when the producer enqueued it (the id of the moved entry is newer; deadlines and TTFT
 # count from the original enqueue).
@@ -155,6 +163,10 @@ def validate_request(req: Request) -> None:
         fail(f"chat must be a boolean, got {_short(req.chat)}")
     if not isinstance(req.ignore_eos, bool):
         fail(f"ignore_eos must be a boolean, got {_short(req.ignore_eos)}")
+    for name, most in (("tenant", MAX_TENANT_CHARS), ("ref", MAX_REF_CHARS)):
+        value = getattr(req, name)
+        if not isinstance(value, str) or len(value) > most:
+            fail(f"{name} must be a string of at most {most} characters, got {_short(value)}")
 
 
 def entry_request_id(entry_id: str | bytes | None, fields: Mapping) -> str | None:
@@ -200,6 +212,10 @@ def request_to_fields(req: Request) -> dict[str, str]:
         fields["chat"] = "1"
     if req.ignore_eos:
         fields["ignore_eos"] = "1"
+    if req.tenant:
+        fields["tenant"] = req.tenant
+    if req.ref:
+        fields["ref"] = req.ref
     if req.messages is not None:
         fields["messages"] = json.dumps(list(req.messages), ensure_ascii=False, separators=(",", ":"))
     return fields
@@ -338,6 +354,8 @@ def parse_request(entry_id: str | bytes | None,
         messages=tuple(messages) if messages is not None else None,
         enqueued_ms=integer("enqueued_ms") if "enqueued_ms" in text else entry_id_ms(eid),
         service_class=service_class,
+        tenant=text.get("tenant", ""),
+        ref=text.get("ref", ""),
     )
     validate_request(req)
     return req
