@@ -22,8 +22,7 @@ from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.test_migration import check_answers
 from tests.test_metrics import endpoint, scrape, total
-from workers.decode import SpareTime
-from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, local_wait_s
+from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, SpareTime, local_wait_s
 
 N = 8
 TAKES = ("--take-prompts", "--policy", "chunked", "--tbt-slo-ms", "200")
@@ -251,7 +250,8 @@ def test_the_gap_guard_stops_placed_prompts_while_the_decode_steps_run_long(redi
     spare share is unchanged; back under, it takes prompts again. Fewer than 8 steps
     recorded are no evidence either way."""
     from workers.common import WorkerConfig
-    from workers.decode import GAP_GUARD, RECENT_STEPS, DecodeRole
+    from workers.decode import DecodeRole
+    from workers.placement import GAP_GUARD, RECENT_STEPS
     from workers.shell import WorkerShell
 
     target_ms = 200.0

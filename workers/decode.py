@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -52,6 +51,7 @@ from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.fetch import FetchOutcome, Fetcher
 from workers.migration import Migrator
+from workers.placement import RECENT_STEPS, SpareTime, prompt_load
 from workers.role import IDLE_BLOCK_MS, Role, RoleHost
 
 log = logging.getLogger("pdqueue.decode")
@@ -59,43 +59,6 @@ log = logging.getLogger("pdqueue.decode")
 READ_LIMIT = 16        # handoffs taken per step boundary at most (each still needs room to start)
 CHECK_EVERY_S = 0.1    # cancel keys and deadlines of the running requests
 FETCH_WAIT_S = 0.05    # nothing to step: wait this long for a fetch to land
-SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
-TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost before this engine has measured one (int4 SmolLM2 ~2-5 ms)
-SPARE_TAU_S = 2.0      # the time constant of the spare-time average
-RECENT_STEPS = 32      # steps with decodes the gap guard looks at
-GAP_GUARD = 1.0        # of the TBT target: a step p90 past it stops placed prompts
-
-
-class SpareTime:
-    """The share of a worker's time its decodes leave free, averaged over ~SPARE_TAU_S: steps
-    without prompt tokens count whole, steps with some count what the step cost model gives
-    their decode rows alone (the prompt tokens in them are the spare time's use).
-
-    Each step is measured against ``frame_s`` when that is longer than the step: the time the
-    TBT target allows a step (``TbtBudget.step_s``, engine/policies.py). A decode worker
-    stepping back to back has no idle time, but a 130 ms decode step under a 212 ms step budget leaves 39 % of
-    each step to prompt chunks (measured in float32, where decodes alone are ~130 ms: by the
-    idle clock its spare read 0 and it took no prompt while the prefill worker queued
-    seconds)."""
-
-    def __init__(self, tau_s: float = SPARE_TAU_S, clock=time.monotonic):
-        self.share, self.tau_s, self.clock = 1.0, tau_s, clock
-        self._at = clock()
-
-    def add(self, decode_s: float, frame_s: float = 0.0) -> None:
-        now = self.clock()
-        wall, self._at = now - self._at, now
-        if wall <= 0:
-            return
-        keep = math.exp(-wall / self.tau_s)
-        self.share = keep * self.share + (1 - keep) * max(0.0, 1 - decode_s / max(wall, frame_s))
-
-    def add_step(self, scheduler, decode_rows: int, prompts: bool, step_s: float) -> None:
-        """An engine step of ``step_s`` with ``decode_rows`` decodes (and prompt tokens when
-        ``prompts``), against the scheduler's TBT step budget."""
-        cost = scheduler.cost
-        decode_s = min(step_s, max(0.0, cost.predict(decode_rows, 0))) if prompts and cost.ready else step_s
-        self.add(decode_s, frame_s=scheduler.tbt.step_s or 0.0)
 
 
 class JobState(Enum):
@@ -234,7 +197,7 @@ class DecodeRole(Role):
     def start_backlog(self) -> int:
         """Start jobs while there is room, by class, then in the order they came; returns how
         many fetches it started. By class: after an outage, batch jobs in front held online
-        ones back until their KV leases expired (docs/performance.md, session 12)."""
+        ones back until their KV leases expired (docs/performance.md)."""
         fetches = 0
         for job in sorted(self.in_state(JobState.BACKLOG), key=lambda j: j.handoff.request.rank):
             h = job.handoff
@@ -434,8 +397,13 @@ def decode_load(role: DecodeRole) -> dict:
             # what a prefill worker decides by whether to hand a request over or decode it
             # itself (workers/decode_peers.py), and where to place prompts
             "free_slots": max(0, role.engine.config.max_num_seqs - len(role.jobs)),
-            **(prompt_load(role.engine, role.spare, role.recent_steps, role.jobs,
+            **(prompt_load(role.engine, role.spare, role.recent_steps, placed_waiting(role),
                            role.shell.config.engine.tbt_slo_ms) if role.takes_prompts else {})}
+
+
+def placed_waiting(role: DecodeRole) -> int:
+    """The prompt tokens of prompts placed here that wait in the backlog (not yet in the engine)."""
+    return sum(len(j.handoff.prompt_ids) for j in role.in_state(JobState.BACKLOG) if j.handoff.prompt_only)
 
 
 def admit_grace_s(step_s: float) -> float:
@@ -443,32 +411,6 @@ def admit_grace_s(step_s: float) -> float:
     a quarter of a recent step, between 2 and 25 ms (a new sequence that misses this
     step waits a whole step more, while the batch pays this once)."""
     return min(0.025, max(0.002, 0.25 * step_s))
-
-
-def prompt_load(engine: LLMEngine, spare: SpareTime, recent_steps, jobs: dict, tbt_slo_ms: float | None) -> dict:
-    """What prefill workers place prompts by (workers/placement.py): the prompt tokens a
-    second this worker can take in the time its decodes leave (0 below SPARE_MIN: placed
-    prompts would then lengthen every gap) and the prompt tokens it holds."""
-    cost = engine.scheduler.cost
-    token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
-    share = spare.share
-    tok_s = share / token_s if share >= SPARE_MIN else 0.0
-    target_ms = tbt_slo_ms
-    if target_ms is not None and len(recent_steps) >= 8:
-        # Its decodes' gaps are missing the target (a step p90 past GAP_GUARD of it): no more
-        # prompts until they recover (measured in session 10: without a guard, past the split's
-        # capacity placed prompts kept coming and gaps reached seconds). The chunks are sized
-        # by the TBT budget now (scheduler.py), so steps with prompts run up to 0.85 targets
-        # by design; the guard at 0.6 then closed placement whenever it was used.
-        steps = sorted(recent_steps)
-        if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
-            tok_s = 0.0
-    scheduler = engine.scheduler
-    held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
-    held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
-    held += sum(len(j.handoff.prompt_ids) for j in jobs.values()
-                if j.state is JobState.BACKLOG and j.handoff.prompt_only)
-    return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(share, 2), "prompt_backlog": held}
 
 
 def read_handoff(fields, engine: LLMEngine) -> tuple[Handoff | None, str | None]:

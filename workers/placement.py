@@ -1,12 +1,18 @@
-"""Prompt placement: which worker prefills a prompt, decided per request from measured costs.
+"""Prompt placement, both halves: which worker prefills a prompt, decided per request from
+measured costs. The decode side says what it can take (``SpareTime``, ``prompt_load``: its
+heartbeat's load); the prefill side decides from that (``Placement``). One module, so the
+fields one half writes and the other reads are defined side by side.
 
-A decode worker started with ``--take-prompts`` also prefills prompts, in chunks under its
-TBT budget beside its decodes (the chunked scheduler, engine/scheduler.py). Its heartbeat
-says how fast it can take prompt tokens now: ``prompt_tok_s`` = the share of its clock its
-decodes left over the last ~2 s (``spare``, workers/decode.py ``SpareTime``) over its own
-cost of a prompt token, 0 below 20 % spare; and ``prompt_backlog``, the prompt tokens it
-holds. A prefill worker, at intake (workers/intake.py), sends a prompt there as a *prompt
-handoff* (no KV, no token: protocol/handoff.py) instead of prefilling it, when
+The decode half. A decode worker started with ``--take-prompts`` also prefills prompts, in
+chunks under its TBT budget beside its decodes (the chunked scheduler,
+engine/scheduler.py). Its heartbeat says how fast it can take prompt tokens now:
+``prompt_tok_s`` = the share of its clock its decodes left over the last ~2 s (``spare``,
+``SpareTime``) over its own cost of a prompt token, 0 below ``SPARE_MIN`` spare or while its
+decode steps miss the TBT target (``GAP_GUARD``); and ``prompt_backlog``, the prompt tokens
+it holds (``prompt_load``, which workers/decode.py adds to its load).
+
+The prefill half. A prefill worker, at intake (workers/intake.py), sends a prompt there as a
+*prompt handoff* (no KV, no token: protocol/handoff.py) instead of prefilling it, when
 
 - it is online (not batch) and at most ``max_tokens`` long;
 - it would wait here at least ``MIN_WAIT_S``: an unloaded split stays a split, so the
@@ -26,11 +32,79 @@ estimates here; no I/O but the heartbeat reads (``refresh``: the prefill worker'
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from workers.decode_peers import DecodePeers, takes_work
 
+# ---- the decode half: what a decode worker taking prompts advertises ------------------------
+SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
+TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost (s) before this engine has measured one (a small quantized model's on CPU)
+SPARE_TAU_S = 2.0      # the time constant of the spare-time average
+RECENT_STEPS = 32      # steps with decodes the gap guard looks at
+GAP_GUARD = 1.0        # of the TBT target: a step p90 past it stops placed prompts
+
+
+class SpareTime:
+    """The share of a worker's time its decodes leave free, averaged over ~SPARE_TAU_S: steps
+    without prompt tokens count whole, steps with some count what the step cost model gives
+    their decode rows alone (the prompt tokens in them are the spare time's use).
+
+    Each step is measured against ``frame_s`` when that is longer than the step: the time the
+    TBT target allows a step (``TbtBudget.step_s``, engine/policies.py). A decode worker
+    stepping back to back has no idle time, yet a decode step shorter than its step budget
+    leaves the rest of each step to prompt chunks (by the idle clock alone its spare read 0,
+    and it took no prompt while the prefill worker queued)."""
+
+    def __init__(self, tau_s: float = SPARE_TAU_S, clock=time.monotonic):
+        self.share, self.tau_s, self.clock = 1.0, tau_s, clock
+        self._at = clock()
+
+    def add(self, decode_s: float, frame_s: float = 0.0) -> None:
+        now = self.clock()
+        wall, self._at = now - self._at, now
+        if wall <= 0:
+            return
+        keep = math.exp(-wall / self.tau_s)
+        self.share = keep * self.share + (1 - keep) * max(0.0, 1 - decode_s / max(wall, frame_s))
+
+    def add_step(self, scheduler, decode_rows: int, prompts: bool, step_s: float) -> None:
+        """An engine step of ``step_s`` with ``decode_rows`` decodes (and prompt tokens when
+        ``prompts``), against the scheduler's TBT step budget."""
+        cost = scheduler.cost
+        decode_s = min(step_s, max(0.0, cost.predict(decode_rows, 0))) if prompts and cost.ready else step_s
+        self.add(decode_s, frame_s=scheduler.tbt.step_s or 0.0)
+
+
+def prompt_load(engine, spare: SpareTime, recent_steps, placed_waiting: int, tbt_slo_ms: float | None) -> dict:
+    """What prefill workers place prompts by (``Placement.refresh`` reads it): the prompt
+    tokens a second this worker (``engine``, a decode engine) can take in the time its
+    decodes leave (0 below SPARE_MIN: placed prompts would then lengthen every gap) and the
+    prompt tokens it holds (in its engine, and ``placed_waiting``: those of placed prompts
+    not in the engine yet)."""
+    cost = engine.scheduler.cost
+    token_s = cost.theta[2] if cost.ready and cost.theta[2] > 0 else TOKEN_S_UNKNOWN
+    share = spare.share
+    tok_s = share / token_s if share >= SPARE_MIN else 0.0
+    target_ms = tbt_slo_ms
+    if target_ms is not None and len(recent_steps) >= 8:
+        # Its decodes' gaps are missing the target (a step p90 past GAP_GUARD of it): no more
+        # prompts until they recover (without a guard, past the split's capacity placed
+        # prompts kept coming and gaps reached seconds). The chunks are sized by the TBT
+        # budget (scheduler.py), so steps with prompts run up to 0.85 targets by design; a
+        # guard at 0.6 closed placement whenever it was used.
+        steps = sorted(recent_steps)
+        if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
+            tok_s = 0.0
+    scheduler = engine.scheduler
+    held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
+    held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
+    held += placed_waiting
+    return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(share, 2), "prompt_backlog": held}
+
+
+# ---- the prefill half: where a prompt goes ---------------------------------------------------
 MIN_WAIT_S = 0.15    # a prompt that would wait less here stays here
 MARGIN = 0.7         # the remote estimate must beat the local one by this factor
 MAX_PROMPT_TOKENS = 1024
