@@ -28,8 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from pdqueue.protocol import Role
+
 KINDS = ("kill-worker", "restart-redis")
-ROLES = ("decode", "colocated", "prefill")   # kill-worker without a role: the first of these that runs
+# kill-worker without a role: the first of these that runs
+ROLES = (Role.DECODE.value, Role.COLOCATED.value, Role.PREFILL.value)
 # The bench's Redis server under --chaos: durable across its restart.
 DURABLE_REDIS_ARGS = ("--appendfsync", "everysec")
 

@@ -43,6 +43,7 @@ from pdqueue.discovery import read_state, remove_state, running_clusters, state_
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
 from pdqueue.keys import Keys
 from pdqueue.procs import die_with_parent
+from pdqueue.protocol import Role
 from pdqueue.queue.connection import connect
 from pdqueue.queue.redis_server import RedisServer, port_is_free
 from pdqueue.queue.registry import list_workers
@@ -188,7 +189,7 @@ class LocalCluster:
 
     def start_workers(self) -> None:
         c = self.config
-        for role, count in (("prefill", c.num_prefill), ("decode", c.num_decode)):
+        for role, count in ((Role.PREFILL.value, c.num_prefill), (Role.DECODE.value, c.num_decode)):
             for i in range(count):
                 self.spawn(role, f"{role}-{i}-{self.run_id}")
 
@@ -203,7 +204,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "workers", "worker", role,   # the URL: in child_env
                "--cluster", c.cluster, "--model", c.model, "--kv-cache-mb", str(c.kv_cache_mb),
                "--worker-id", worker_id, "--log-level", c.log_level, *c.worker_args,
-               *(c.prefill_args if role == "prefill" else c.decode_args)]
+               *(c.prefill_args if role == Role.PREFILL else c.decode_args)]
         if c.switchable:
             cmd.append("--switchable")
         weights = self.weights_of(role)
@@ -217,7 +218,7 @@ class LocalCluster:
 
     def weights_of(self, role: str) -> str:
         """The --weights of a worker started in ``role`` (a switch keeps them)."""
-        return self.config.prefill_weights if role == "prefill" else self.config.decode_weights
+        return self.config.prefill_weights if role == Role.PREFILL else self.config.decode_weights
 
     def start_gateway(self, timeout_s: float = 30.0) -> str:
         """Start `pdqueue serve` for this cluster on ``config.gateway_port`` (None: 8000 when

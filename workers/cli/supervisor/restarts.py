@@ -16,6 +16,7 @@ from typing import Callable
 
 import redis
 
+from pdqueue.protocol import Role
 from pdqueue.queue.registry import list_workers
 from workers.cli.supervisor.processes import WorkerProcess, secs
 from workers.cli.supervisor.supervised import Supervised
@@ -30,7 +31,7 @@ ROLES_EVERY_S = 1.0   # how often the supervisor notes each worker's current rol
 # Prefill first (it keeps serving exported KV until the decode side has copied it), decode
 # last (it finishes what prefill handed off). With ``--adapt`` roles change: the current
 # role is read from each worker's heartbeat.
-ROLES_IN_STOP_ORDER = ("prefill", "colocated", "decode")
+ROLES_IN_STOP_ORDER = (Role.PREFILL.value, Role.COLOCATED.value, Role.DECODE.value)
 
 
 class Restarts:
@@ -180,9 +181,9 @@ class Restarts:
         if self.cluster.gateway is not None and self.cluster.gateway.gave_up:
             return "there is no gateway left"
         roles = {w.role for w in self.cluster.workers if not w.gave_up}
-        if "colocated" in roles or {"prefill", "decode"} <= roles:
+        if Role.COLOCATED.value in roles or {Role.PREFILL.value, Role.DECODE.value} <= roles:
             return None
-        missing = [r for r in ("prefill", "decode") if r not in roles]
+        missing = [r for r in (Role.PREFILL.value, Role.DECODE.value) if r not in roles]
         return f"no {' or '.join(missing)} worker is left"
 
     def serving(self) -> str:

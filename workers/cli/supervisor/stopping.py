@@ -22,7 +22,7 @@ import time
 from typing import Any, Protocol
 
 from pdqueue.discovery import remove_state
-from pdqueue.protocol import ErrorCode
+from pdqueue.protocol import ErrorCode, Role
 from workers.cli.supervisor.draining import STOP_REPORT_INTERVAL_S, UNANSWERED_READ_S, WorkLeft
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
 from workers.cli.supervisor.restarts import ROLES_IN_STOP_ORDER, Restarts
@@ -101,7 +101,8 @@ class Stopping:
                     continue
                 cold = hurry.is_set()  # already in a hurry: the second SIGTERM follows at once
                 how = "cold: at once" if cold else "warm: work in hand finishes"
-                if not cold and role == "prefill" and self.cluster.server is not None and not self._alive_in("decode", roles):
+                if (not cold and role == Role.PREFILL and self.cluster.server is not None
+                        and not self._alive_in(Role.DECODE, roles)):
                     cold, how = True, "cold: no decode worker is left to take its KV"
                 say(f"stopping {len(group)} {role} worker{'s' if len(group) > 1 else ''} ({how})")
                 for w in group:
