@@ -5,8 +5,8 @@ Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or n
 ``AsyncClient.submit`` per request, its answer read from ``out:<id>``: ``answer.py``),
 ``GET /v1/models`` (what the live workers serve), ``GET /health`` (200 while workers of
 each needed role live), ``GET /v1/requests/{id}`` and ``POST /v1/requests/{id}/cancel``
-(resumable requests: ``resumable.py``), ``GET /metrics`` (Prometheus:
-``gateway_metrics.py``).
+(resumable requests: ``resumable.py``), ``/v1/responses`` (OpenAI's Responses API, its
+state in Redis: ``responses.py``), ``GET /metrics`` (Prometheus: ``gateway_metrics.py``).
 
 503 (no worker), 404 (unknown model) and 429 (backlog over ``max_backlog``) are answered
 from ``ClusterView``, polled in the background, at no round trip. 401: ``api_key`` is set
@@ -52,6 +52,8 @@ from pdqueue.frontends.batch_runner import BatchRunner
 from pdqueue.frontends.cluster_view import ClusterView
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
+from pdqueue.frontends.responses import ResponsesAPI
+from pdqueue.frontends.responses_store import DEFAULT_TTL_S as RESPONSES_TTL_S
 from pdqueue.frontends.runtime import Runtime, bind, runtime
 from pdqueue.frontends.service_classes import class_fields
 from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, load_tenants
@@ -77,6 +79,7 @@ class GatewayConfig:
     tenants: tuple[Tenant, ...] = ()  # API keys -> tenants (tenants.py); none: api_key is tenant "default"
     batch_lease_s: float = 10.0       # a killed gateway's batches are taken over after this
     batch_concurrency: int = 64       # requests in flight per batch
+    responses_ttl_s: int = RESPONSES_TTL_S   # a stored response (/v1/responses) lives this long after its last write
 
 
 
@@ -92,6 +95,7 @@ class Gateway:
         self._ignored_logged: set[tuple[str, ...]] = set()
         self.records = res.Records(self.keys, config.timeout_s)
         self.batch_api = BatchAPI(self)
+        self.responses = ResponsesAPI(self)
         self.batches: BatchRunner | None = None   # the batches this gateway runs (from start)
         self._batch_task: asyncio.Task | None = None
         # Stopping (serve): draining after the first signal, `stopped` set by the second.
@@ -378,7 +382,7 @@ class Gateway:
                 Route("/v1/requests/{request_id}/cancel", self.cancel_request, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-                *self.batch_api.routes()]
+                *self.batch_api.routes(), *self.responses.routes()]
 
 
 
@@ -390,9 +394,11 @@ def build_app(config: GatewayConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         await gw.start()
+        gw.responses.start()   # the sweep of the responses not ended (responses_store)
         try:
             yield
         finally:
+            await gw.responses.stop()
             await gw.stop()
 
     app = Starlette(routes=gw.routes(), lifespan=lifespan, exception_handlers={HTTPException: gw.http_error})

@@ -8,8 +8,8 @@ Roles (docs/security.md has the table and why):
 - ``gateway``: a producer, plus what ``pdqueue serve`` reads to route and report: the
   heartbeats (SCAN, HGETALL ``worker:*``) and the backlog (XINFO GROUPS, XLEN, XRANGE of the
   request and handoff streams, XLEN of ``done``/``dead``), and GET/SET of ``gw:*`` (the
-  records of resumable requests: ``Idempotency-Key``, ``GET /v1/requests/{id}``), and the
-  Batch API's keys (``batch_api_rules``).
+  records of resumable requests: ``Idempotency-Key``, ``GET /v1/requests/{id}``), the
+  Batch API's keys (``batch_api_rules``) and the Responses API's (``responses_api_rules``).
 - ``worker``: the commands prefill, decode and colocated workers run (streams, consumer
   groups, heartbeats, idempotency and cancel keys, the Lua scripts, MULTI/EXEC), on the
   cluster's keys only.
@@ -116,7 +116,7 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                 _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}"),
                 _selector("+get", "+set", f"~{keys.gateway_record('*')}"),   # resumable requests' records
-                *batch_api_rules(keys, requests)]
+                *batch_api_rules(keys, requests), *responses_api_rules(keys)]
     if role == "worker":
         return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]
     if role == "admin":
@@ -141,6 +141,18 @@ def batch_api_rules(keys: Keys, requests: list[str]) -> list[str]:
             _selector("+eval", "+evalsha", *requests, f"~{keys.seen('*')}"),
             _selector("+get", "+set", f"~{keys.seen('*')}"),
             _selector("+exists", f"~{keys.out('*')}")]
+
+
+def responses_api_rules(keys: Keys) -> list[str]:
+    """What the gateway's Responses API runs (pdqueue/frontends/responses_store.py has the keys):
+    its records (a hash each, finished by a Lua script) and the set of those not ended; and the
+    last entry of an answer (XREVRANGE ``out:*``: has it ended?)."""
+    from pdqueue.frontends.responses_store import ResponseKeys
+
+    rkeys = ResponseKeys(keys)
+    return [_selector("+hset", "+hget", "+hgetall", "+exists", "+expire", "+del", "+zadd", "+zrem", "+zrange",
+                      "+eval", "+evalsha", f"~{rkeys.record('*')}", f"~{rkeys.active}"),
+            _selector("+xrevrange", f"~{keys.out('*')}")]
 
 
 def password_hash(password: str) -> str:

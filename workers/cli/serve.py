@@ -44,6 +44,9 @@ DEFAULT_PORT = 8000
 @click.option("--batch-lease-s", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
               help="A batch is run by one gateway at a time, under a lease renewed every third of this; a killed "
                    "gateway's batches are taken over by another (or by it, restarted) after it.")
+@click.option("--responses-ttl-s", type=click.IntRange(min=1), default=30 * 86400, show_default=True,
+              help="A stored response of /v1/responses (its conversation and output, in Redis) is kept this long "
+                   "after its last write: 30 days, as OpenAI keeps them.")
 @click.option("--loop", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto", show_default=True,
               help="The event loop (auto: uvloop when installed, else asyncio's).")
 @click.option("--http", type=click.Choice(["auto", "h11", "httptools"]), default="auto", show_default=True,
@@ -53,12 +56,17 @@ DEFAULT_PORT = 8000
               help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
 def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, batch_concurrency,
-          batch_lease_s, loop, http, redis_parser, log_level):
+          batch_lease_s, responses_ttl_s, loop, http, redis_parser, log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
     \b
     The Batch API: POST /v1/files (purpose=batch), GET /v1/files/ID[/content], POST /v1/batches,
     GET /v1/batches[/ID], POST /v1/batches/ID/cancel; batches live in Redis and survive restarts.
+
+    \b
+    The Responses API: POST /v1/responses, GET /v1/responses/ID (?stream=true&starting_after=N
+    resumes its events), POST /v1/responses/ID/cancel, DELETE /v1/responses/ID,
+    GET /v1/responses/ID/input_items; responses and their conversations live in Redis.
 
     \b
     Also GET /health (200 while prefill and decode, or colocated, workers live; else 503),
@@ -100,7 +108,7 @@ def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, ti
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
                       max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s,
                       tenants=tuple(tenants), batch_lease_s=batch_lease_s,
-                      batch_concurrency=batch_concurrency), sock,
+                      batch_concurrency=batch_concurrency, responses_ttl_s=responses_ttl_s), sock,
         log_level=log_level, loop=rt.loop, http=rt.http)
 
 
