@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,10 @@ from hypothesis import strategies as st
 
 from pdqueue.keys import Keys
 from pdqueue.protocol import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
     PROTOCOL_VERSION,
     REQUEST_FIELDS,
     Completion,
@@ -33,6 +38,7 @@ from pdqueue.protocol import (
     parse_result,
     request_to_fields,
     token_entry,
+    validate_request,
 )
 
 EID = "1700000000123-4"
@@ -75,10 +81,50 @@ def test_request_round_trip_all_fields():
     assert parsed.expired(1700000000123 + 2501) and not parsed.expired(1700000000123 + 2500)
 
 
-def test_request_defaults_are_omitted_and_restored():
+def test_the_wire_carries_the_sampling_defaults_and_an_absent_field_means_the_default():
+    """What the producer meant goes on the wire, defaults included (a worker whose defaults
+    differ reads the same request); an older producer's entry without them still means the
+    defaults; the other fields at their default are left out."""
     req = Request(id="r", prompt_ids=(1, 2, 3))
-    assert request_to_fields(req) == {"id": "r", "prompt_ids": "[1,2,3]"}
+    assert request_to_fields(req) == {"id": "r", "prompt_ids": "[1,2,3]", "max_tokens": "128", "temperature": "1.0",
+                                      "top_p": "1.0", "top_k": "0"}
     assert parse_request(EID, request_to_fields(req)) == dataclasses.replace(req, enqueued_ms=1700000000123)
+    old = parse_request(EID, {"id": "r", "prompt_ids": "[1,2,3]"})
+    assert old == dataclasses.replace(req, enqueued_ms=1700000000123)
+    assert (old.max_tokens, old.temperature, old.top_p, old.top_k) == (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE,
+                                                                       DEFAULT_TOP_P, DEFAULT_TOP_K)
+
+
+@pytest.mark.parametrize("name,bad,good", [("max_tokens", 0, 1), ("temperature", -0.5, 0), ("top_p", 0.0, 1.0),
+                                           ("top_k", -1, 0), ("seed", -1, 0)])
+def test_each_sampling_field_has_one_check_that_every_layer_applies(name, bad, good):
+    """sampling_error is the check: a Request, the engine's SamplingParams, the OpenAI front end
+    and the CLI refuse the same value with the same reason, and take the same good one."""
+    import click
+
+    from pdqueue.engine.sampling import SamplingParams
+    from pdqueue.frontends.openai_compat import OpenAIError, parse_completion
+    from pdqueue.protocol import sampling_error
+    from workers.cli.common import check_sampling
+
+    reason = sampling_error(name, bad)
+    assert reason and reason.startswith(f"{name} must be") and sampling_error(name, good) is None
+    with pytest.raises(RequestError) as info:
+        validate_request(Request(id="r", prompt="p", **{name: bad}))
+    assert info.value.reason == reason
+    if name != "seed":   # (the engine's seed is always the effective one, drawn or given)
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            SamplingParams(**{name: bad})
+        SamplingParams(**{name: good})
+    with pytest.raises(OpenAIError) as http:
+        parse_completion({"prompt": "p", name: bad - 1 if name == "top_k" else bad})   # (vLLM's top_k -1 is off)
+    assert http.value.status == 400 and http.value.param == name and http.value.message.startswith(f"{name} must be")
+    assert parse_completion({"prompt": "p", name: good}) is not None
+    param = click.Option([f"--{name.replace('_', '-')}"], expose_value=True)
+    param.name = name
+    with pytest.raises(click.BadParameter, match=re.escape(sampling_error(name, bad, param.opts[0]))):
+        check_sampling(None, param, bad)
+    assert check_sampling(None, param, good) == good
 
 
 def test_request_without_id_takes_the_entry_id():
@@ -279,8 +325,7 @@ def test_roles_finish_reasons_and_reply_text_have_one_definition():
     assert as_str(b"\xff", "replace") == "\ufffd"
     with pytest.raises(UnicodeDecodeError):
         as_str(b"\xff")
-    assert Request(id="x", prompt="p").max_tokens == 128 and "max_tokens" not in request_to_fields(
-        Request(id="x", prompt="p"))
+    assert Request(id="x", prompt="p").max_tokens == 128 == int(request_to_fields(Request(id="x", prompt="p"))["max_tokens"])
 
 
 def test_max_tokens_against_the_context():

@@ -5,7 +5,8 @@ The random draw for output token ``index`` of a request comes from a generator s
 worker resuming after recompute and the colocated engine all draw the same token whatever
 else shares the batch.
 
-Imports torch, and pdqueue.protocol for the request defaults.
+Imports torch, and pdqueue.protocol for the request defaults and their checks
+(``sampling_error``, the one check of each field).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdqueue.protocol import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
+from pdqueue.protocol import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, sampling_error
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,14 +31,12 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+        if self.max_tokens is None:   # (up to the context: Limits.fit_to_context gives it a number first)
+            raise ValueError("max_tokens must be a number of tokens here, got None")
+        for name in ("max_tokens", "temperature", "top_p", "top_k"):
+            reason = sampling_error(name, getattr(self, name))
+            if reason:
+                raise ValueError(reason)
 
     @classmethod
     def for_request(cls, req, seed: int) -> "SamplingParams":

@@ -23,25 +23,25 @@ Finish reasons: pdqueue ``stop`` -> ``stop``, ``length`` -> ``length``; ``cancel
 Errors: ``OpenAIError(status, message, type, param, code).body()`` is
 ``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape.
 
-Standard library only, and pdqueue.protocol's context rule (``context_error``).
+Standard library only, and pdqueue.protocol's context rule (``context_error``) and its check
+of each sampling field (``sampling_error``: the values this API takes are the wire's).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pdqueue.protocol.limits import context_error
+from pdqueue.protocol.requests import MAX_SEED, sampling_error
 
 __all__ = ["COMPLETION_MAX_TOKENS_DEFAULT", "MAX_SEED", "OpenAIError", "Parsed", "bad_request", "chat_body",
            "chat_chunk", "chat_role_chunk", "completion_body", "completion_chunk", "finish_reason", "new_id",
            "parse_chat", "parse_completion", "sse", "usage", "usage_chunk", "worker_error"]
 
 COMPLETION_MAX_TOKENS_DEFAULT = 16   # OpenAI's documented default for /v1/completions, and vLLM's
-MAX_SEED = 2**63 - 1                 # pdqueue's seed range
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -154,10 +154,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -187,37 +183,30 @@ def _common(body: dict, chat: bool) -> dict[str, Any]:
     if best_of is not None and best_of != 1:
         raise bad_request(f"best_of={_short(best_of)} is not supported (only 1)", "best_of")
 
+    def checked(field: str, value: Any, name: str | None = None) -> Any:
+        reason = sampling_error(field, value, name)
+        if reason:
+            raise bad_request(reason, name or field)
+        return value
+
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     max_tokens = None
     for name in names:
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
-            raise bad_request(f"{name} must be an integer >= 1, got {_short(value)}", name)
+        checked("max_tokens", value, name)
         max_tokens = value if max_tokens is None else min(max_tokens, value)
     out["max_tokens"] = max_tokens if (chat or max_tokens is not None) else COMPLETION_MAX_TOKENS_DEFAULT
 
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not _is_num(temperature) or temperature < 0:
-            raise bad_request(f"temperature must be a number >= 0, got {_short(temperature)}", "temperature")
-        out["temperature"] = float(temperature)
-    top_p = body.get("top_p")
-    if top_p is not None:
-        if not _is_num(top_p) or not 0 < top_p <= 1:
-            raise bad_request(f"top_p must be in (0, 1], got {_short(top_p)}", "top_p")
-        out["top_p"] = float(top_p)
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            out[name] = float(checked(name, body[name]))
     top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
-            raise bad_request(f"top_k must be an integer >= -1 (-1 or 0: off), got {_short(top_k)}", "top_k")
-        out["top_k"] = max(0, top_k)
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
-            raise bad_request(f"seed must be an integer in [0, 2**63), got {_short(seed)}", "seed")
-        out["seed"] = seed
+    if top_k is not None:   # vLLM's -1 is off, as 0 is
+        out["top_k"] = checked("top_k", 0 if top_k == -1 and _is_int(top_k) else top_k)
+    if body.get("seed") is not None:
+        out["seed"] = checked("seed", body["seed"])
 
     stop = body.get("stop")
     if stop is None:

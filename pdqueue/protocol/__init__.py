@@ -20,8 +20,8 @@ from .handoff import Handoff, decode_handoff, encode_handoff
 from .limits import (MAX_ENTRY_BYTES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Limits,
                      context_error, entry_bytes)
 from .requests import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, MAX_SEED, MAX_TOKENS_CONTEXT,
-                       REQUEST_FIELDS, ROUTING_FIELDS, Request, entry_id_ms, entry_request_id, parse_request,
-                       request_to_fields, validate_request)
+                       REQUEST_FIELDS, ROUTING_FIELDS, SAMPLING_FIELDS, Request, entry_id_ms, entry_request_id,
+                       parse_request, request_to_fields, sampling_error, validate_request)
 from .results import UP_FIELD, Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry, up_server
 from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority, ServiceClass,
                    ProtocolError, RequestError, ResultType, Role, as_str)
@@ -30,7 +30,7 @@ __all__ = [
     "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ServiceClass", "ErrorCode",
     "ProtocolError", "RequestError", "HandoffError", "as_str",
     "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
-    "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
+    "SAMPLING_FIELDS", "sampling_error", "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
     "Limits", "MAX_ENTRY_BYTES", "MAX_PROMPT_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "entry_bytes",
     "context_error", "MAX_TOKENS_CONTEXT",
     "Completion", "ResultEvent", "token_entry", "done_entry", "error_entry", "parse_result", "UP_FIELD", "up_server",

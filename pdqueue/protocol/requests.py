@@ -11,7 +11,10 @@ from typing import Any, Mapping
 from .wire import Priority, RequestError, ServiceClass, _short
 
 # A request's defaults, the one place they are written (the client, the CLI and the
-# engine's SamplingParams take them from here).
+# engine's SamplingParams take them from here). A producer's ``Request`` holds them and
+# ``request_to_fields`` writes them out like any other value: a worker applies them only to
+# a field that is absent (an older producer, or one writing the stream itself), so a
+# request's meaning never depends on which side's defaults are newer.
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -21,6 +24,37 @@ MAX_REF_CHARS = 1024
 MAX_TOKENS_CONTEXT = "context"
 """The wire value of ``max_tokens=None``: up to the model's context (what the prompt leaves
 of it; OpenAI's chat without ``max_tokens``). The worker that tokenizes the prompt sets it."""
+MAX_SEED = 2**63 - 1
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+"""The fields ``sampling_error`` checks: always written by ``request_to_fields`` (the seed when set)."""
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# field: (accepts, what it must be)
+_SAMPLING_RULES = {
+    "max_tokens": (lambda v: v is None or _is_int(v) and v >= 1, "an integer >= 1"),   # None: up to the context
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "seed": (lambda v: v is None or _is_int(v) and 0 <= v <= MAX_SEED, "an integer in [0, 2**63)"),
+}
+
+
+def sampling_error(name: str, value: Any, label: str | None = None) -> str | None:
+    """Why ``value`` cannot be the sampling field ``name`` (``SAMPLING_FIELDS``), or None:
+    the one check of each, which ``validate_request``, the engine's ``SamplingParams``, the
+    OpenAI front end and the CLI's options all apply. ``label``: the name the message uses
+    (an API's own, e.g. ``max_completion_tokens``)."""
+    accepts, rule = _SAMPLING_RULES[name]
+    return None if accepts(value) else f"{label or name} must be {rule}, got {_short(value)}"
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -104,7 +138,6 @@ _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _INT = re.compile(r"^[+-]?[0-9]{1,30}$")
 _FLOAT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,4})?$")
 _ENTRY_ID = re.compile(r"^([0-9]+)-[0-9]+$")
-MAX_SEED = 2**63 - 1
 
 
 def validate_request(req: Request) -> None:
@@ -139,17 +172,10 @@ def validate_request(req: Request) -> None:
             fail("prompt_ids is empty")
     if req.chat and req.prompt_ids is not None:
         fail("chat=1 needs 'prompt' (the user message) or 'messages', not 'prompt_ids'")
-    if req.max_tokens is not None and (type(req.max_tokens) is not int or req.max_tokens < 1):
-        fail(f"max_tokens must be an integer >= 1 (or None: up to the model's context), got {_short(req.max_tokens)}")
-    if not isinstance(req.temperature, (int, float)) or not math.isfinite(req.temperature) \
-            or req.temperature < 0:
-        fail(f"temperature must be a finite number >= 0, got {_short(req.temperature)}")
-    if not isinstance(req.top_p, (int, float)) or not (0 < req.top_p <= 1):
-        fail(f"top_p must be in (0, 1], got {_short(req.top_p)}")
-    if type(req.top_k) is not int or req.top_k < 0:
-        fail(f"top_k must be an integer >= 0 (0 = off), got {_short(req.top_k)}")
-    if req.seed is not None and (type(req.seed) is not int or not 0 <= req.seed <= MAX_SEED):
-        fail(f"seed must be an integer in [0, 2**63), got {_short(req.seed)}")
+    for name in SAMPLING_FIELDS:
+        reason = sampling_error(name, getattr(req, name))
+        if reason:
+            fail(reason)
     if not isinstance(req.stop, (tuple, list)) or not all(
             isinstance(s, str) and s for s in req.stop):
         fail("stop must be a list of non-empty strings")
@@ -184,20 +210,18 @@ def entry_request_id(entry_id: str | bytes | None, fields: Mapping) -> str | Non
 
 
 def request_to_fields(req: Request) -> dict[str, str]:
-    """Flat string fields for XADD; defaults and Nones are left out."""
+    """Flat string fields for XADD. The sampling fields are always written, defaults
+    included (what the producer meant, whatever a worker's defaults); other fields at
+    their default, and Nones, are left out."""
     fields = {"id": req.id}
     if req.prompt is not None:
         fields["prompt"] = req.prompt
     if req.prompt_ids is not None:
         fields["prompt_ids"] = json.dumps(list(req.prompt_ids), separators=(",", ":"))
-    if req.max_tokens != DEFAULT_MAX_TOKENS:
-        fields["max_tokens"] = MAX_TOKENS_CONTEXT if req.max_tokens is None else str(req.max_tokens)
-    if req.temperature != DEFAULT_TEMPERATURE:
-        fields["temperature"] = repr(float(req.temperature))
-    if req.top_p != DEFAULT_TOP_P:
-        fields["top_p"] = repr(float(req.top_p))
-    if req.top_k != DEFAULT_TOP_K:
-        fields["top_k"] = str(req.top_k)
+    fields["max_tokens"] = MAX_TOKENS_CONTEXT if req.max_tokens is None else str(req.max_tokens)
+    fields["temperature"] = repr(float(req.temperature))
+    fields["top_p"] = repr(float(req.top_p))
+    fields["top_k"] = str(req.top_k)
     if req.seed is not None:
         fields["seed"] = str(req.seed)
     if req.stop:

@@ -18,7 +18,12 @@ PROTOCOL_VERSION = 1
 #      done field cached_tokens (prompt tokens served from the prefix cache; 0 if absent);
 #      handoff key cached_tokens (the same, carried to the decode worker; 0 if absent);
 #      request field class (interactive/standard/batch, issue 27; absent: from priority) and
-#      error code deadline_exceeded (a request with a class whose deadline passed unstarted).
+#      error code deadline_exceeded (a request with a class whose deadline passed unstarted);
+#      request fields tenant and ref (usage labels for the ledger, issue 42; absent: "") and
+#      done field recomputed_tokens (0 if absent).
+#      Producers write max_tokens, temperature, top_p and top_k even at their defaults (the
+#      request means what its producer meant whatever a worker's defaults); an absent field
+#      still means the default, so older producers' entries read as before.
 
 
 class ResultType(str, Enum):

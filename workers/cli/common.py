@@ -14,12 +14,37 @@ import click
 
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB, WEIGHT_FORMATS
 from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
-from pdqueue.protocol import Request
+from pdqueue.protocol import Request, sampling_error
 
 DEFAULT_MODEL = "smollm2"
 # Sampling defaults of `generate` (and `submit`): the protocol's request defaults, which
 # are also Client.submit's (max_tokens 128, temperature 1.0 as in OpenAI's API).
 REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)}
+
+
+def check_sampling(ctx, param, value):
+    """A sampling option's value, checked by the protocol's one check of its field
+    (``sampling_error``: what a worker would refuse is refused here, in the same words)."""
+    reason = sampling_error(param.name, value, param.opts[0]) if value is not None else None
+    if reason:
+        raise click.BadParameter(reason, ctx, param)
+    return value
+
+
+def sampling_options(f):
+    """`generate`'s and `submit`'s sampling options: the request's defaults, the protocol's checks."""
+    for opt in reversed([
+        click.option("--max-tokens", type=int, default=REQUEST_DEFAULTS["max_tokens"], show_default=True,
+                     callback=check_sampling),
+        click.option("--temperature", type=float, default=REQUEST_DEFAULTS["temperature"], show_default=True,
+                     callback=check_sampling, help="0 is greedy."),
+        click.option("--top-p", type=float, default=REQUEST_DEFAULTS["top_p"], show_default=True,
+                     callback=check_sampling),
+        click.option("--top-k", type=int, default=REQUEST_DEFAULTS["top_k"], show_default=True,
+                     callback=check_sampling, help="0 is off."),
+    ]):
+        f = opt(f)
+    return f
 
 
 class UserError(click.ClickException):

@@ -10,22 +10,16 @@ import time
 
 import click
 
-from pdqueue.protocol import MAX_SEED
-from workers.cli.common import (REQUEST_DEFAULTS, UserError, check_device, check_engine_config, check_kv_pool,
-                                check_model, engine_options, load, model_option)
+from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
+                                check_model, check_sampling, engine_options, load, model_option,
+                                sampling_options)
 
 
 @click.command()
 @click.argument("prompt")
 @model_option
-@click.option("--max-tokens", type=click.IntRange(min=1), default=REQUEST_DEFAULTS["max_tokens"], show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=REQUEST_DEFAULTS["temperature"],
-              show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=REQUEST_DEFAULTS["top_p"],
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=REQUEST_DEFAULTS["top_k"], show_default=True,
-              help="0 is off.")
-@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=None,
+@sampling_options
+@click.option("--seed", type=int, default=None, callback=check_sampling,
               help="Sampling seed [default: random; the seed used is printed on stderr].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")

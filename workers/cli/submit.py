@@ -17,19 +17,15 @@ import sys
 
 import click
 
-from workers.cli.common import REQUEST_DEFAULTS, UserError, connect, redis_failure, resolve_target, summary, target_options
+from workers.cli.common import (UserError, check_sampling, connect, redis_failure, resolve_target, sampling_options,
+                                summary, target_options)
 
 
 @click.command()
 @click.argument("prompt")
 @target_options
-@click.option("--max-tokens", type=click.IntRange(min=1), default=REQUEST_DEFAULTS["max_tokens"], show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=REQUEST_DEFAULTS["temperature"],
-              show_default=True)
-@click.option("--top-p", type=click.FloatRange(min=0, min_open=True, max=1), default=REQUEST_DEFAULTS["top_p"],
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=REQUEST_DEFAULTS["top_k"], show_default=True)
-@click.option("--seed", type=int, default=None, help="Sampling seed [default: random].")
+@sampling_options
+@click.option("--seed", type=int, default=None, callback=check_sampling, help="Sampling seed [default: random].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
 @click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True)
