@@ -24,6 +24,8 @@ on Redis Cluster.
 | ``gw:<request_id>``    | string (JSON), TTL       | gateways, SET NX    | gateways (resume)  |
 | ``read:<request_id>``  | string, TTL              | clients of ``up``'s | ``pdqueue up``     |
 |                        |                          | embedded server     | (its stop)         |
+| ``usage``              | stream, trimmed by age   | any worker          | ``pdqueue usage``  |
+| ``usage:<request_id>`` | string, TTL              | any worker, SET NX  | workers            |
 
 Imports nothing but the standard library.
 """
@@ -46,9 +48,13 @@ SEEN_TTL_S = 86400
 DONE_MAXLEN = 10000
 DEAD_MAXLEN = 10000
 EVENTS_MAXLEN = 10000
+"""``done``, ``dead`` and ``events`` are trimmed approximately (``XADD MAXLEN ~``) to about this many."""
 CONTROL_TTL_S = 3600
 """A worker's command stream lives this long after the last command sent to it."""
-"""``done`` and ``dead`` are trimmed approximately (``XADD MAXLEN ~``) to about this many."""
+USAGE_RETENTION_S = 7 * 86400
+"""The usage ledger keeps a record this long by default (``PDQ_USAGE_RETENTION_S`` in the
+workers' environment changes it: pdqueue/queue/ledger.py); older ones are trimmed as new
+ones are added (``XADD MINID ~``)."""
 
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -168,6 +174,17 @@ class Keys:
     def gateway_record(self, request_id: str) -> str:
         """What a gateway needs to resume a resumable request's answer (pdqueue.frontends.gateway)."""
         return f"{self.prefix}gw:{request_id}"
+
+    @property
+    def usage(self) -> str:
+        """The usage ledger: one record per request, written with its final answer
+        (pdqueue/queue/ledger.py); append-only, trimmed by age."""
+        return self.prefix + "usage"
+
+    def usage_guard(self, request_id: str) -> str:
+        """Set (NX) by the script that writes a request's usage record: a second final answer
+        for the same request id adds no second record."""
+        return f"{self.prefix}usage:{request_id}"
 
     def seen(self, request_id: str) -> str:
         """Idempotency marker. Its value is the stream entry id that first carried the id:

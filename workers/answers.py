@@ -13,6 +13,13 @@ Two kinds of op go into a unit:
   first, at intake (an expired, cancelled, duplicate or invalid request: the entry is
   pending since we just read it) as at the end of the work.
 
+Every final answer of a request (``done``, ``error``, a refusal other than a duplicate's)
+carries its usage record (pdqueue/queue/ledger.py) in the same script, guarded by
+``usage:<id>``: one record per request id, whatever retries, migrations, recomputes and
+crashes came before, and it survives a failover exactly when the answer does. The roles
+hand the ``Request`` to ``done``/``error`` for its labels (tenant, ref, class); the unit
+knows the worker's model.
+
 Every TTL is in milliseconds (``Write(key, fields, ttl_ms=, maxlen=)``). A unit that fails
 on the publisher thread reaches the worker through the publisher's ``on_error`` (see
 ``WorkerShell``): the ``Finish`` ops name their request ids.
@@ -29,6 +36,7 @@ from pdqueue import keys as K
 from pdqueue.keys import Keys
 from pdqueue.protocol import (UP_FIELD, Completion, ErrorCode, Request, done_entry, error_entry, request_to_fields,
                               token_entry)
+from pdqueue.queue import ledger
 from pdqueue.queue.ownership import Write, ack_and_write
 from pdqueue.queue.streams import dead_record
 
@@ -38,6 +46,17 @@ OUT_TTL_MS = K.OUT_TTL_S * 1000  # out:<id> lives this long after its last entry
 # Under `pdqueue up` with its embedded server, "<pid of up>:<pid of the server>": every done and
 # error entry carries it (UP_FIELD), so that its reader writes a read receipt (pdqueue.client).
 UP_SERVER = {UP_FIELD: os.environ["PDQ_UP_SERVER"]} if os.environ.get("PDQ_UP_SERVER") else {}
+
+
+def _retention_s() -> int:
+    try:
+        return ledger.retention_s()
+    except ValueError as exc:
+        log.error("%s; keeping usage records the default %d s", exc, K.USAGE_RETENTION_S)
+        return K.USAGE_RETENTION_S
+
+
+USAGE_RETENTION_S = _retention_s()   # PDQ_USAGE_RETENTION_S, read once per process
 
 
 def _last(fields: dict) -> dict:
@@ -75,8 +94,8 @@ class Unit:
     """The answers of one moment of a worker (a step, an intake batch), written together.
     ``ShellView.unit()`` (the shell as a role sees it) makes one and submits it to the publisher."""
 
-    def __init__(self, keys: Keys, worker_id: str, group: str):
-        self.keys, self.worker_id, self.group = keys, worker_id, group
+    def __init__(self, keys: Keys, worker_id: str, group: str, model: str = ""):
+        self.keys, self.worker_id, self.group, self.model = keys, worker_id, group, model
         self.ops: list = []
         self.tally = Tally()   # what the metrics count once the unit goes to the publisher
 
@@ -98,19 +117,28 @@ class Unit:
         work in hand, already answered by another worker)."""
         self.finish(stream, entry_id, [], request_id)
 
-    def done(self, stream: str, entry_id: str, c: Completion) -> None:
-        """``done`` on ``out:<id>``, its copy on the ``done`` stream."""
+    def done(self, stream: str, entry_id: str, c: Completion, request: Request | None = None) -> None:
+        """``done`` on ``out:<id>``, its copy on the ``done`` stream, its usage record
+        (labelled by ``request``)."""
         fields = _last(done_entry(c))
         self.tally.done.append((getattr(c.finish_reason, "value", str(c.finish_reason)), c.e2e_ms))
         self.finish(stream, entry_id, [Write(self.keys.out(c.request_id), fields, ttl_ms=OUT_TTL_MS),
-                                       Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN)], c.request_id)
+                                       Write(self.keys.done, fields, maxlen=K.DONE_MAXLEN),
+                                       self._usage(ledger.record_of(c, request, self.model))], c.request_id)
 
     def error(self, stream: str, entry_id: str, request_id: str, reason: str, code,
-              index: int | None = None) -> None:
-        """``error`` on ``out:<id>`` (a request that failed while it ran)."""
-        writes = [Write(self.keys.out(request_id), _last(error_entry(reason, code, index)), ttl_ms=OUT_TTL_MS)]
+              index: int | None = None, request: Request | None = None, prompt_tokens: int = 0) -> None:
+        """``error`` on ``out:<id>`` (a request that failed while it ran), its usage record:
+        the ``index`` tokens the client received before it."""
+        writes = [Write(self.keys.out(request_id), _last(error_entry(reason, code, index)), ttl_ms=OUT_TTL_MS),
+                  self._usage(ledger.failed_record(request_id, code, self.model, output_tokens=index or 0,
+                                                   prompt_tokens=prompt_tokens, request=request,
+                                                   worker=self.worker_id))]
         self.tally.errors.append(getattr(code, "value", str(code)))
         self.finish(stream, entry_id, writes, request_id)
+
+    def _usage(self, record: ledger.Record) -> Write:
+        return ledger.record_write(self.keys, record, USAGE_RETENTION_S)
 
     def handoff(self, stream: str, entry_id: str, request_id: str, handoff_stream: str,
                 fields: Mapping) -> None:
@@ -118,14 +146,17 @@ class Unit:
         self.finish(stream, entry_id, [Write(handoff_stream, fields)], request_id)
 
     def reject(self, stream: str, entry_id: str, fields: Mapping | None, request_id: str | None,
-               reason: str, code) -> None:
-        """An entry that cannot run: ``error`` on ``out:<id>`` (when the id is usable and the
-        entry is no duplicate: ``out:`` belongs to the first entry), a copy on ``dead``."""
+               reason: str, code, request: Request | None = None) -> None:
+        """An entry that cannot run: ``error`` on ``out:<id>`` and a usage record with no
+        tokens (when the id is usable and the entry is no duplicate: ``out:`` and the record
+        belong to the first entry), a copy on ``dead``."""
         code = getattr(code, "value", code)
         log.info("rejected %s (%s): %s", request_id or entry_id, code, reason)
         writes = []
         if request_id and code != ErrorCode.DUPLICATE.value:
             writes.append(Write(self.keys.out(request_id), _last(error_entry(reason, code)), ttl_ms=OUT_TTL_MS))
+            writes.append(self._usage(ledger.failed_record(request_id, code, self.model, request=request,
+                                                           fields=fields, worker=self.worker_id)))
         writes.append(Write(self.keys.dead, dead_record(fields or {}, reason, stream, entry_id, code=code,
                                                         worker=self.worker_id), maxlen=K.DEAD_MAXLEN))
         self.tally.dead.append(code)
@@ -137,7 +168,7 @@ class Unit:
         ``DecodeRole.answer_expired``). ``where``: the worker it waited on, for the reason."""
         self.reject(stream, entry_id, request_to_fields(request), request.id,
                     f"deadline passed before the first token ({now_ms - request.deadline_at_ms:.0f} ms ago; {where})",
-                    ErrorCode.DEADLINE_EXCEEDED)
+                    ErrorCode.DEADLINE_EXCEEDED, request)
 
 
 def request_ids(ops) -> list[str]:

@@ -286,7 +286,7 @@ class DecodeRole(Role):
             del self.jobs[h.request.id]
             with self.shell.unit() as unit:
                 unit.error(job.stream, job.entry_id, h.request.id, f"gave up after {h.attempt} attempts: {why}",
-                           ErrorCode.INTERNAL, len(h.output_ids))
+                           ErrorCode.INTERNAL, len(h.output_ids), h.request, len(h.prompt_ids))
             return
         job.handoff = replace(h, attempt=h.attempt + 1)
         self.shell.metrics.recomputed("no_ticket" if h.ticket is None else "fetch_failed",
@@ -347,7 +347,7 @@ class DecodeRole(Role):
         c = job_completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason,
                            self.shell.worker_id, self.engine.config.block_size)
         with self.shell.unit() as unit:
-            unit.done(job.stream, job.entry_id, c)
+            unit.done(job.stream, job.entry_id, c, job.handoff.request)
 
     # ---- finish: tokens out, RUNNING -> answered ---------------------------------------------
     def publish(self, outputs) -> None:
@@ -369,7 +369,7 @@ class DecodeRole(Role):
                     del self.jobs[out.request_id]
                     c = job_completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason,
                                        self.shell.worker_id, self.engine.config.block_size)
-                    unit.done(job.stream, job.entry_id, c)
+                    unit.done(job.stream, job.entry_id, c, job.handoff.request)
 
     def drain(self) -> None:
         if self.migrator is not None:
@@ -488,6 +488,7 @@ def job_completion(job: Job, output_ids, t: float, text: str, reason, worker_id:
         queue_ms=h.prefill_start_ms - req.enqueued_ms, prefill_ms=h.prefill_end_ms - h.prefill_start_ms,
         transfer_ms=job.kv.seconds * 1e3, transfer_bytes=job.kv.nbytes,
         kv_reused_tokens=job.kv.reused_blocks * block_size,
+        recomputed_tokens=len(h.prompt_ids) + len(h.output_ids) if job.kv.path == "recompute" else 0,
         decode_ms=t - job.admitted_ms, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
         prefill_worker=h.prefill_worker, decode_worker=worker_id, transfer_path=job.kv.path,
         handoff_ms=(job.kv.started_ms or job.read_ms) - h.first_token_ms,

@@ -143,7 +143,7 @@ class Intake:
     def finish_early(self, unit: Unit, stream: str, entry_id: str, req: Request, reason: FinishReason) -> None:
         c = Completion(req.id, "", (), reason, e2e_ms=max(0.0, now_ms() - req.enqueued_ms),
                        prefill_worker=self.worker_id)
-        unit.done(stream, entry_id, c)
+        unit.done(stream, entry_id, c, req)
 
     def tokenize(self, req: Request) -> list[int]:
         if req.prompt_ids is not None:

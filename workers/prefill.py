@@ -154,7 +154,7 @@ class PrefillRole(RequestRole):
                         num_prompt_tokens=len(it.prompt_ids), ttft_ms=t - req.enqueued_ms,
                         queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=t - it.read_ms,
                         e2e_ms=t - req.enqueued_ms, prefill_worker=self.shell.worker_id, transfer_path="none",
-                        cached_tokens=out.cached_tokens))
+                        cached_tokens=out.cached_tokens), req)
                     continue
                 ticket = self.sender.export(req.id, out.detached_blocks, len(it.prompt_ids),
                                             block_hashes=out.seq.block_hashes if self.engine.prefix_caching else (),

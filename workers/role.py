@@ -359,7 +359,8 @@ class RequestRole(Role):
                 unit.done(it.stream, it.entry_id, Completion(
                     rid, self.shell.loaded.tokenizer.decode(output), tuple(output), reason,
                     num_prompt_tokens=len(it.prompt_ids), e2e_ms=t - it.request.enqueued_ms,
-                    prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"))
+                    prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id, transfer_path="local"),
+                    it.request)
 
     def publish_local(self, unit, out, t: float) -> None:
         """One token of a request decoded here, from its first to its last (the done, with
@@ -384,7 +385,7 @@ class RequestRole(Role):
                 queue_ms=it.read_ms - req.enqueued_ms, prefill_ms=first - it.read_ms,
                 decode_ms=t - first, tbt_p50_ms=p50, tbt_max_ms=pmax, e2e_ms=t - req.enqueued_ms,
                 prefill_worker=self.shell.worker_id, decode_worker=self.shell.worker_id,
-                transfer_path="local", cached_tokens=out.cached_tokens))
+                transfer_path="local", cached_tokens=out.cached_tokens), req)
 
     @abstractmethod
     def publish(self, outputs) -> None:

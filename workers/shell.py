@@ -358,7 +358,7 @@ class ShellView:
         """A ``Unit`` of answers, submitted to the publisher when the block ends (not when
         it raises: then the entries stay pending and are taken in again)."""
         shell = self._shell
-        unit = Unit(self.keys, self.worker_id, shell.role.group)
+        unit = Unit(self.keys, self.worker_id, shell.role.group, model=self.config.engine.model)
         yield unit
         if unit:
             shell.publisher.submit(unit.ops)

@@ -35,6 +35,8 @@ class Completion:
     transfer_path: str = ""     # a transport's name (pdqueue.transfer.registry), "cache", "local", "recompute", "none"
     cached_tokens: int = 0      # prompt tokens served from the prefix cache (not computed)
     kv_reused_tokens: int = 0   # decode: prompt tokens whose KV the decode worker held already (not fetched)
+    recomputed_tokens: int = 0  # decode: tokens it prefilled again instead of fetching their KV (prompt +
+                                # the output so far, transfer_path "recompute")
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +46,8 @@ class Completion:
 _COMPLETION_FLOATS = ("ttft_ms", "queue_ms", "prefill_ms", "transfer_ms", "decode_ms",
                       "handoff_ms", "first_step_ms", "ttst_ms",
                       "tbt_p50_ms", "tbt_max_ms", "e2e_ms")
-_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes", "cached_tokens", "kv_reused_tokens")   # absent: 0
+_COMPLETION_INTS = ("num_prompt_tokens", "transfer_bytes", "cached_tokens", "kv_reused_tokens",
+                    "recomputed_tokens")   # absent: 0
 _COMPLETION_STRS = ("prefill_worker", "decode_worker", "transfer_path")
 
 

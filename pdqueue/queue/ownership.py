@@ -8,6 +8,13 @@ entry over (XCLAIM) therefore cannot publish a second outcome when it wakes: exa
 ``done`` per request, whoever finishes first. Token entries carry their index and are
 de-duplicated by clients, so they need no such guard.
 
+A write may carry a *guard* key of its own (``Write(guard=)``): inside the script it happens
+only if ``SET guard NX`` succeeds. The usage ledger (pdqueue/queue/ledger.py) writes a
+request's record so, in the same script as its ``done``: both survive a failover or
+neither, and a second final answer for the same request id (a copy of the request run after
+a failover lost its ``seen:<id>``) adds no second record. A stream write may be trimmed by
+count (``maxlen``) or by age (``min_id_ms``: ``XADD MINID ~``).
+
 ``touch_owned`` resets the idle time of the entries a live worker still works on (long
 generations) without stealing entries that another worker has meanwhile claimed; it
 returns the ids this worker lost, so it can abort them.
@@ -25,8 +32,10 @@ from pdqueue.protocol import as_str
 
 # KEYS[1] = input stream; KEYS[2..] = keys the writes touch.
 # ARGV[1] = group, ARGV[2] = entry id, ARGV[3] = JSON list of writes
-#   [key_index (into KEYS), ttl_ms (0 = none), maxlen (0 = none), num_args];
+#   [key_index (into KEYS), ttl_ms (0 = none), maxlen (0 = none), num_args,
+#    guard_index (into KEYS; 0 = none), guard_ttl_ms, min_id ("" = none)];
 # ARGV[4..] = each write's field names and values in turn (binary-safe: not in the JSON).
+# A guarded write happens only if SET guard NX (value: the input entry id) succeeds.
 _ACK_AND_WRITE = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return 0
@@ -38,13 +47,17 @@ for _, w in ipairs(cjson.decode(ARGV[3])) do
   local args = {}
   for i = 0, w[4] - 1 do args[#args + 1] = ARGV[at + i] end
   at = at + w[4]
-  if w[3] > 0 then
-    redis.call('XADD', key, 'MAXLEN', '~', w[3], '*', unpack(args))
-  else
-    redis.call('XADD', key, '*', unpack(args))
-  end
-  if w[2] > 0 then
-    redis.call('PEXPIRE', key, w[2])
+  if w[5] == 0 or redis.call('SET', KEYS[w[5]], ARGV[2], 'NX', 'PX', w[6]) then
+    if w[3] > 0 then
+      redis.call('XADD', key, 'MAXLEN', '~', w[3], '*', unpack(args))
+    elseif w[7] ~= '' then
+      redis.call('XADD', key, 'MINID', '~', w[7], '*', unpack(args))
+    else
+      redis.call('XADD', key, '*', unpack(args))
+    end
+    if w[2] > 0 then
+      redis.call('PEXPIRE', key, w[2])
+    end
   end
 end
 return 1
@@ -88,18 +101,28 @@ return lost
 
 
 class Write:
-    """One XADD of ``fields`` to ``key``, trimmed (approximately) to ``maxlen`` entries and
-    giving ``key`` a TTL of ``ttl_ms`` (0: neither). The one write type: inside
-    ``ack_and_write`` it happens only if the entry was still pending; called as a
-    ``Publisher`` op (``write(pipe)``) it is a plain XADD, for entries that need no guard
-    (tokens carry their index, and clients drop repeats)."""
+    """One XADD of ``fields`` to ``key``, trimmed (approximately) to ``maxlen`` entries or to
+    the entries added since ``min_id_ms`` (unix ms), and giving ``key`` a TTL of ``ttl_ms``
+    (0: none of these). The one write type: inside ``ack_and_write`` it happens only if the
+    entry was still pending (and, with a ``guard`` key, only if ``SET guard NX PX
+    guard_ttl_ms`` succeeds); called as a ``Publisher`` op (``write(pipe)``) it is a plain
+    XADD, for entries that need no guard (tokens carry their index, and clients drop
+    repeats): a guarded or age-trimmed write runs inside ``ack_and_write`` only."""
 
-    __slots__ = ("key", "fields", "ttl_ms", "maxlen")
+    __slots__ = ("key", "fields", "ttl_ms", "maxlen", "guard", "guard_ttl_ms", "min_id_ms")
 
-    def __init__(self, key: str, fields: Mapping, ttl_ms: int = 0, maxlen: int = 0):
+    def __init__(self, key: str, fields: Mapping, ttl_ms: int = 0, maxlen: int = 0, *, guard: str = "",
+                 guard_ttl_ms: int = 0, min_id_ms: int = 0):
+        if maxlen and min_id_ms:
+            raise ValueError("a write is trimmed by maxlen or by min_id_ms, not both")
+        if guard and guard_ttl_ms <= 0:
+            raise ValueError("a guard key needs a TTL (guard_ttl_ms > 0)")
         self.key, self.fields, self.ttl_ms, self.maxlen = key, fields, int(ttl_ms), int(maxlen)
+        self.guard, self.guard_ttl_ms, self.min_id_ms = guard, int(guard_ttl_ms), int(min_id_ms)
 
     def __call__(self, pipe) -> None:
+        if self.guard or self.min_id_ms:
+            raise ValueError(f"{self!r} runs inside ack_and_write only")
         if self.maxlen:
             pipe.xadd(self.key, dict(self.fields), maxlen=self.maxlen, approximate=True)
         else:
@@ -108,7 +131,8 @@ class Write:
             pipe.pexpire(self.key, self.ttl_ms)
 
     def __repr__(self) -> str:
-        return f"Write({self.key!r}, ttl_ms={self.ttl_ms}, maxlen={self.maxlen})"
+        guard = f", guard={self.guard!r}" if self.guard else ""
+        return f"Write({self.key!r}, ttl_ms={self.ttl_ms}, maxlen={self.maxlen}{guard})"
 
 
 def ack_and_write(pipe, stream: str, group: str, entry_id: str, writes: list[Write]) -> None:
@@ -118,10 +142,13 @@ def ack_and_write(pipe, stream: str, group: str, entry_id: str, writes: list[Wri
     spec = []
     args: list = []
     for w in writes:
-        if w.key not in keys:
-            keys.append(w.key)
+        for key in (w.key, w.guard) if w.guard else (w.key,):
+            if key not in keys:
+                keys.append(key)
         flat = [x for item in w.fields.items() for x in item]
-        spec.append([keys.index(w.key) + 1, w.ttl_ms, w.maxlen, len(flat)])
+        spec.append([keys.index(w.key) + 1, w.ttl_ms, w.maxlen, len(flat),
+                     keys.index(w.guard) + 1 if w.guard else 0, w.guard_ttl_ms,
+                     f"{w.min_id_ms}-0" if w.min_id_ms else ""])
         args += flat
     pipe.eval(_ACK_AND_WRITE, len(keys), *keys, group, entry_id, json.dumps(spec), *args)
 
