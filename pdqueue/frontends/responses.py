@@ -33,7 +33,6 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import replace
 
 import redis
 from starlette.requests import Request
@@ -148,7 +147,7 @@ class ResponseWhole(ResponseReply):
                 deltas.extend(e.text for e in batch if e.text)
             completion = self.handle.completion
             outcome = Outcome.of(completion, deltas)
-            status = await self.api.store.finish(self.rec, outcome)
+            rec, status = await self.api.store.finish(self.rec, outcome)
         except TimeoutError:
             self.finished = True
             await self.gw.cancel(self.handle.request_id)
@@ -170,7 +169,6 @@ class ResponseWhole(ResponseReply):
         self.finished = True
         if completion.finish_reason.value == "expired":
             return await self.fail(send, errs.timeout(timeout))
-        rec = replace(self.rec, completed_at=int(time.time()))
         await JSONResponse(rc.response_object(rec, status, outcome), headers=self.headers)({"type": "http"}, None,
                                                                                            send)
         self.end(200, completion)
@@ -233,7 +231,7 @@ class ResponseStream(ResponseReply):
                     await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
             completion = self.handle.completion
             outcome = Outcome.of(completion, deltas)
-            status = await self.api.store.finish(rec, outcome)
+            ended, status = await self.api.store.finish(rec, outcome)
         except TimeoutError:
             self.finished = True
             await gw.cancel(self.handle.request_id)
@@ -250,7 +248,9 @@ class ResponseStream(ResponseReply):
         await self._start(send)
         if self.last_seq < 0:
             await self._write(send, events.opening())
-        await self._close(send, events.closing(status, outcome), 200, completion)
+        outcome = ended.outcome or outcome
+        tail = [e for text in outcome.deltas[len(deltas):] for e in events.delta(text)]   # (Outcome.of)
+        await self._close(send, tail + events.closing(status, outcome, ended), 200, completion)
 
     async def _failed(self, send, events: rc.Events, deltas: list[str], exc: RequestFailed) -> None:
         """An error entry: before the stream started, a foreground response's JSON error (as
@@ -265,13 +265,13 @@ class ResponseStream(ResponseReply):
                     await self.api.store.finish(self.rec, Outcome.failed(deltas, exc.code, exc.reason))
                 return await self.fail(send, error)
             outcome = Outcome.failed(deltas, exc.code, exc.reason)
-            status = await self.api.store.finish(self.rec, outcome)
+            ended, status = await self.api.store.finish(self.rec, outcome)
         except (redis.RedisError, OSError) as lost:
             return await self.fail(send, errs.unavailable(f"lost the cluster's Redis: {lost}"))
         await self._start(send)
         if self.last_seq < 0:
             await self._write(send, events.opening())
-        await self._close(send, events.closing(status, outcome), error.status)
+        await self._close(send, events.closing(status, outcome, ended), error.status)
 
 
 class ResponsesAPI:

@@ -24,8 +24,9 @@ every gateway, every read and every resume numbers them alike: ``response.create
 and ``response.content_part.added``; one ``response.output_text.delta`` per token event that
 brings text; at the end ``response.output_text.done``, ``response.content_part.done``,
 ``response.output_item.done`` and the terminal event: ``response.completed``,
-``response.incomplete`` (``max_output_tokens`` reached), ``response.cancelled``, or
-``response.failed`` (which follows the deltas directly).
+``response.incomplete`` (``max_output_tokens`` reached, or, its response's status
+``cancelled``, cancelled: OpenAI's streams name no ``response.cancelled`` event, and the
+``openai`` package parses this one), or ``response.failed`` (which follows the deltas directly).
 """
 
 from __future__ import annotations
@@ -235,8 +236,13 @@ class Outcome:
 
     @classmethod
     def of(cls, completion, deltas: list[str]) -> "Outcome":
-        """From a pdqueue ``Completion``."""
+        """From a pdqueue ``Completion``. The text the token events held back (the end of an
+        incomplete UTF-8 sequence, flushed when the answer stops early) is one delta more, so
+        the deltas always make the text."""
         finish = getattr(completion.finish_reason, "value", completion.finish_reason)
+        said = "".join(deltas)
+        if completion.text != said and completion.text.startswith(said):
+            deltas = [*deltas, completion.text[len(said):]]
         error = ({"code": "server_error", "message": "the request's deadline (the gateway's --timeout) passed before "
                                                     "its answer was complete"} if finish == "expired" else None)
         return cls(completion.text, tuple(deltas), finish, completion.num_prompt_tokens,
@@ -378,9 +384,10 @@ class Events:
                 self._event("response.output_text.delta", item_id=_message(self.rec.id, None, "")["id"],
                             output_index=0, content_index=0, delta=text, logprobs=[])]
 
-    def closing(self, status: str, outcome: Outcome) -> list[dict]:
-        """The end: the item's done events (not for a failure) and the terminal event."""
-        rec = self.rec
+    def closing(self, status: str, outcome: Outcome, ended: Record | None = None) -> list[dict]:
+        """The end: the item's done events (not for a failure) and the terminal event, whose
+        response is ``ended`` (the record as it ended; None: the one given)."""
+        rec = ended or self.rec
         final = response_object(rec, status, outcome)
         if status == "failed":
             return [self._event("response.failed", response=final)]
@@ -392,8 +399,8 @@ class Events:
                    self._event("response.content_part.done", item_id=message["id"], output_index=0, content_index=0,
                                part=part),
                    self._event("response.output_item.done", output_index=0, item=message),
-                   self._event({"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-                       status, "response.cancelled"), response=final)]
+                   self._event("response.completed" if status == "completed" else "response.incomplete",
+                               response=final)]
         return events
 
     def replay(self, status: str, outcome: Outcome) -> list[dict]:

@@ -143,15 +143,22 @@ class ResponsesStore:
     async def mark_cancelled(self, response_id: str) -> None:
         await self.r.hset(self.rkeys.record(response_id), "cancelled", "1")
 
-    async def finish(self, rec: Record, outcome: Outcome) -> str:
-        """Write ``outcome`` unless the record has ended already; the record's final status
-        (that of ``outcome`` when nothing is stored)."""
-        if not rec.store:
-            return outcome.status
-        status = await self.r.eval(_FINISH, 2, self.rkeys.record(rec.id), self.rkeys.active, rec.id, outcome.status,
-                                   json.dumps(outcome.to_json()), int(time.time()), self.ttl_s)
-        status = status.decode() if isinstance(status, bytes) else status
-        return status or outcome.status
+    async def finish(self, rec: Record, outcome: Outcome) -> tuple[Record, str]:
+        """Write ``outcome`` unless the record has ended already; the record as it ended, and
+        its status (for a response not stored: ``rec`` with ``outcome``)."""
+        status = outcome.status
+        if rec.store:
+            written = await self.r.eval(_FINISH, 2, self.rkeys.record(rec.id), self.rkeys.active, rec.id, status,
+                                        json.dumps(outcome.to_json()), int(time.time()), self.ttl_s)
+            status = (written.decode() if isinstance(written, bytes) else written) or status
+            raw = await self.r.hgetall(self.rkeys.record(rec.id))
+            try:
+                ended = _record(rec.id, raw) if raw else None
+            except (ValueError, KeyError, TypeError):
+                ended = None
+            if ended is not None and ended.outcome is not None:
+                return ended, ended.status or status
+        return replace(rec, status=status, outcome=outcome, completed_at=int(time.time())), status
 
     async def ended(self, rec: Record) -> tuple[Record, str]:
         """``rec`` with its status now: an ended record as it is; else its answer looked at
@@ -170,20 +177,7 @@ class ResponsesStore:
                                                "(or its answer expired unread)")
         if outcome is None:
             return rec, "in_progress" if last else "queued"
-        status = await self.finish(rec, outcome)
-        return await self.reload(rec, status, outcome)
-
-    async def reload(self, rec: Record, status: str, outcome: Outcome) -> tuple[Record, str]:
-        """The record as ended (what the finish wrote, or what another writer did first)."""
-        raw = await self.r.hgetall(self.rkeys.record(rec.id))
-        if raw:
-            try:
-                again = _record(rec.id, raw)
-                if again.outcome is not None:
-                    return again, again.status or status
-            except (ValueError, KeyError, TypeError):
-                pass
-        return replace(rec, status=status, outcome=outcome, completed_at=int(time.time())), status
+        return await self.finish(rec, outcome)
 
     async def read_outcome(self, request_id: str) -> Outcome | None:
         """An ended answer read from the start: the same deltas every reader gets. None if it
