@@ -458,6 +458,17 @@ def test_the_gateway_user_serves_the_openai_api(acl_env):
         assert batch.status == "completed", batch
         answers = [json.loads(x) for x in oa.files.content(batch.output_file_id).content.splitlines() if x.strip()]
         assert sorted(a["custom_id"] for a in answers) == ["acl-0", "acl-1", "acl-2"], answers
+        # The Responses API too: a stored response, a turn after it, its events read again, a
+        # background one cancelled, a delete; the gateways' sweep of the active ones runs meanwhile.
+        first = oa.responses.create(input="hi", max_output_tokens=3, temperature=0)
+        second = oa.responses.create(input="more", previous_response_id=first.id, max_output_tokens=3, temperature=0)
+        events = list(oa.responses.retrieve(second.id, stream=True, starting_after=1))
+        assert events[0].sequence_number == 2 and events[-1].response.output_text == second.output_text
+        background = oa.responses.create(input="later", background=True, max_output_tokens=30, temperature=0)
+        cancelled = oa.responses.cancel(background.id)
+        assert cancelled.status in ("cancelled", "completed", "incomplete"), cancelled.error
+        oa.responses.delete(first.id)
+        time.sleep(1.5)   # a sweep or two
         # What `pdqueue metrics-sd` reads (the streams' backlog, the workers' endpoints) is a gateway's too.
         from pdqueue.telemetry.metrics import StreamCollector, sd_targets
 
