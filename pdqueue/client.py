@@ -105,9 +105,11 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                   deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                   chat: bool = False, ignore_eos: bool = False, id: str | None = None,
-                  messages: Sequence[dict] | None = None, service_class: str | None = None) -> Request:
+                  messages: Sequence[dict] | None = None, service_class: str | None = None,
+                  tenant: str = "", ref: str = "") -> Request:
     """A validated ``Request`` (``RequestError`` otherwise); a random id if none is given.
-    ``service_class``: interactive, standard or batch (None: from ``priority``)."""
+    ``service_class``: interactive, standard or batch (None: from ``priority``). ``tenant``
+    and ``ref``: the labels of its usage record (pdqueue/queue/ledger.py)."""
     request_id = id if id is not None else uuid.uuid4().hex
     try:
         priority = Priority(priority)
@@ -119,7 +121,7 @@ def build_request(prompt: str | None = None, *, prompt_ids: Sequence[int] | None
                   seed=seed, stop=(stop,) if isinstance(stop, str) else tuple(stop),
                   deadline_ms=deadline_ms, priority=priority, chat=chat, ignore_eos=ignore_eos,
                   messages=tuple(dict(m) for m in messages) if messages is not None else None,
-                  service_class=service_class)
+                  service_class=service_class, tenant=tenant, ref=ref)
     validate_request(req)
     return req
 
@@ -358,19 +360,21 @@ class Client(_Settled):
                top_k: int = DEFAULT_TOP_K, seed: int | None = None, stop: str | Sequence[str] = (),
                deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                chat: bool = False, ignore_eos: bool = False, id: str | None = None,
-               messages: Sequence[dict] | None = None, service_class: str | None = None) -> RequestHandle:
+               messages: Sequence[dict] | None = None, service_class: str | None = None,
+               tenant: str = "", ref: str = "") -> RequestHandle:
         """Queue one request; ``RequestError`` if it is invalid (nothing is sent then).
         ``max_tokens=None``: up to the model's context. A prompt plus ``max_tokens`` over the
         context is refused by the worker that tokenizes it, before any decoding: the handle
         raises ``RequestFailed`` (code ``too_long``, the sizes in its reason).
-        ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``.
+        ``id`` defaults to a random uuid; ``priority="high"`` goes to ``requests:high``;
+        ``tenant`` and ``ref`` label its usage record.
         A lost connection or a loading server is retried with the same id for
         ``submit_retry_s``, then ``RedisUnavailable`` (module docstring)."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages,
-                            service_class=service_class)
+                            service_class=service_class, tenant=tenant, ref=ref)
         stream, fields = self._stream_of(req), request_to_fields(req)
         entry_id = self._send([req.id], lambda: self.redis.xadd(stream, fields))
         return RequestHandle(self, req.id, as_str(entry_id), (stream, fields))
@@ -537,13 +541,13 @@ class AsyncClient(_Settled):
                      deadline_ms: int | None = None, priority: str | Priority = Priority.NORMAL,
                      chat: bool = False, ignore_eos: bool = False,
                      id: str | None = None, messages: Sequence[dict] | None = None,
-                     service_class: str | None = None) -> AsyncRequestHandle:
+                     service_class: str | None = None, tenant: str = "", ref: str = "") -> AsyncRequestHandle:
         """See ``Client.submit``."""
         req = build_request(prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             stop=stop, deadline_ms=deadline_ms, priority=priority, chat=chat,
                             ignore_eos=ignore_eos, id=id, messages=messages,
-                            service_class=service_class)
+                            service_class=service_class, tenant=tenant, ref=ref)
         stream, fields = self._stream_of(req), request_to_fields(req)
         entry_id = await self._send([req.id], lambda: self.redis.xadd(stream, fields))
         return AsyncRequestHandle(self, req.id, as_str(entry_id), (stream, fields))

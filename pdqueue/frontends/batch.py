@@ -38,6 +38,7 @@ from pdqueue.frontends.service_classes import BATCH, class_fields
 from pdqueue.keys import Keys
 from pdqueue.protocol import (Completion, FinishReason, ProtocolError, Request, RequestError, ResultType,
                               parse_result)
+from pdqueue.queue.ledger import batch_ref
 from pdqueue.queue.streams import parse_read_reply
 from pdqueue.retry import backoff_delay
 
@@ -220,7 +221,8 @@ class BatchRun:
             # Over the context: refused here where it can be told (the worker checks the rest);
             # a chat without max_tokens runs up to the context (max_tokens None), as in the gateway.
             parsed.check_context(context)
-            request = build_request(**parsed.submit_kwargs(), **self.request_fields, id=rid)
+            request = build_request(**parsed.submit_kwargs(), **self.request_fields, id=rid,
+                                    ref=batch_ref(self.batch_id, line.custom_id))
         except openai_compat.OpenAIError as exc:
             self._write_http_error(tail, line.custom_id, None, exc)
             return None

@@ -1,6 +1,7 @@
 """Runs the gateway's batches: each through ``pdqueue batch``'s ``BatchRun`` (request ids from
 (batch id, ``custom_id``), lines the output holds skipped, requests in Redis re-attached to),
-its input and output in Redis (``batch_store``), its requests in the batch service class.
+its input and output in Redis (``batch_store``), its requests in the batch service class and
+labelled with the batch's tenant (their usage records: pdqueue/queue/ledger.py).
 
 A batch is run by one gateway at a time: the one holding its lease
 (``gwbatch:<id>:lock``, renewed every third of ``lease_s``). A gateway that stops lets go
@@ -23,7 +24,9 @@ import redis
 
 from pdqueue.frontends.batch import BatchError, BatchRun
 from pdqueue.frontends.batch_store import RETENTION_S, BatchKeys, LeaseLost, RedisInput, RedisOutput, file_ids_of
+from pdqueue.frontends.service_classes import BATCH, class_fields
 from pdqueue.keys import Keys
+from pdqueue.protocol.requests import MAX_TENANT_CHARS
 from pdqueue.queue.connection import connect, raise_dropped_cancellation
 
 log = logging.getLogger("pdqueue.frontends.gateway")
@@ -125,6 +128,7 @@ class BatchRunner:
             run = BatchRun(sync_r, self.keys, RedisInput(sync_r, self.bkeys, record["input_file_id"]),
                            RedisOutput(sync_r, self.bkeys, batch_id, self.owner), batch_id=batch_id,
                            concurrency=self.concurrency, stop=stop,
+                           request_fields={**class_fields(BATCH), "tenant": record.get("tenant", "")[:MAX_TENANT_CHARS]},
                            unavailable_after_s=float("inf"))   # a Redis outage stops it (_drive), never fails it
             await self._drive(batch_id, run, stop)
         except (redis.RedisError, OSError) as exc:

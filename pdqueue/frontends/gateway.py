@@ -59,6 +59,8 @@ from pdqueue.frontends.service_classes import class_fields
 from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, load_tenants
 from pdqueue.keys import Keys
 from pdqueue.protocol import RequestError
+from pdqueue.protocol.requests import MAX_TENANT_CHARS
+from pdqueue.queue.ledger import idempotency_ref
 
 log = logging.getLogger("pdqueue.frontends.gateway")
 
@@ -297,7 +299,7 @@ class Gateway:
             return await self._resume_unrecorded(ident.request_id, kind, parsed, answer)
         model, info = await self._admit_fresh(parsed, tenant)
         spec = res.Spec(kind, model, int(time.time()), parsed.include_usage)
-        handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class)
+        handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class, tenant.name, ident.resumable)
         if ident.resumable:
             await self.records.save(ident.request_id, spec, params)
         return self._reply(handle, spec, parsed.stream, ids=ident.resumable, attached=False, **answer)
@@ -340,10 +342,10 @@ class Gateway:
         return self._reply(self.client.handle(request_id), spec, stream, endpoint="requests", arrived=arrived,
                            headers=headers, after=after, ids=True, attached=True, cancels=False)
 
-    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str):
+    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str, tenant="", keyed=False):
         parsed.check_context(info["max_model_len"] or None)   # (the worker checks text prompts)
-        kwargs = parsed.submit_kwargs()
-        kwargs.update(class_fields(service_class))
+        kwargs = {**parsed.submit_kwargs(), **class_fields(service_class), "tenant": tenant[:MAX_TENANT_CHARS]}
+        kwargs["ref"] = idempotency_ref(request_id if keyed else "")   # the usage record's labels (queue/ledger.py)
         if self.config.timeout_s is not None:
             kwargs["deadline_ms"] = max(1, int(self.config.timeout_s * 1000))
         try:

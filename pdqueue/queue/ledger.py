@@ -147,8 +147,8 @@ def batch_ref(batch_id: str, custom_id: str, most: int = 1024) -> str:
 
 
 def idempotency_ref(key: str) -> str:
-    """The ``ref`` of a request a gateway was sent with an ``Idempotency-Key``."""
-    return f"{IDEMPOTENCY_REF}{key}"
+    """The ``ref`` of a request a gateway was sent with an ``Idempotency-Key`` (none: "")."""
+    return f"{IDEMPOTENCY_REF}{key}" if key else ""
 
 
 def labels_of(request: Request | None = None, fields: Mapping | None = None) -> dict[str, str]:
@@ -233,7 +233,8 @@ def read(r, keys: Keys, since_ms: int | None = None, until_ms: int | None = None
 
 def totals(records: Iterable[Record], by: Iterable[str] = GROUPINGS) -> list[dict]:
     """The records summed per group (``by``: some of ``GROUPINGS``, in that order; none: one
-    group), each ``{<grouping>: value, "requests": n, <count>: sum, ...}``, sorted by group."""
+    group, present even with no record), each ``{<grouping>: value, "requests": n, <count>:
+    sum, ...}``, sorted by group."""
     by = tuple(by)
     unknown = [b for b in by if b not in GROUPINGS]
     if unknown:
@@ -245,5 +246,7 @@ def totals(records: Iterable[Record], by: Iterable[str] = GROUPINGS) -> list[dic
         row["requests"] += 1
         for name in COUNTS:
             row[name] += getattr(rec, name)
+    if not by and not groups:
+        return [{"requests": 0, **{name: 0 for name in COUNTS}}]
     return [groups[k] for k in sorted(groups)]
 

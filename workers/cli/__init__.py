@@ -18,6 +18,7 @@ drives); none imports this module or another command module.
 - ``metrics``: `metrics-sd` (Prometheus service discovery of the workers, stream backlog)
 - ``acl``: `acl` (least-privilege Redis ACL users for a cluster's roles)
 - ``models``: `models` (the families served, or which family a checkpoint is)
+- ``usage``: `usage` (the usage ledger: tokens per tenant, model and class, or per request)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from workers.cli.serve import serve
 from workers.cli.status import status
 from workers.cli.submit import submit
 from workers.cli.up import up
+from workers.cli.usage import usage
 from workers.cli.worker import worker
 
 
@@ -54,6 +56,7 @@ cli.add_command(metrics_sd)
 cli.add_command(serve)
 cli.add_command(acl)
 cli.add_command(models)
+cli.add_command(usage)
 
 
 def main():

@@ -13,6 +13,8 @@ Roles (docs/security.md has the table and why):
 - ``worker``: the commands prefill, decode and colocated workers run (streams, consumer
   groups, heartbeats, idempotency and cancel keys, the Lua scripts, MULTI/EXEC), on the
   cluster's keys only.
+- ``usage``: what ``pdqueue usage`` reads, and nothing else: XRANGE, XREVRANGE, XLEN and
+  XINFO STREAM of the ``usage`` stream (the usage ledger), read-only; for billing.
 - ``admin``: every non-dangerous command on the cluster's keys: ``status``, ``plan
   --apply``, ``metrics-sd``, ``batch``, ``up --redis-url``; a superset of the others.
 
@@ -48,7 +50,7 @@ import click
 from pdqueue.keys import Keys
 from workers.cli.common import UserError, redis_security_options
 
-ROLES = ("producer", "gateway", "worker", "admin")
+ROLES = ("producer", "gateway", "worker", "usage", "admin")
 
 CONNECTION = ("+ping", "+hello", "+select", "+echo", "+client|setname", "+client|getname", "+client|id",
               "+cluster|slots", "+cluster|shards", "+command")
@@ -117,8 +119,10 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}"),
                 _selector("+get", "+set", f"~{keys.gateway_record('*')}"),   # resumable requests' records
                 *batch_api_rules(keys, requests), *responses_api_rules(keys)]
-    if role == "worker":
+    if role == "worker":   # the usage ledger (usage, usage:*) among the cluster's keys
         return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]
+    if role == "usage":   # `pdqueue usage`: the ledger, read-only
+        return [*connection, _selector("+xrange", "+xrevrange", "+xlen", "+xinfo|stream", f"~{keys.usage}")]
     if role == "admin":
         return [f"~{keys.prefix}*", *ADMIN_COMMANDS, *connection]
     raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
@@ -263,7 +267,7 @@ def user_password(directory: Path, user: str) -> tuple[str, bool]:
 @redis_security_options
 def acl(cluster, roles, password_dir, fmt, redis_url, redis_version):
     """Print least-privilege Redis ACL users for a cluster's roles (producer, gateway,
-    worker, admin; see docs/security.md). Needs Redis >= 7.0; the rules allow CLIENT
+    worker, usage, admin; see docs/security.md). Needs Redis >= 7.0; the rules allow CLIENT
     SETINFO, which Redis 7.0 does not know: give --redis-url (or --redis-version).
 
     \b
