@@ -14,7 +14,8 @@
 - the gateway SIGKILLed mid-stream, a new one started on the same Redis: the client resumes
   with starting_after and gets every event once, in order, the response run once.
 
-One set of workers and one gateway serve the module (the kill test replaces the gateway).
+One set of workers and one gateway serve the module (the kill test replaces the gateway). The
+pure tests at the end check the parsing and the events' numbering without a process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import redis
 
 from pdqueue.client import Client
+from pdqueue.frontends import responses_compat as rc
 from pdqueue.frontends.responses_compat import request_id_of
 from pdqueue.frontends.responses_store import ResponseKeys
 from pdqueue.keys import Keys
@@ -38,7 +40,8 @@ from tests.cluster import Cluster
 from tests.helpers import wait_for
 from tests.test_gateway import Gateway, hang_up
 
-pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("test_gateway_responses")]   # module-scoped cluster
+pytestmark = pytest.mark.xdist_group("test_gateway_responses")   # module-scoped cluster
+processes = pytest.mark.processes   # all but the pure tests at the end
 
 CLUSTER = "gwr"
 KEYS = Keys(CLUSTER)
@@ -169,6 +172,7 @@ def check_events(events: list, text: str) -> None:
 
 # ---- create ----------------------------------------------------------------------------------------
 
+@processes
 def test_create_with_text_or_messages_answers_as_a_chat_completion(gateways, workers, client):
     api = oa(gateways)
     conversation = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "What is a KV cache?"}]
@@ -200,6 +204,7 @@ def test_create_with_text_or_messages_answers_as_a_chat_completion(gateways, wor
         api.responses.retrieve(api.responses.create(input="hi", store=False, max_output_tokens=2).id)
 
 
+@processes
 def test_previous_response_id_continues_the_conversation(gateways, workers):
     api = oa(gateways)
     first = api.responses.create(input="Hello there.", instructions=INSTRUCTIONS, max_output_tokens=8,
@@ -227,6 +232,7 @@ def test_previous_response_id_continues_the_conversation(gateways, workers):
 
 # ---- streams ---------------------------------------------------------------------------------------
 
+@processes
 def test_a_stream_resumes_after_any_event_and_a_hang_up_does_not_cancel_it(gateways, workers):
     api = oa(gateways)
     events = list(api.responses.create(input="Tell a story", max_output_tokens=40, temperature=0, stream=True))
@@ -260,6 +266,7 @@ def test_a_stream_resumes_after_any_event_and_a_hang_up_does_not_cancel_it(gatew
     assert runs(workers, response_id) == 1
 
 
+@processes
 def test_a_refused_request_is_the_chat_paths_400_before_any_stream_starts(gateways):
     api = oa(gateways)
     long = "x" * 5000   # tiny's context is 4096 tokens, a byte each
@@ -274,6 +281,7 @@ def test_a_refused_request_is_the_chat_paths_400_before_any_stream_starts(gatewa
 
 # ---- background, cancel, delete, input_items ---------------------------------------------------------
 
+@processes
 def test_background_responses_run_detached_and_can_be_cancelled(gateways, workers):
     api = oa(gateways)
     short = api.responses.create(input="Quick one", background=True, max_output_tokens=6, temperature=0)
@@ -297,6 +305,7 @@ def test_background_responses_run_detached_and_can_be_cancelled(gateways, worker
     check_events(events, after.output_text)
 
 
+@processes
 def test_input_items_and_delete(gateways, workers):
     api = oa(gateways)
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "One"},
@@ -321,6 +330,7 @@ def test_input_items_and_delete(gateways, workers):
 
 # ---- errors and tenants ------------------------------------------------------------------------------
 
+@processes
 def test_errors_have_openais_shape(gateways):
     api = oa(gateways)
     for kwargs, param in (({"input": []}, "input"),
@@ -343,6 +353,7 @@ def test_errors_have_openais_shape(gateways):
         oa(gateways, key="sk-nobody").responses.create(input="hi")
 
 
+@processes
 def test_another_tenants_response_is_a_404(gateways, workers):
     alice, bob = oa(gateways), oa(gateways, "sk-bob")
     mine = alice.responses.create(input="secret", max_output_tokens=2, temperature=0)
@@ -357,6 +368,7 @@ def test_another_tenants_response_is_a_404(gateways, workers):
 
 # ---- a gateway killed mid-stream --------------------------------------------------------------------
 
+@processes
 def test_a_stream_resumes_on_a_new_gateway_after_kill_9(gateways, workers):
     """The gateway serving a stream dies (SIGKILL) and the client's connection is cut; a new
     gateway process on the same Redis serves the resume: every event once, in order, and the
@@ -389,3 +401,49 @@ def test_a_stream_resumes_on_a_new_gateway_after_kill_9(gateways, workers):
     assert runs(workers, response_id) == 1
     assert api.responses.retrieve(response_id).status == "incomplete"
     assert response_id.encode() not in workers.r.zrange(RKEYS.active, 0, -1)
+
+
+# ---- pure: the body, the events ---------------------------------------------------------------------
+
+def test_a_create_body_becomes_a_chat_request():
+    turn = rc.parse_create({"input": [{"role": "developer", "content": "Be brief."},
+                                      {"type": "message", "role": "user",
+                                       "content": [{"type": "input_text", "text": "Hi"}]}],
+                            "instructions": "Answer in French.", "max_output_tokens": 7, "temperature": 0,
+                            "reasoning": {"effort": "low"}, "frobnicate": 1})
+    assert turn.messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    assert turn.store and not turn.background and turn.ignored == ("frobnicate",)
+    parsed = turn.chat([{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Yes"},
+                        *turn.messages])
+    assert [m["role"] for m in parsed.messages] == ["system", "user", "assistant", "system", "user"]
+    assert parsed.messages[0]["content"] == "Answer in French."   # instructions first, this turn's only
+    assert (parsed.max_tokens, parsed.temperature) == (7, 0.0)
+    one = rc.parse_create({"input": "Hello"}).chat([{"role": "user", "content": "Hello"}])
+    assert one.prompt == "Hello" and one.messages is None and one.max_tokens is None   # as the chat path sends it
+    for body, param in (({"input": "x", "top_p": 2}, "top_p"), ({"input": "x", "seed": -1}, "seed"),
+                        ({"input": [{"role": "tool", "content": "x"}]}, "input"), ({"instructions": "x"}, "input"),
+                        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format")):
+        with pytest.raises(rc.OpenAIError) as info:
+            rc.parse_create(body)
+        assert (info.value.status, info.value.param) == (400, param), body
+
+
+def test_events_are_numbered_alike_live_and_replayed():
+    rec = rc.Record("resp_" + "a" * 32, "t", 1, "tiny", False, True, {}, (), ())
+    live = rc.Events(rec)
+    events = live.opening() + live.delta("") + live.delta("Hel") + live.delta("lo")
+    done = rc.Outcome("Hello!", ("Hel", "lo", "!"), "stop", 3, (1, 2, 3), 0)
+    events += [e for text in done.deltas[2:] for e in live.delta(text)] + live.closing("completed", done)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events == rc.Events(rec).replay("completed", done)
+    assert [e["type"] for e in events][-1] == "response.completed" and events[-1]["response"]["output"][0][
+        "content"][0]["text"] == "Hello!"
+    cancelled = rc.Events(rec).replay("cancelled", rc.Outcome("He", ("He",), "cancelled"))
+    assert cancelled[-1]["type"] == "response.incomplete" and cancelled[-1]["response"]["status"] == "cancelled"
+    refused = rc.Events(rec).replay("failed", rc.Outcome.failed([], "too_long", "over the context"))
+    assert [e["type"] for e in refused] == ["response.created", "response.in_progress", "response.failed"]
+    assert refused[-1]["response"]["error"]["code"] == "invalid_prompt"
+
+    class Completion:   # a cancel that flushed held-back text: one delta more
+        text, token_ids, finish_reason, num_prompt_tokens, cached_tokens = "ab\ufffd", (1, 2, 3), "cancelled", 4, 0
+    assert rc.Outcome.of(Completion, ["a", "b"]).deltas == ("a", "b", "\ufffd")

@@ -279,7 +279,7 @@ class ResponsesAPI:
 
     def __init__(self, gw):
         self.gw = gw
-        self.store = ResponsesStore(gw.keys, gw.config.responses_ttl_s, gw.config.timeout_s, lambda: gw.client)
+        self.store = ResponsesStore(gw.keys, gw.config.responses_ttl_s, lambda: gw.client)
         self._sweeper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -355,8 +355,9 @@ class ResponsesAPI:
         parsed = turn.chat(conversation)
         model, info = await gw._admit_fresh(parsed, tenant)
         parsed.check_context(info["max_model_len"] or None)
-        rec = Record(rc.new_response_id(), tenant.name, int(time.time()), model, turn.background, turn.store,
-                     turn.params, turn.items, tuple(conversation))
+        now, timeout = time.time(), gw.config.timeout_s
+        rec = Record(rc.new_response_id(), tenant.name, int(now), model, turn.background, turn.store, turn.params,
+                     turn.items, tuple(conversation), deadline_at=None if timeout is None else now + timeout)
         headers["x-request-id"] = rec.request_id
         if rec.store:
             await self.store.create(rec)

@@ -290,6 +290,7 @@ class Record:
     status: str | None = None        # final only: FINAL
     outcome: Outcome | None = None
     completed_at: int | None = None
+    deadline_at: float | None = None  # its request's deadline (the creating gateway's --timeout); None: none
 
     @property
     def request_id(self) -> str:

@@ -6,13 +6,15 @@ Keys (the cluster's prefix, so one hash slot):
 - ``gwresp:<response id>``: a hash: ``tenant``, ``created_at``, ``model``, ``background``,
   ``store``, ``params`` (what the response object echoes), ``items`` (this turn's input
   items), ``conversation`` (its prompt's messages but the instructions: what a next turn
-  continues), ``cancelled`` (asked); once ended ``status``, ``outcome`` (text, the stream's
-  deltas, finish, counts, error) and ``completed_at``. Each record holds its whole
-  conversation, so a chain does not depend on the records before it.
+  continues), ``deadline_at`` (its request's, from the creating gateway's ``--timeout``),
+  ``cancelled`` (asked); once ended ``status``, ``outcome`` (text, the stream's deltas,
+  finish, prompt tokens, the output's token ids, cached tokens, error) and ``completed_at``.
+  Each record holds its whole conversation (a chain of n turns stores O(n^2) messages), so a
+  chain does not depend on the records before it.
 - ``gwresponses:active``: the responses not ended yet (sorted set by ``created_at``).
 
 A record lives ``ttl_s`` (``pdqueue serve --responses-ttl-s``, 30 days as OpenAI keeps
-responses) after its last write. The answer itself is the request's ``out:<id>`` stream,
+responses) from its creation, and again from its end. The answer itself is the request's ``out:<id>`` stream,
 which the workers write whatever the gateways do and which lives an hour after its last
 entry; a record is *finished* (its outcome copied from that stream, the response taken out of
 the active set) by whichever comes first: the gateway answering it, any read of it, or a
@@ -39,7 +41,7 @@ log = logging.getLogger("pdqueue.frontends.gateway")
 __all__ = ["DEFAULT_TTL_S", "ResponseKeys", "ResponsesStore"]
 
 DEFAULT_TTL_S = 30 * 86400
-LOST_GRACE_S = 60.0     # past created_at + the gateway's timeout + this, a response with no end has failed
+LOST_GRACE_S = 60.0     # past its request's deadline + this, a response with no end has failed
 SWEEP_BATCH = 200       # active responses looked at per sweep
 READ_S = 10.0           # reading an ended answer to its end
 
@@ -87,19 +89,18 @@ def _record(response_id: str, raw: dict) -> Record:
     return Record(response_id, d["tenant"], int(d["created_at"]), d["model"], d["background"] == "1",
                   d.get("store", "1") == "1", json.loads(d["params"]), tuple(json.loads(d["items"])),
                   tuple(json.loads(d["conversation"])), d.get("status") or None, outcome,
-                  int(d["completed_at"]) if d.get("completed_at") else None)
+                  int(d["completed_at"]) if d.get("completed_at") else None,
+                  float(d["deadline_at"]) if d.get("deadline_at") else None)
 
 
 class ResponsesStore:
     """The records. ``client``: the gateway's ``AsyncClient`` (made when it starts: a
-    function that returns it), whose Redis client the records use and which reads answers;
-    ``timeout_s``: the gateway's request timeout."""
+    function that returns it), whose Redis client the records use and which reads answers."""
 
-    def __init__(self, keys: Keys, ttl_s: int, timeout_s: float | None, client):
+    def __init__(self, keys: Keys, ttl_s: int, client):
         self.rkeys = ResponseKeys(keys)
         self.keys = keys
         self.ttl_s = int(ttl_s)
-        self.timeout_s = timeout_s
         self._client = client
 
     @property
@@ -113,7 +114,8 @@ class ResponsesStore:
     async def create(self, rec: Record) -> None:
         mapping = {"tenant": rec.tenant, "created_at": rec.created_at, "model": rec.model,
                    "background": "1" if rec.background else "0", "store": "1", "params": json.dumps(rec.params),
-                   "items": json.dumps(list(rec.items)), "conversation": json.dumps(list(rec.conversation))}
+                   "items": json.dumps(list(rec.items)), "conversation": json.dumps(list(rec.conversation)),
+                   "deadline_at": "" if rec.deadline_at is None else repr(rec.deadline_at)}
         key = self.rkeys.record(rec.id)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
@@ -172,7 +174,7 @@ class ResponsesStore:
         outcome = None
         if kind in ("done", "error"):
             outcome = await self.read_outcome(rec.request_id)
-        elif self.timeout_s is not None and time.time() > rec.created_at + self.timeout_s + LOST_GRACE_S:
+        elif rec.deadline_at is not None and time.time() > rec.deadline_at + LOST_GRACE_S:
             outcome = Outcome.failed([], None, "the response has no complete answer: its requests's deadline passed "
                                                "(or its answer expired unread)")
         if outcome is None:
