@@ -22,6 +22,8 @@ on Redis Cluster.
 | ``plan``               | hash                     | the planner         | actuators, status  |
 | ``kv_secret``          | string (hex), no TTL     | first worker, SET NX| workers (KV auth)  |
 | ``gw:<request_id>``    | string (JSON), TTL       | gateways, SET NX    | gateways (resume)  |
+| ``gwresp:<resp id>``,  | hash, TTL; sorted set    | gateways (the       | gateways           |
+| ``gwresponses:active`` |                          | Responses API)      | (responses_store)  |
 | ``read:<request_id>``  | string, TTL              | clients of ``up``'s | ``pdqueue up``     |
 |                        |                          | embedded server     | (its stop)         |
 | ``usage``              | stream, trimmed by age   | any worker          | ``pdqueue usage``  |
