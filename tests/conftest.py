@@ -33,6 +33,7 @@ _KEPT_ENV = {"PDQ_REDIS_SERVER", "PDQ_CACHE_DIR"}
 ONE_WORKER_MODULES = {
     "test_gateway.py", "test_redis_cluster.py", "test_netns.py", "test_kv_auth.py", "test_transfer.py",
     "test_nixl.py", "test_security.py", "test_engine.py", "test_models.py", "test_gateway_limits.py",
+    "test_ledger.py",
 }
 
 

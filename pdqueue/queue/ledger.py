@@ -156,12 +156,7 @@ def labels_of(request: Request | None = None, fields: Mapping | None = None) -> 
     fields (an entry refused before it parsed: best effort, "" where unreadable)."""
     if request is not None:
         return {"tenant": request.tenant, "ref": request.ref, "service_class": request.cls.value}
-    text: dict[str, str] = {}
-    for key, value in (fields or {}).items():
-        try:
-            text[as_str(key)] = as_str(value)
-        except (UnicodeDecodeError, TypeError, AttributeError):
-            continue
+    text = {as_str(key, "replace"): as_str(value, "replace") for key, value in (fields or {}).items()}
     # a request entry's class: its field, else its priority's (a handoff entry's fields say none)
     cls = text.get("class", "") or ("" if "data" in text else
                                      "interactive" if text.get("priority", "") == "high" else "standard")
