@@ -8,6 +8,7 @@
 - ``wait_pools_free``: every worker's KV pool back to all-free (from the heartbeats).
 - ``pdqueue_up``: a real ``pdqueue up`` (tiny model, 1 prefill + 1 decode, a gateway) on a
   given Redis, stopped with SIGINT when the block ends.
+- ``assert_ledger_is``: one usage record per request, counting what its client received.
 
 Real worker processes live in ``tests/cluster.py``, the token comparison rule in
 ``tests/oracle.py``.
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
@@ -173,3 +175,23 @@ def run_together(code: str, args: list[str], n: int, cache_dir) -> list[str]:
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
     return [out for out, _ in outs]
+
+
+def assert_ledger_is(r, keys, handles, results) -> None:
+    """One usage record per request (written with its done, so there once its client read
+    it), whatever kills, restarts and recomputes came before: the tokens its client received,
+    the prompt, cached and recomputed tokens its completion says."""
+    from pdqueue.queue import ledger
+
+    records = list(ledger.read(r, keys))
+    counts = Counter(rec.request_id for rec in records)
+    assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles
+                                                               if counts[h.request_id] != 1}
+    by_id = {rec.request_id: rec for rec in records}
+    for h, res in zip(handles, results):
+        rec = by_id[h.request_id]
+        assert (rec.output_tokens, rec.prompt_tokens, rec.cached_tokens, rec.recomputed_tokens, rec.outcome) == \
+            (len(res.token_ids), res.num_prompt_tokens, res.cached_tokens, res.recomputed_tokens,
+             res.finish_reason.value), (rec, res)
+    ours = [by_id[h.request_id] for h in handles]   # and so the totals
+    assert ledger.totals(ours, ())[0]["output_tokens"] == sum(len(res.token_ids) for res in results)

@@ -1,6 +1,7 @@
 """Chaos: 200 requests of mixed lengths through 2 prefill + 2 decode workers while one
 random worker is SIGKILLed and restarted every few seconds. 200 completions, none lost,
-none answered twice, the colocated engine's tokens, no block or segment leaked."""
+none answered twice, the colocated engine's tokens, no block or segment leaked; one usage
+record per request (pdqueue/queue/ledger.py), counting the tokens its client received."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pdqueue.keys import Keys
 from pdqueue.models.loader import load_model
 from pdqueue.protocol import entry_id_ms
 from tests.cluster import Cluster
-from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.helpers import FAST, assert_ledger_is, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
 
 NUM_REQUESTS = 200
@@ -78,6 +79,7 @@ def test_chaos_kill_and_restart(redis_url, tmp_path):
         assert len(results) == NUM_REQUESTS
         assert sorted(counts[h.request_id] for h in handles) == [1] * NUM_REQUESTS, "lost or duplicated"
         assert len(kills) >= 3, "the chaos thread should have killed several workers"
+        assert_ledger_is(r, Keys(), handles, results)
         # Recovery: a request resumed elsewhere (recompute) stalled once; its longest gap
         # between consecutive tokens is the time from its worker's death to the resumed stream.
         stalls = []
