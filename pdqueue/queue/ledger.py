@@ -35,9 +35,9 @@ as a duplicate (another entry holds its id) has no record of its own.
 
 The ``usage`` stream (``Keys.usage``) is append-only; each write trims it (``XADD MINID ~``)
 to the records of the last ``retention_s()``: ``PDQ_USAGE_RETENTION_S`` in the workers'
-environment, by default ``keys.USAGE_RETENTION_S`` (7 days). A record is about 350 bytes:
-a million requests a day kept a week is about 2.5 GB of Redis memory; copy the records out
-(``pdqueue usage --requests --json --since``) more often than that and keep it short.
+environment, by default ``keys.USAGE_RETENTION_S`` (7 days). What that costs in Redis
+memory, and copying the records out (``pdqueue usage --requests --json --since``):
+docs/operations/usage.md.
 
 Reading: ``read`` (a time window, paged XRANGE), ``totals`` (per tenant, model and class, or
 any of them). Imports pdqueue.protocol and pdqueue.keys only, and redis through the client
