@@ -129,6 +129,13 @@ class ResponseReply(Reply):
                 await send({"type": "http.response.body", "body": _sse(event), "more_body": False})
         self.end(exc.status)
 
+    async def timed_out(self) -> None:
+        """The gateway's timeout: a response not stored is cancelled, as a chat request is;
+        a stored one is left to its request's deadline (the workers drop it then), so a late
+        reader's timeout never stops what it reads."""
+        if self.cancels:
+            await self.gw.cancel(self.handle.request_id)
+
     async def refused(self, exc: RequestFailed) -> None:
         """The workers refused the request before its first token (a 400 of the chat path's):
         a response that was never made is not kept."""
@@ -150,7 +157,7 @@ class ResponseWhole(ResponseReply):
             rec, status = await self.api.store.finish(self.rec, outcome)
         except TimeoutError:
             self.finished = True
-            await self.gw.cancel(self.handle.request_id)
+            await self.timed_out()
             return await self.fail(send, errs.timeout(timeout))
         except RequestFailed as exc:
             self.finished = True
@@ -169,8 +176,8 @@ class ResponseWhole(ResponseReply):
         self.finished = True
         if completion.finish_reason.value == "expired":
             return await self.fail(send, errs.timeout(timeout))
-        await JSONResponse(rc.response_object(rec, status, outcome), headers=self.headers)({"type": "http"}, None,
-                                                                                           send)
+        body = rc.response_object(rec, status, rec.outcome or outcome)
+        await JSONResponse(body, headers=self.headers)({"type": "http"}, None, send)
         self.end(200, completion)
 
 
@@ -234,7 +241,7 @@ class ResponseStream(ResponseReply):
             ended, status = await self.api.store.finish(rec, outcome)
         except TimeoutError:
             self.finished = True
-            await gw.cancel(self.handle.request_id)
+            await self.timed_out()
             return await self.fail(send, errs.timeout(gw.config.timeout_s))
         except RequestFailed as exc:
             return await self._failed(send, events, deltas, exc)
