@@ -54,7 +54,7 @@ from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.responses import ResponsesAPI
 from pdqueue.frontends.responses_store import DEFAULT_TTL_S as RESPONSES_TTL_S
-from pdqueue.frontends.runtime import Runtime, bind, runtime
+from pdqueue.frontends.runtime import Handover, Runtime, bind, runtime
 from pdqueue.frontends.service_classes import class_fields
 from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, load_tenants
 from pdqueue.keys import Keys
@@ -410,7 +410,7 @@ def build_app(config: GatewayConfig) -> Starlette:
 
 
 def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning", *, loop: str = "auto",
-          http: str = "auto") -> None:
+          http: str = "auto", on_ready=None) -> None:
     """Serve on ``sock`` until stopped. The stop, which a supervisor (``pdqueue up``) relies on:
 
     - The first SIGTERM or SIGINT *drains*: the listener stays open; every new completion,
@@ -430,19 +430,21 @@ def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning"
 
     ``loop`` (auto, asyncio, uvloop) and ``http`` (auto, h11, httptools): see ``runtime``
     (ValueError for one that is not installed); the choice is logged (info) at the start
-    (``pdqueue serve`` prints the same line on stderr)."""
+    (``pdqueue serve`` prints the same line on stderr). SIGUSR1 hands the socket over to
+    another gateway (``runtime.Handover``: ``on_ready`` is called once it accepts)."""
     import uvicorn
 
     rt = runtime(loop, http)
     log.info("gateway runtime: %s", rt.describe())
     app = build_app(config)
+    handover = Handover(app, on_ready)
     # timeout_graceful_shutdown bounds only what is left once drained: idle keep-alive
     # connections and requests still being received (no answer of ours is open then).
     # proxy_headers off: nothing here reads the client's address or scheme (uvicorn would
     # scan every request's headers for X-Forwarded-* from 127.0.0.1).
-    server = _server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False, loop=rt.loop,
+    server = _server(uvicorn.Config(handover.app, log_level=log_level.lower(), access_log=False, loop=rt.loop,
                                     http=rt.http, proxy_headers=False, timeout_graceful_shutdown=5,
-                                    lifespan="on"), app.state.gateway)
+                                    lifespan="on"), app.state.gateway, handover)
     # A signal after the server has stopped (a supervisor insisting) must not turn exit 0
     # into death by signal: uvicorn puts back the handlers it found, so these no-ops.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -450,7 +452,7 @@ def serve(config: GatewayConfig, sock: socket.socket, log_level: str = "warning"
     server.run(sockets=[sock])
 
 
-def _server(config, gw: Gateway):
+def _server(config, gw: Gateway, handover: Handover):
     """A uvicorn server whose signals drive ``gw``'s stop instead of uvicorn's own (which
     closes the listener and gives open answers ``timeout_graceful_shutdown``)."""
     import uvicorn
@@ -467,6 +469,9 @@ def _server(config, gw: Gateway):
                 if gw.idle():
                     log.warning("no answer left open: exiting")
                     return True
+            elif handover.tick(self, lambda: gw.batches.let_go() if gw.batches else None, bool(gw.open or gw._busy)):
+                log.warning("handed over: no connection left open: exiting")
+                return True
             return await super().on_tick(counter)
 
     return Server(config)

@@ -5,12 +5,18 @@ serves until SIGINT/SIGTERM: the first drains (open answers run to their end, ne
 get 503), a second ends the open answers with an error (``pdqueue.frontends.gateway.serve``). Its
 second line (stderr) says what it runs on: ``--loop``/``--http``/``--redis-parser``, each
 ``auto`` by default (uvloop, httptools and hiredis when installed: ``pdqueue[fast]``).
-Never imports torch.
+
+``--fd N`` serves on a listening socket its supervisor passed instead of binding one
+(``pdqueue up`` does, so that a gateway's replacement takes over the same socket:
+``pdqueue.frontends.runtime``); such a gateway prints ``accepting connections (pid N)``
+on stdout once it accepts, and SIGUSR1 makes it hand the socket over (stop accepting, answer
+what its open connections bring, exit). Never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import click
 
@@ -24,6 +30,10 @@ DEFAULT_PORT = 8000
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to listen on (0: a free one; the first line prints the URL).")
+@click.option("--fd", "listen_fd", type=click.IntRange(min=0), default=None,
+              help="Serve on this inherited listening socket (a supervisor's, e.g. `pdqueue up`'s) instead of "
+                   "binding --host/--port; prints 'accepting connections' once it accepts, and hands the socket "
+                   "over on SIGUSR1 (docs/operations/rolling-restarts.md).")
 @click.option("--api-key", envvar="PDQ_API_KEY", show_envvar=True, default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* [default: no key].")
 @click.option("--tenants", "tenants_path", envvar="PDQ_TENANTS", show_envvar=True, default=None,
@@ -55,7 +65,7 @@ DEFAULT_PORT = 8000
               type=click.Choice(["auto", "hiredis", "python"]), default="auto", show_default=True,
               help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, batch_concurrency,
+def serve(redis_url, cluster, host, port, listen_fd, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, batch_concurrency,
           batch_lease_s, responses_ttl_s, loop, http, redis_parser, log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
@@ -77,9 +87,8 @@ def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, ti
     SIGTERM or Ctrl-C: open answers run to their end, new requests get 503; a second one
     ends the open answers now (an error event, then [DONE]).
     """
-    import os
-
     from pdqueue.frontends.gateway import GatewayConfig, bind, runtime, serve as run
+    from pdqueue.frontends.runtime import inherited
     from pdqueue.frontends.tenants import TenantError, load_tenants
     from pdqueue.queue.connection import PARSER_ENV
 
@@ -96,9 +105,13 @@ def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, ti
     connect(target).close()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sock = bind(host, port)
+        sock = bind(host, port) if listen_fd is None else inherited(listen_fd)
     except OSError as exc:
+        if listen_fd is not None:
+            raise UserError(f"--fd {listen_fd}: {exc.strerror or exc}") from None
         raise UserError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+    if listen_fd is not None:
+        host = sock.getsockname()[0]
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"pdqueue serve: http://{shown}:{bound}/v1 (cluster {target.cluster!r}, {target.shown_url}, "
@@ -109,7 +122,13 @@ def serve(redis_url, cluster, host, port, api_key, tenants_path, max_backlog, ti
                       max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s,
                       tenants=tuple(tenants), batch_lease_s=batch_lease_s,
                       batch_concurrency=batch_concurrency, responses_ttl_s=responses_ttl_s), sock,
-        log_level=log_level, loop=rt.loop, http=rt.http)
+        log_level=log_level, loop=rt.loop, http=rt.http, on_ready=None if listen_fd is None else _accepting)
+
+
+def _accepting() -> None:
+    """With --fd: the line that tells the supervisor this gateway accepts (its replacement is ready)."""
+    click.echo(f"pdqueue serve: accepting connections (pid {os.getpid()})")
+    click.get_text_stream("stdout").flush()
 
 
 def _keys_note(tenants) -> str:
