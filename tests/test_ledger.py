@@ -350,6 +350,42 @@ def test_a_decode_worker_killed_mid_stream_and_a_cancel_leave_one_record_of_what
 
 
 @pytest.mark.processes
+def test_batch_lines_are_recorded_with_their_batch_and_custom_id(stack, tmp_path):
+    """`pdqueue batch` and the gateway's Batch API (tenant alpha's): each line's record names
+    its batch and custom_id, in the batch class, with the tokens its output line reports."""
+    lines = [{"custom_id": f"line:{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"batch line {i}", "max_tokens": 2 + i, "temperature": 0}}
+             for i in range(2)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = subprocess.run([sys.executable, "-m", "workers", "batch", str(inp), "-o", str(out), "--batch-id", "ledger-b1",
+                          "--redis-url", stack["url"], "--cluster", CLUSTER], capture_output=True, text=True,
+                         env=stack["env"], cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    import io
+
+    import openai
+
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{stack['port']}/v1", api_key="sk-alpha", max_retries=0)
+    upload = oa.files.create(file=("in.jsonl", io.BytesIO(inp.read_bytes())), purpose="batch")
+    batch = oa.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    batch = wait_for(lambda: (b := oa.batches.retrieve(batch.id)).status in ("completed", "failed") and b, 120,
+                     what="the batch's end")
+    assert batch.status == "completed", batch
+    answers = {("ledger-b1", json.loads(x)["custom_id"]): json.loads(x) for x in out.read_text().splitlines()}
+    answers.update({(batch.id, a["custom_id"]): a for a in map(json.loads, oa.files.content(
+        batch.output_file_id).content.splitlines()) if a})
+    r, keys = stack["r"], stack["keys"]
+    wait_for(lambda: len([rec for rec in ledger.read(r, keys) if rec.batch_id]) >= 4, 30, what="the lines' records")
+    recs = {(rec.batch_id, rec.custom_id): rec for rec in ledger.read(r, keys) if rec.batch_id}
+    assert set(recs) == set(answers) and len(answers) == 4
+    for key, answer in answers.items():
+        rec, usage = recs[key], answer["response"]["body"]["usage"]
+        assert (rec.prompt_tokens, rec.output_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+        assert rec.service_class == "batch" and rec.tenant == ("alpha" if key[0] == batch.id else "")
+
+
+@pytest.mark.processes
 def test_pdqueue_usage_sums_the_records(stack):
     with Client(stack["url"], CLUSTER) as client:
         for h in client.submit_many([dict(prompt="cli one", max_tokens=2, temperature=0, tenant="cli-a"),

@@ -7,8 +7,9 @@ gateway) serves the module: the workers answer with the colocated engine's token
 gateway answers over HTTP, `status`, `submit` and `batch` work, a second pdqueue cluster
 whose slot lives on another master runs beside it, and, last, the master holding the first
 cluster's slot is killed (SIGKILL) with requests in flight: the cluster promotes its
-replica by itself, and every request completes exactly once. `up` must then still stop
-cleanly (the module's teardown).
+replica by itself, and every request completes exactly once, with one usage record that
+counts the tokens its client received. `up` must then still stop cleanly (the module's
+teardown).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pdqueue.queue.connection import (
     is_cluster_url,
 )
 from tests.cluster import ROOT, Cluster
-from tests.helpers import mixed_prompts, oracle, pdqueue_up, wait_for
+from tests.helpers import assert_ledger_is, mixed_prompts, oracle, pdqueue_up, wait_for
 from tests.oracle import assert_same_tokens
 from tests.redis_cluster import RedisClusterServers, unavailable_reason
 
@@ -357,6 +358,7 @@ def test_master_killed_right_after_a_submit_every_request_runs_once(rcluster, na
         r = connect(rcluster.url)
         counts = collections.Counter(f[b"id"].decode() for _, f in r.xrange(keys.done))
         assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles}
+        assert_ledger_is(r, keys, handles, results)   # a record per request, none lost with its done
         # A request sent again only when Redis had lost it: a copy of one it still had would
         # be turned away as a duplicate (what the check without XPENDING did, 3 runs of 4).
         ours = {h.request_id for h in handles}
@@ -400,6 +402,7 @@ def test_master_killed_with_requests_in_flight_every_request_completes_once(up, 
     done = connect(rcluster.url).xrange(keys.done)
     counts = collections.Counter(f[b"id"].decode() for _, f in done)
     assert all(counts[h.request_id] == 1 for h in handles), {h.request_id: counts[h.request_id] for h in handles}
+    assert_ledger_is(connect(rcluster.url), keys, handles, results)
     for h, res in zip(handles, results):   # the answer streams, read again from the start: no gap
         streamed = [t for e in client.handle(h.request_id).stream(timeout=30) for t in e.token_ids]
         assert streamed == list(res.token_ids)
