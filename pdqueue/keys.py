@@ -7,8 +7,8 @@ on Redis Cluster.
 
 | key                    | type                     | written by          | read by            |
 |------------------------|--------------------------|---------------------|--------------------|
-| ``requests``           | stream, group ``prefill``| producers           | prefill workers    |
-| ``requests:high``      | stream, group ``prefill``| producers           | prefill (first)    |
+| ``requests``,          | stream, group ``prefill``| producers           | prefill workers    |
+| ``requests:high``, ... | (one per service class)  |                     | (in class order)   |
 | ``handoff:<node>``     | stream, group ``decode`` | prefill             | decode (own node)  |
 | ``handoff``            | stream, group ``decode`` | prefill             | decode (any node)  |
 | ``out:<request_id>``   | stream, TTL              | prefill, decode     | the producer       |
@@ -28,6 +28,11 @@ on Redis Cluster.
 |                        |                          | embedded server     | (its stop)         |
 | ``usage``              | stream, trimmed by age   | any worker          | ``pdqueue usage``  |
 | ``usage:<request_id>`` | string, TTL              | any worker, SET NX  | workers            |
+
+The request streams are the service classes' (pdqueue/protocol/classes.py names each class's
+stream: ``requests:high`` interactive, ``requests`` standard, ``requests:batch`` batch):
+``request_stream_for(cls)`` puts one under the prefix, ``queue.streams.request_streams`` lists
+them in class order. Nothing here lists the classes.
 
 Imports nothing but the standard library.
 """
@@ -80,28 +85,14 @@ class Keys:
     # -- streams -------------------------------------------------------------------------
     @property
     def requests(self) -> str:
+        """The standard class's stream (``ServiceClass.STANDARD.stream``), whose name the
+        workers' own streams (``requests_for``) extend."""
         return self.prefix + "requests"
 
-    @property
-    def requests_high(self) -> str:
-        return self.prefix + "requests:high"
-
-    @property
-    def requests_batch(self) -> str:
-        """The batch class's stream: read only into the capacity the others leave
-        (workers/admission.py)."""
-        return self.prefix + "requests:batch"
-
-    @property
-    def request_streams(self) -> tuple[str, str, str]:
-        """The request streams in the order a prefill worker reads them (high first, batch last)."""
-        return (self.requests_high, self.requests, self.requests_batch)
-
-    def request_stream_for(self, service_class: str) -> str:
-        """The stream a producer writes a request of ``service_class`` to (the protocol's
-        ``Request.cls``: interactive, standard or batch)."""
-        return {"interactive": self.requests_high, "standard": self.requests,
-                "batch": self.requests_batch}[service_class]
+    def request_stream_for(self, service_class) -> str:
+        """The stream of a ``pdqueue.protocol.ServiceClass`` (its ``stream``; a request's
+        ``Request.cls``): where a producer writes a request of that class."""
+        return self.prefix + service_class.stream
 
     def requests_for(self, worker_id: str) -> str:
         """One prefill (or colocated) worker's own request stream: requests routed to it

@@ -31,6 +31,7 @@ from pdqueue.frontends.batch import custom_id_hash, output_line, request_id
 from pdqueue.client import Client
 from pdqueue.keys import Keys
 from pdqueue.protocol import parse_result
+from pdqueue.protocol import ServiceClass
 from tests.cluster import Cluster
 from tests.helpers import mixed_prompts, wait_for
 
@@ -280,10 +281,10 @@ def test_window_bounds_the_queue_and_a_rerun_reattaches_instead_of_resending(clu
 
     # No workers: exactly `window` requests are queued, and no more while they wait.
     proc = start_batch(*args, env=env, tmp_path=tmp_path)
-    wait_for(lambda: r.xlen(KEYS.requests_batch) >= window, timeout=60, what="the window queued")
+    wait_for(lambda: r.xlen(KEYS.request_stream_for(ServiceClass.BATCH)) >= window, timeout=60, what="the window queued")
     # Its window full, it waits for answers (blocked in XREAD) and sends nothing more.
     wait_for(lambda: any(c.get("cmd") == "xread" for c in r.client_list()), timeout=60, what="the batch reading")
-    assert r.xlen(KEYS.requests_batch) == window
+    assert r.xlen(KEYS.request_stream_for(ServiceClass.BATCH)) == window
     err = interrupt(proc, tmp_path)
     assert f"interrupted: {window} requests left running in Redis" in err, err
     assert read_output(out) == []
@@ -294,7 +295,7 @@ def test_window_bounds_the_queue_and_a_rerun_reattaches_instead_of_resending(clu
     proc = start_batch(*args, env=env, tmp_path=tmp_path)
     wait_for(lambda: any(c.get("cmd") == "xread" for c in r.client_list()), timeout=60, what="the rerun reading")
     time.sleep(0.5)
-    assert r.xlen(KEYS.requests_batch) == window
+    assert r.xlen(KEYS.request_stream_for(ServiceClass.BATCH)) == window
     err = interrupt(proc, tmp_path)
     assert f"{window} re-attached" in err and f"interrupted: {window} requests left running in Redis" in err, err
 

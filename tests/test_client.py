@@ -40,6 +40,7 @@ from pdqueue.queue import (
     read_group,
     read_own_pending,
 )
+from pdqueue.queue.streams import request_streams
 from tests.redis_ops import XAdd, ack_into, dead_letter
 
 KEYS = Keys()
@@ -53,7 +54,7 @@ class EchoWorker:
         self.publisher = Publisher(lambda: redis.Redis.from_url(url), backoff_max_s=0.1)
         self.handled: list[str] = []
         self._stop = threading.Event()
-        for stream in KEYS.request_streams:
+        for stream in request_streams(KEYS):
             ensure_group(self.r, stream, PREFILL_GROUP)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -63,10 +64,10 @@ class EchoWorker:
         while not self._stop.is_set():
             try:
                 if recover:  # redo what was taken but not acknowledged (tokens get republished)
-                    entries = read_own_pending(self.r, PREFILL_GROUP, "echo", KEYS.request_streams)
+                    entries = read_own_pending(self.r, PREFILL_GROUP, "echo", request_streams(KEYS))
                     recover = False
                 else:
-                    entries = read_group(self.r, PREFILL_GROUP, "echo", KEYS.request_streams,
+                    entries = read_group(self.r, PREFILL_GROUP, "echo", request_streams(KEYS),
                                          count=16, block_ms=50)
                 for stream, entry_id, fields in entries:
                     if fields:

@@ -32,6 +32,7 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.models.tokenizer import ByteTokenizer
+from pdqueue.protocol import ServiceClass
 from tests.oracle import FLIPS, TOL, assert_all_same, assert_same_tokens
 
 BLOCK_SIZE = 16
@@ -227,14 +228,14 @@ def test_tiny_online_work_takes_the_room_of_running_batch_sequences(tiny):
     alone = engine(tiny, max_num_seqs=3).generate(prompts, params)
     eng = engine(tiny, max_num_seqs=3, max_background_seqs=3)
     for i, (p, q) in enumerate(zip(prompts, params)):
-        eng.add_request(f"b{i}", p, q, background=True)
+        eng.add_request(f"b{i}", p, q, rank=ServiceClass.BATCH.rank)
     results = {f"b{i}": [] for i in range(3)}
     for _ in range(3):
         for out in eng.step():
             results[out.request_id].append(out.token_id)
     assert len(eng.scheduler.running) == 3 and not eng.can_reserve(40)
     assert eng.make_room(40) and eng.can_reserve(40)
-    preempted = [s for s in eng.scheduler.waiting if s.background]
+    preempted = [s for s in eng.scheduler.waiting if eng.scheduler.share.yields(s)]
     assert [s.request_id for s in preempted] == ["b2"] and preempted[0].num_preemptions == 1
     assert not engine(tiny, max_num_seqs=1).make_room(10 ** 6)   # no batch to take from: False
     while eng.has_unfinished:

@@ -20,6 +20,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
 from pdqueue.transfer.shm import read_segment_info
+from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
 from tests.oracle import assert_same_tokens
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
@@ -69,7 +70,7 @@ def out_len(cluster, rid) -> int:
 def pending_request_ids(cluster, consumer: str) -> set[str]:
     """The request ids of the entries pending under ``consumer`` in the prefill group."""
     r, keys, found = cluster.r, cluster.keys, set()
-    for stream in (*keys.request_streams, keys.requests_for(consumer)):
+    for stream in (*request_streams(keys), keys.requests_for(consumer)):
         if not r.exists(stream):
             continue
         for p in r.xpending_range(stream, PREFILL_GROUP, "-", "+", 1000, consumername=consumer):
@@ -84,7 +85,7 @@ def holds_any(cluster, consumer: str) -> bool:
     is fast enough to land inside a tiny model's prefill."""
     r, keys = cluster.r, cluster.keys
     with r.pipeline(transaction=False) as pipe:
-        for stream in (*keys.request_streams, keys.requests_for(consumer)):
+        for stream in (*request_streams(keys), keys.requests_for(consumer)):
             pipe.xpending_range(stream, PREFILL_GROUP, "-", "+", 1, consumername=consumer)
         replies = pipe.execute(raise_on_error=False)
     return any(isinstance(rep, list) and rep for rep in replies)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from pdqueue.protocol import REQUEST_FIELDS
+from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
 from tests.helpers import wait_for
 
@@ -66,7 +67,7 @@ def check_survived(cluster: Cluster, good: list[str]) -> list[tuple[str, dict]]:
     for rid in good:
         assert client.handle(rid).result(timeout=120).num_tokens == 3
     r, keys = cluster.r, cluster.keys
-    inputs = [(s, PREFILL_GROUP) for s in keys.request_streams]
+    inputs = [(s, PREFILL_GROUP) for s in request_streams(keys)]
     inputs += [(s, DECODE_GROUP) for s in keys.handoff_streams(cluster.workers()["fd"]["node"])]
 
     def left() -> dict:

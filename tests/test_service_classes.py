@@ -15,6 +15,7 @@ from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
 from pdqueue.protocol import (ErrorCode, Priority, Request, RequestError, ServiceClass, entry_id_ms, parse_request,
                               request_to_fields)
+from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for
 from tests.oracle import assert_same_tokens
@@ -43,10 +44,11 @@ def test_an_unknown_class_is_a_clear_error():
 
 
 def test_each_class_has_its_stream_read_in_class_order():
-    assert KEYS.request_stream_for(ServiceClass.INTERACTIVE) == KEYS.requests_high
-    assert KEYS.request_stream_for("standard") == KEYS.requests
-    assert KEYS.request_stream_for(Request(id="x", prompt="p", priority=Priority.HIGH).cls) == KEYS.requests_high
-    assert KEYS.request_streams == (KEYS.requests_high, KEYS.requests, KEYS.requests_batch)
+    high = KEYS.prefix + "requests:high"
+    assert KEYS.request_stream_for(ServiceClass.INTERACTIVE) == high
+    assert KEYS.request_stream_for(ServiceClass("standard")) == KEYS.requests
+    assert KEYS.request_stream_for(Request(id="x", prompt="p", priority=Priority.HIGH).cls) == high
+    assert request_streams(KEYS) == (high, KEYS.requests, KEYS.prefix + "requests:batch")
     assert ErrorCode.DEADLINE_EXCEEDED.value == "deadline_exceeded"
 
 
@@ -139,7 +141,7 @@ def test_a_prefill_worker_prefills_batch_only_a_few_ahead_of_the_decode_side(clu
     wait_for(lambda: handed_off() == BATCH_AHEAD, timeout=60)
     time.sleep(1.0)   # the tiny model prefills the other 22 in far less: a worker without the bound would have
     assert handed_off() == BATCH_AHEAD
-    assert cluster.r.xlen(cluster.keys.requests_batch) == n - BATCH_AHEAD   # the others never read (a handed-off entry leaves)
+    assert cluster.r.xlen(cluster.keys.request_stream_for(ServiceClass.BATCH)) == n - BATCH_AHEAD   # the others never read (a handed-off entry leaves)
     cluster.start("decode", *FAST, worker_id="d0")
     results = [h.result(timeout=120) for h in handles]
     ids, expected, sampling = oracle(tiny, prompts, params)
@@ -395,10 +397,62 @@ def test_routing_weighs_a_peer_by_its_online_work_only(tiny):
     """Batch work yields to online work wherever it runs, so cache-aware routing compares
     online requests (the heartbeat's ``online``; running + waiting from a worker without it)."""
     engine = LLMEngine(tiny, EngineConfig(kv_cache_mb=8))
-    engine.add_request("batch", [3] * 20, SamplingParams(max_tokens=4), background=True)
+    engine.add_request("batch", [3] * 20, SamplingParams(max_tokens=4), rank=ServiceClass.BATCH.rank)
     engine.add_request("chat", [4] * 20, SamplingParams(max_tokens=4))
     assert online_load(engine) == 1
     engine.step()   # both admitted and running
     assert engine.num_running == 2 and online_load(engine) == 1
     assert _load_of({"load": {"running": 5, "waiting": 2, "online": 1}}) == 1
     assert _load_of({"load": {"running": 5, "waiting": 2}}) == 7
+
+
+def test_an_imported_sequence_is_told_its_class(tiny):
+    """A decode worker reserves imported KV with the request's class rank: one of a class
+    that yields takes a background slot (there are none left here once one runs) and is
+    background once reserved, as one the engine prefilled itself would be."""
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_mb=8, max_num_seqs=4, max_background_seqs=1))
+    batch = ServiceClass.BATCH.rank
+    assert engine.can_reserve(10, rank=batch)
+    seq = engine.reserve("imported", [3] * 9, SamplingParams(max_tokens=4), [5], rank=batch)
+    engine.add_prefilled(seq)
+    assert seq.rank == batch and engine.scheduler.share.yields(seq) and engine.scheduler.num_background == 1
+    assert not engine.can_reserve(10, rank=batch) and engine.can_reserve(10, rank=ServiceClass.INTERACTIVE.rank)
+    assert engine.scheduler.preempt_background() and engine.scheduler.waiting[0] is seq   # it yields its room
+
+
+def test_everything_about_a_class_derives_from_its_row():
+    """The protocol's ServiceClass is the one table: the streams, the read order of a request
+    role, the ACL's producer streams, the gateway's online backlog, the engine's yielding ranks,
+    the front ends' names and fields, submit's --class and a classless request's class all
+    follow its rows (so a new class is a row and this test)."""
+    import click
+
+    from pdqueue.frontends.service_classes import SERVICE_CLASSES, class_fields
+    from pdqueue.protocol import YIELDING_RANKS
+    from workers.cli.acl import role_rules
+    from workers.cli.submit import submit
+    from workers.routing import Router
+
+    classes = list(ServiceClass)
+    assert [c.rank for c in classes] == list(range(len(classes)))
+    assert request_streams(KEYS) == tuple(KEYS.prefix + c.stream for c in classes)
+    assert len(set(request_streams(KEYS))) == len(classes) and ServiceClass.STANDARD.stream == "requests"
+    router = Router(None, KEYS, "w1", role=None, mode="off")
+    online = [KEYS.request_stream_for(c) for c in classes if not c.yields]
+    assert [s for s in router.read_streams() if s != router.own] == online
+    assert router.read_streams().index(router.own) == next(i for i, c in enumerate(c for c in classes if not c.yields)
+                                                           if c.routed)
+    assert router.all_streams() == [*router.read_streams(), *(KEYS.request_stream_for(c) for c in classes if c.yields)]
+    assert router._routed == {KEYS.request_stream_for(c) for c in classes if c.routed}
+    producer = role_rules(KEYS, "producer")
+    assert all(f"~{KEYS.request_stream_for(c)}" in producer for c in classes)
+    assert YIELDING_RANKS == {c.rank for c in classes if c.yields}
+    assert SERVICE_CLASSES == tuple(c.value for c in classes)
+    choices = next(p for p in submit.params if p.name == "service_class").type
+    assert isinstance(choices, click.Choice) and tuple(choices.choices) == SERVICE_CLASSES
+    for c in classes:
+        req = Request(id="x", prompt="p", **class_fields(c.value))
+        assert req.cls is c and req.rank == c.rank and req.background == c.yields
+        assert parse_request("1-0", request_to_fields(req)).cls is c
+        if c.priority is not None:
+            assert Request(id="x", prompt="p", priority=c.priority).cls is c   # an older producer's request

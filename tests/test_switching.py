@@ -18,6 +18,7 @@ import pytest
 from pdqueue.control import commands
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
+from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
 from tests.oracle import assert_same_tokens
@@ -166,7 +167,7 @@ def holding(cluster, name: str) -> int:
     role = beat(cluster, name)["role"]
     if role == "decode":
         return len(held(cluster, name, DECODE_GROUP, handoff_streams(cluster)))
-    return len(held(cluster, name, PREFILL_GROUP, cluster.keys.request_streams))
+    return len(held(cluster, name, PREFILL_GROUP, request_streams(cluster.keys)))
 
 
 def feed(load: Load, name: str, n: int, max_tokens: int, seed: int) -> list:

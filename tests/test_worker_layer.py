@@ -15,6 +15,7 @@ from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Completion, ErrorCode, FinishReason
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.streams import ensure_group, read_group
+from pdqueue.queue.streams import request_streams
 from tests.helpers import oracle, wait_for
 from workers.answers import Unit
 from workers.recovery import Recovery
@@ -30,7 +31,7 @@ class FakeRole:
         self._held = held or {}
 
     def streams(self):
-        return list(KEYS.request_streams)
+        return list(request_streams(KEYS))
 
     def held(self):
         return self._held
@@ -107,9 +108,9 @@ def test_reclaim_takes_dead_workers_entries_at_once_and_hung_ones_when_idle(r, m
     # slow first call still finds it too young), and only then: polled, not slept for.
     recovery = Recovery(r, KEYS, "w1", reclaim_idle_ms=1500, publisher=Publisher(lambda: r))
     try:
-        assert [e[1] for e in recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10)] == [dead]
-        assert recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10) == []   # at most every 0.5 s
-        taken = wait_for(lambda: recovery.reclaim(PREFILL_GROUP, KEYS.request_streams, 10), timeout=10,
+        assert [e[1] for e in recovery.reclaim(PREFILL_GROUP, request_streams(KEYS), 10)] == [dead]
+        assert recovery.reclaim(PREFILL_GROUP, request_streams(KEYS), 10) == []   # at most every 0.5 s
+        taken = wait_for(lambda: recovery.reclaim(PREFILL_GROUP, request_streams(KEYS), 10), timeout=10,
                          what="the hung worker's entry reclaimed")
         assert [e[1] for e in taken] == [hung]
     finally:

@@ -1,8 +1,10 @@
-"""Admission of the batch class: only into the capacity the higher classes leave.
+"""Admission of the classes that yield (``pdqueue.protocol.ServiceClass.yields``: the batch
+class): only into the capacity the higher classes leave.
 
-A request role reads ``requests:high`` (interactive), its own stream and ``requests``
-(standard) every turn; ``requests:batch`` only as many entries as ``BatchGate.limit`` gives
-(the role asks for no more than the engine's free batch slots, ``EngineConfig.background_seqs``):
+A request role reads the other classes' streams (``requests:high``, interactive; its own
+stream and ``requests``, standard) every turn; a yielding class's stream (``requests:batch``)
+only as many entries as ``BatchGate.limit`` gives (the role asks for no more than the engine's
+free background slots, ``EngineConfig.background_seqs``):
 
 - no higher-class work waiting in the engine (a waiting request is one not yet admitted to
   a step: batch must not take the slot or the KV it would get);

@@ -205,7 +205,7 @@ class DecodeRole(Role):
             if background and not self.engine.scheduler.can_run_background():
                 continue   # batch waits for one of its own slots; the online jobs behind it go on
             need = len(h.prompt_ids) + len(h.output_ids) + 1
-            if not self.engine.can_reserve(need, background) and (background or not self.engine.make_room(need)):
+            if not self.engine.can_reserve(need, h.request.rank) and (background or not self.engine.make_room(need)):
                 break   # (online work takes the room of running batch sequences: make_room)
             if h.request.expired(now_ms()):
                 self.answer_expired(job, h.output_ids)
@@ -219,7 +219,7 @@ class DecodeRole(Role):
                 job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
                                               block_hashes=h.ticket.get("block_hashes") or (),
                                               hash_root=h.ticket.get("hash_root") or b"",
-                                              background=background)
+                                              rank=h.request.rank)
                 job.state = JobState.FETCHING
                 # Blocks whose KV this engine already caches (an earlier turn, a shared system
                 # prompt) stay; only the rest travel, and of those only what a sliding window
@@ -274,9 +274,8 @@ class DecodeRole(Role):
         h = job.handoff
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("local", done_ms=t, started_ms=t), t, JobState.RUNNING
-        self.engine.add_request(h.request.id, h.prompt_ids, job.params, background=h.request.background,
-                                rank=h.request.rank, deadline_ms=h.request.deadline_at_ms,
-                                enqueued_ms=h.request.enqueued_ms)
+        self.engine.add_request(h.request.id, h.prompt_ids, job.params, rank=h.request.rank,
+                                deadline_ms=h.request.deadline_at_ms, enqueued_ms=h.request.enqueued_ms)
         self.shell.metrics.prefilled_placed(len(h.prompt_ids))
 
     # ---- recompute: -> RUNNING | answered ------------------------------------------------------
@@ -294,8 +293,7 @@ class DecodeRole(Role):
         t = now_ms()
         job.kv, job.admitted_ms, job.state = FetchOutcome("recompute", done_ms=t, started_ms=t), t, JobState.RUNNING
         self.engine.add_request(h.request.id, h.prompt_ids, job.params, output_ids=h.output_ids,
-                                background=h.request.background, rank=h.request.rank,
-                                deadline_ms=h.request.deadline_at_ms)
+                                rank=h.request.rank, deadline_ms=h.request.deadline_at_ms)
 
     # ---- stop, drop -------------------------------------------------------------------------
     def housekeeping(self) -> None:

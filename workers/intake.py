@@ -128,7 +128,7 @@ class Intake:
                         self.metrics.placed()
                     return None
             params = SamplingParams.for_request(req, seed)
-            engine.add_request(req.id, prompt_ids, params, background=req.background, rank=req.rank,
+            engine.add_request(req.id, prompt_ids, params, rank=req.rank,
                                deadline_ms=req.deadline_at_ms, enqueued_ms=req.enqueued_ms)
             return Admitted(stream, entry_id, req, prompt_ids, params, read_ms)
         except RequestError as exc:

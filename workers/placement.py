@@ -98,7 +98,7 @@ def prompt_load(engine, spare: SpareTime, recent_steps, placed_waiting: int, tbt
         if steps[int(0.9 * (len(steps) - 1))] * 1000 > GAP_GUARD * target_ms:
             tok_s = 0.0
     scheduler = engine.scheduler
-    held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not s.background)
+    held = sum(s.num_uncomputed_tokens for s in scheduler.waiting if not scheduler.share.yields(s))
     held += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_uncomputed_tokens > 1)
     held += placed_waiting
     return {"takes_prompts": 1, "prompt_tok_s": round(tok_s, 1), "spare": round(share, 2), "prompt_backlog": held}

@@ -46,7 +46,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import Completion, FinishReason, Role as RoleName
+from pdqueue.protocol import Completion, FinishReason, Role as RoleName, ServiceClass
 from workers.admission import BatchGate
 from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake
@@ -237,11 +237,12 @@ class RequestRole(Role):
     def read_streams(self) -> list[str]:
         return self.router.read_streams()
 
-    def _read_only(self, stream: str, n: int) -> None:
-        """One read of ``stream`` alone (at most ``n`` entries, no wait), then accept them."""
+    def _read_only(self, stream: str, n: int) -> int:
+        """One read of ``stream`` alone (at most ``n`` entries, no wait), then accept them; how many."""
         entries, resumed = self.shell.take(n, block_ms=0, only=stream)
         if entries:
             self.accept(entries, resumed)
+        return len(entries)
 
     def take_interactive(self) -> None:
         """Lower classes wait in the engine and no interactive request does: the interactive
@@ -249,7 +250,8 @@ class RequestRole(Role):
         engine/scheduler.py), so interactive requests never queue in Redis behind the standard
         ones this worker already holds (measured: a 2 req/s standard tenant beside a 1 req/s
         interactive one took the interactive TTFT p50 from 0.3-0.7 s to 4.5-4.8 s)."""
-        self._read_only(self.shell.keys.requests_high, self.read_limit())
+        first = next(iter(ServiceClass))   # rank 0: the interactive class
+        self._read_only(self.shell.keys.request_stream_for(first), self.read_limit())
 
     def take_batch(self) -> None:
         """Batch entries, as many as the gate lets in after the higher classes' turn: no more
@@ -262,9 +264,9 @@ class RequestRole(Role):
                                   kv_total=self.engine.layout.num_blocks, want=min(self.read_limit(), free_slots),
                                   batch_running=sum(a.request.background for a in self.inflight.values()),
                                   now_s=time.monotonic())
-        if n <= 0:
-            return
-        self._read_only(self.shell.keys.requests_batch, n)
+        for cls in ServiceClass:   # the classes that yield (batch), in class order
+            if cls.yields and n > 0:
+                n -= self._read_only(self.shell.keys.request_stream_for(cls), n)
 
     def refuse_late(self) -> None:
         """Classed requests in hand whose deadline passed before their first token (waiting

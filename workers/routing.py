@@ -17,8 +17,10 @@ is layered on top, inside the workers, so none of that changes:
   here. The move is one Lua script (``ownership.forward``): the entry is acknowledged and
   deleted here, and added there, only if it is still pending for this worker; ``seen:<id>``
   follows it, so exactly one outcome per request still holds. A moved entry is never moved
-  again, and ``requests:high`` entries are never moved (priority first).
-- **Read.** Each worker reads ``requests:high``, then its own stream, then ``requests``.
+  again, and only the entries of a class that routes are moved (``ServiceClass.routed``: the
+  standard class; ``requests:high`` entries are never moved, priority first).
+- **Read.** Each worker reads the online classes' streams in class order, its own stream just
+  before the stream of the class that routes: ``requests:high``, its own, ``requests``.
 - **Take over.** An idle worker looks at the other workers' own streams (every
   ``TAKEOVER_EVERY_S``): entries whose owner is gone (no heartbeat), or that waited there
   longer than ``TAKEOVER_AFTER_MS`` (the owner lags), are read by it instead (XREADGROUP on
@@ -38,7 +40,7 @@ import redis
 
 from pdqueue.engine.block_manager import chain_hashes
 from pdqueue.keys import PREFILL_GROUP, Keys
-from pdqueue.protocol import REQUEST_ROLES, as_str, entry_id_ms
+from pdqueue.protocol import REQUEST_ROLES, Priority, ServiceClass, as_str, entry_id_ms
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
 from pdqueue.queue.registry import list_workers
@@ -95,6 +97,7 @@ class Router:
             raise ValueError(f"routing must be one of {ROUTING_MODES}, got {mode!r}")
         self.r, self.keys, self.worker_id, self.role, self.mode = r, keys, worker_id, role, mode
         self.own = keys.requests_for(worker_id)
+        self._routed = {keys.request_stream_for(c) for c in ServiceClass if c.routed}   # whose entries may move
         self.others: list[str] = []               # the other workers' own streams
         self.peers: dict[str, dict] = {}          # live request-reading workers but us, accepting, by id
         self.all_workers: set[str] = set()        # every live worker (heartbeat), whatever it does
@@ -120,12 +123,35 @@ class Router:
         self.refresh(force=True)
 
     def read_streams(self) -> list[str]:
-        """What this worker reads, in order: high priority, its own stream, then the rest."""
-        return [self.keys.requests_high, self.own, self.keys.requests]
+        """What this worker reads every turn, in order: the streams of the classes that do not
+        yield, in class order, its own stream just before the first class that routes."""
+        out: list[str] = []
+        for c in ServiceClass:
+            if c.yields:
+                continue
+            if c.routed and self.own not in out:
+                out.append(self.own)
+            out.append(self.keys.request_stream_for(c))
+        return out
 
     def all_streams(self) -> list[str]:
-        """Every request stream it may hold entries of (Recovery scans these)."""
-        return [*self.read_streams(), self.keys.requests_batch, *self.others]
+        """Every request stream it may hold entries of (Recovery scans these): those it reads
+        every turn, the yielding classes' (read through the gate, workers/admission.py), the
+        others' own streams."""
+        return [*self.read_streams(), *(self.keys.request_stream_for(c) for c in ServiceClass if c.yields),
+                *self.others]
+
+    def home_stream(self, fields) -> str:
+        """The stream of the class a routed entry is in (its ``class``, else its ``priority``'s)."""
+        def field(name: str) -> str | None:
+            value = fields.get(name.encode(), fields.get(name))
+            return None if value is None else as_str(value, "replace").strip().lower()
+        try:
+            cls = ServiceClass.of(ServiceClass(field("class")) if field("class") else None,
+                                  Priority(field("priority") or Priority.NORMAL.value))
+        except ValueError:   # malformed: where the intake that reads it answers the error
+            cls = next(c for c in ServiceClass if c.routed)
+        return self.keys.request_stream_for(cls)
 
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -166,7 +192,7 @@ class Router:
               enqueued_ms: float) -> int | None:
         """Move the entry to a peer that caches a longer prefix, if the rule says so: 1
         moved, -1 someone else finished it meanwhile (drop it), None: run it here."""
-        if (not self.enabled or stream != self.keys.requests
+        if (not self.enabled or stream not in self._routed
                 or "routed_from" in fields or b"routed_from" in fields):   # moved once already: it stays
             return None
         bs = self.engine.config.block_size
@@ -270,7 +296,7 @@ class Router:
 
     def give_back(self) -> int:
         """When the role stops taking requests (warm stop, switch): entries routed to it and
-        not read yet go back to ``requests`` (each moved once, by script), so nobody waits
+        not read yet go back to their class's stream (each moved once, by script), so nobody waits
         for a take-over. Best effort: what stays is taken over anyway."""
         moved = 0
         try:
@@ -281,7 +307,7 @@ class Router:
                     return moved
                 for stream, entry_id, fields in got:
                     rid = as_str(fields.get(b"id", fields.get("id", entry_id)))
-                    moved += forward(self.r, stream, PREFILL_GROUP, entry_id, fields, self.keys.requests,
+                    moved += forward(self.r, stream, PREFILL_GROUP, entry_id, fields, self.home_stream(fields),
                                      self.keys.seen(rid)) == 1
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
             log.warning("could not give back the requests routed here (%s): others take them over", exc)

@@ -310,7 +310,7 @@ class WorkerShell:
     def ensure_groups(self) -> None:
         """Every group exists (created at "0": entries added before any worker are served)."""
         role = self.role
-        groups = [(s, PREFILL_GROUP) for s in self.keys.request_streams] + [(self.keys.handoff, DECODE_GROUP)]
+        groups = [(s, PREFILL_GROUP) for s in streams.request_streams(self.keys)] + [(self.keys.handoff, DECODE_GROUP)]
         # The streams it reads (its own among them), not every stream it scans: another
         # worker's own stream, deleted once empty and owner-less, must not come back.
         groups += [(s, role.group) for s in role.read_streams() if (s, role.group) not in groups]

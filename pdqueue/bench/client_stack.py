@@ -41,8 +41,9 @@ class PrefillStall:
 
     def _streams(self) -> tuple[str, ...]:
         from pdqueue.keys import Keys
+        from pdqueue.queue.streams import request_streams
 
-        return tuple(Keys(self.cluster).request_streams)
+        return request_streams(Keys(self.cluster))
 
     @staticmethod
     def _last_id(r, stream: str) -> str:

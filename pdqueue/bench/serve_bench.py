@@ -44,6 +44,7 @@ from pdqueue.bench.serve_report import (chaos_event_line, claim, metrics, phase_
                                        rate_key, workload_dict)
 from pdqueue.bench.stats import summary
 from pdqueue.queue.connection import raise_dropped_cancellation
+from pdqueue.queue.streams import request_streams
 
 
 def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] = print,
@@ -330,7 +331,7 @@ async def _sample_timeline(url: str, cluster: str, timeline: list[dict], every_s
                     except ValueError:
                         load = {}
                     workers[wid] = {"role": role, **{f: load[f] for f in TIMELINE_LOAD if f in load}}
-                requests = sum([await r.xlen(s) for s in keys.request_streams])
+                requests = sum([await r.xlen(s) for s in request_streams(keys)])
                 handoff_keys = [k async for k in r.scan_iter(match=keys.handoff + "*", count=200)]
                 handoffs = sum([await r.xlen(k) for k in handoff_keys])
                 sample = {"t": round(time.perf_counter() - start, 2), "roles": roles, "workers": workers,

@@ -168,20 +168,19 @@ class LLMEngine:
         return None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    output_ids: list[int] | None = None, background: bool = False, rank: int = 0,
+                    output_ids: list[int] | None = None, rank: int = 0,
                     deadline_ms: float | None = None, enqueued_ms: float | None = None) -> Sequence:
         """Queue a request. ``output_ids``: tokens already generated elsewhere (recompute);
-        ``background``: the batch class, which yields to the others; ``rank`` (the service
-        class's, 0 first) and ``deadline_ms`` (epoch ms, None: none): where it waits among
-        the others (scheduler.py); ``enqueued_ms`` (epoch ms): when its request was sent, from
-        which a TTFT target (``ttft_slo_ms``) counts."""
+        ``rank``: its service class's (``pdqueue.protocol.ServiceClass.rank``, 0 first), where
+        it waits among the others and whether it yields to them (policies.ClassShare);
+        ``deadline_ms`` (epoch ms, None: none): its place within its class; ``enqueued_ms``
+        (epoch ms): when its request was sent, from which a TTFT target (``ttft_slo_ms``) counts."""
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} is already in the engine")
         reason = self.check_prompt(len(prompt_ids) + len(output_ids or ()))
         if reason:
             raise ValueError(reason)
-        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background, rank=rank,
-                       deadline_ms=deadline_ms)
+        seq = Sequence(request_id, prompt_ids, params, output_ids, rank=rank, deadline_ms=deadline_ms)
         if self.config.ttft_slo_ms is not None and enqueued_ms is not None and not output_ids:
             seq.ttft_due_ms = enqueued_ms + self.config.ttft_slo_ms
         self._track(seq, output_ids or [])
@@ -192,14 +191,14 @@ class LLMEngine:
         """Prefill role: whether the online sequences still prefilling decode here after their
         first token (True) or leave with it (False), as decided before each step."""
         for seq in self._seqs.values():
-            if seq.num_output_tokens == 0 and not seq.background:
+            if seq.num_output_tokens == 0 and not self.scheduler.share.yields(seq):
                 seq.decode_here = keep
 
-    def can_reserve(self, num_tokens: int, background: bool = False) -> bool:
-        """Whether ``reserve`` has a slot and the blocks (a background sequence, one of its
-        own slots: policies.ClassShare)."""
+    def can_reserve(self, num_tokens: int, rank: int = 0) -> bool:
+        """Whether ``reserve`` has a slot and the blocks for a sequence of class ``rank`` (one
+        whose class yields, one of the background slots: policies.ClassShare)."""
         return (len(self.scheduler.running) < self.config.max_num_seqs
-                and (not background or self.scheduler.can_run_background())
+                and (rank not in self.scheduler.share.yielding or self.scheduler.can_run_background())
                 and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
 
     def make_room(self, num_tokens: int) -> bool:
@@ -212,17 +211,17 @@ class LLMEngine:
         return True
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                output_ids: list[int], block_hashes=(), hash_root: bytes = b"",
-                background: bool = False) -> Sequence:
+                output_ids: list[int], block_hashes=(), hash_root: bytes = b"", rank: int = 0) -> Sequence:
         """Decode role: allocate blocks for a sequence whose KV (all tokens but the last)
         will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``). With
         the sender's prefix-cache names of its full blocks (``block_hashes``, chained from
         ``hash_root``), blocks this engine holds under those names are taken from its cache
         and ``seq.num_cached_tokens`` says how many leading tokens' KV is in place already:
         the caller copies KV into the blocks after those only (fresh ones; a cached block
-        is never rewritten)."""
-        seq = Sequence(request_id, prompt_ids, params, output_ids, background=background)
-        if not self.can_reserve(seq.num_tokens, background):
+        is never rewritten). ``rank``: its service class's, as for ``add_request`` (whether it
+        yields; where it waits again if it is preempted)."""
+        seq = Sequence(request_id, prompt_ids, params, output_ids, rank=rank)
+        if not self.can_reserve(seq.num_tokens, rank):
             raise RuntimeError("reserve without can_reserve")
         hits = self.block_manager.allocate_known(seq, list(block_hashes),
                                                  same_root=bool(hash_root) and hash_root == self.block_manager.root)

@@ -1,22 +1,26 @@
-"""The scheduler's policies: scheduler.py keeps the queues and asks these three objects, as
+"""The scheduler's policies: scheduler.py keeps the queues and asks these objects, as
 mini-sglang's scheduler asks its ``PrefillAdder``.
 
+- ``waiting_key``: the waiting order (class, lateness, preemption, rank, deadline, arrival);
 - ``TbtBudget``: the TBT target (``EngineConfig.tbt_slo_ms``; ``LLMEngine.set_tbt_target``
-  changes it), its one conversion to seconds, and what it allows prompt chunks beside decodes;
-- ``ClassShare``: what background (batch-class) sequences may take: slots, prompt tokens,
-  decode rows;
+  changes it), its one conversion to seconds, and the prompt tokens it allows beside decodes;
+- ``ClassShare``: what the sequences of the service classes that yield (background: the
+  batch class) may take: slots, prompt tokens, decode rows; which is preempted first, where a
+  preempted one waits again. Keyed by the class's rank (``Sequence.rank``): the ranks that
+  yield come from the protocol's class table (``pdqueue.protocol.YIELDING_RANKS``);
 - ``TtftLateness``: which waiting prompts can no longer make their TTFT target.
 
 Each is state plus decisions; none holds a queue. The step cost model (step_cost.py) is the
 scheduler's, shared with them.
 
-Imports sequence and step_cost.
+Imports sequence, step_cost and pdqueue.protocol (the class table).
 """
 
 from __future__ import annotations
 
 from pdqueue.engine.sequence import Sequence, SequenceStatus
 from pdqueue.engine.step_cost import StepCostModel
+from pdqueue.protocol import YIELDING_RANKS
 
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
@@ -36,6 +40,18 @@ BACKGROUND_ROWS = 1   # background decodes per step beside foreground sequences,
 BACKGROUND_STEP_SHARE = 0.5
 BACKGROUND_PROMPT_TOKENS = 64   # background prompt tokens per step, nothing else running
 BACKGROUND_PROMPT_TOKENS_BESIDE = 16   # ... beside foreground sequences (in steps with foreground prompt tokens)
+
+
+def waiting_key(seq: Sequence, background: bool) -> tuple:
+    """Where a sequence waits (smallest first): foreground before ``background`` (its class
+    yields, ``ClassShare.yields``); those that can still make their TTFT target before those
+    that cannot (``late``: under overload, serving the lost ones first only loses the next ones
+    too); a preempted one (its tokens are out) before new ones; then the service class's rank
+    (``Sequence.rank``: interactive first); then the deadline, earliest first, those without
+    one last; then arrival. Admission takes the head of the queue while it fits (the tokens are
+    the same in any order: per-row batch invariance)."""
+    return (background, seq.late, seq.num_preemptions == 0, seq.rank,
+            seq.deadline_ms is None, seq.deadline_ms or 0.0, seq.arrival)
 
 
 def slow_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -83,6 +99,14 @@ class TbtBudget:
         self.target_s = None if target_ms is None else target_ms / 1000
         self.step_s = None if target_ms is None else self.target_s * STEP_SHARE
 
+    def budget(self, decodes: list[Sequence], full: int, prompts_pending: bool) -> int:
+        """Prompt tokens a step of ``decodes`` may take (``full``: what the token budget
+        leaves): all of it without a target, decodes or prompts to compute, else
+        ``prompt_tokens``."""
+        if self.step_s is None or not decodes or not prompts_pending:
+            return full
+        return self.prompt_tokens(decodes, full)
+
     def prompt_tokens(self, decodes: list[Sequence], full: int) -> int:
         """Prompt tokens a step of ``decodes`` may take while prompts wait to be computed
         (``full``: what the token budget leaves; with a target only)."""
@@ -123,12 +147,12 @@ class TbtBudget:
 
 
 class ClassShare:
-    """What background sequences (the batch service class, ``Sequence.background``) take:
-    only what the others leave, given back at the next step.
+    """What background sequences (those of a class that yields: the batch class) take: only
+    what the others leave, given back at the next step.
 
     - slots: at most ``max_seqs`` (``EngineConfig.background_seqs``, 3/4 of the slots by
       default) run at once, so an online request always finds one; a foreground prompt waits
-      ahead of every background one (the scheduler's waiting order);
+      ahead of every background one (``waiting_key``);
     - prompt tokens: at most ``BACKGROUND_PROMPT_TOKENS`` of a step's while no foreground
       sequence runs or waits (a step of batch prompts is short, so an online request that
       arrives during it waits little); beside foreground sequences, at most
@@ -140,44 +164,72 @@ class ClassShare:
       ``BACKGROUND_STEP_SHARE`` of it; while foreground prompt tokens wait to be computed,
       none, except every ``BACKGROUND_EVERY``-th step, so they never starve. A paused decode
       keeps its KV: nothing is recomputed;
-    - preemption: the newest background sequence goes before any foreground one.
+    - preemption: the newest background sequence goes before any foreground one, and waits
+      again first of the background ones, behind every foreground prompt.
 
-    Which sequences yield is ``Sequence.background`` (the batch class; the engine is told it
-    per request), not the class's rank: a sequence reserved for imported KV carries no rank."""
+    Which sequences yield is their class's rank (``Sequence.rank``) in ``yielding`` (the
+    protocol's ``YIELDING_RANKS``): a request's class, wherever the engine is told of it
+    (``add_request``, and ``reserve`` for imported KV), is all the engine knows of it."""
 
-    def __init__(self, max_seqs: int, tbt: TbtBudget):
+    def __init__(self, max_seqs: int, tbt: TbtBudget, yielding: frozenset[int] = YIELDING_RANKS):
         self.max_seqs = max_seqs
         self.tbt = tbt
+        self.yielding = yielding
+        self.alone = False          # no foreground sequence runs or waits in the step being scheduled
         self.num_paused_steps = 0   # steps in a row that paused the background decodes
         self.tokens = 0             # background prompt tokens left in the step being scheduled
         self._turn = 0              # which background decodes run beside foreground ones (in turn)
 
-    def begin_step(self, alone: bool) -> None:
-        """A step is being scheduled; ``alone``: no foreground sequence runs or waits."""
-        self.tokens = BACKGROUND_PROMPT_TOKENS if alone else 0
+    def yields(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is background: its class's rank is one that yields."""
+        return seq.rank in self.yielding
 
-    def ride_along(self) -> None:
-        """The step computes foreground prompt tokens anyway: background prompts may join it."""
-        self.tokens = BACKGROUND_PROMPT_TOKENS_BESIDE
+    def begin_step(self, running, waiting) -> None:
+        """A step is being scheduled over ``running`` and ``waiting``."""
+        yields = self.yields
+        self.alone = not any(not yields(s) for s in running) and not any(not yields(s) for s in waiting)
+        self.tokens = BACKGROUND_PROMPT_TOKENS if self.alone else 0
+
+    def ride_along(self, batch, waiting, whole_prompts: bool) -> bool:
+        """Whether background prompts may join the step ``batch`` beside foreground work (then
+        with ``BACKGROUND_PROMPT_TOKENS_BESIDE``): a step of whole prompts (prefill_first) whose
+        next waiting prompt is background; a chunked step that computes foreground prompt
+        tokens anyway. Not in a pure decode step: that step would gather every row's K/V."""
+        if self.alone:
+            return False
+        if whole_prompts:
+            ok = bool(batch) and bool(waiting) and self.yields(waiting[0])
+        else:
+            ok = any(not self.yields(s) and n > 1 for s, n in batch)
+        if ok:
+            self.tokens = BACKGROUND_PROMPT_TOKENS_BESIDE
+        return ok
 
     def can_run(self, running) -> bool:
         """Whether one more background sequence may take a slot beside ``running``."""
-        return sum(s.background for s in running) < self.max_seqs
+        return sum(self.yields(s) for s in running) < self.max_seqs
 
-    def chunk(self, num_new: int) -> int:
-        """Of ``num_new`` tokens of a background prompt being continued, what it takes (0: none)."""
+    def chunk(self, seq: Sequence, num_new: int) -> int:
+        """Of ``num_new`` tokens of ``seq``'s prompt being continued, what it takes (0: none)."""
+        if not self.yields(seq):
+            return num_new
         num_new = min(num_new, self.tokens)
         if num_new > 0:
             self.tokens -= num_new
         return num_new
 
-    def may_admit(self, running, num_new: int, whole_prompts: bool, first: bool) -> bool:
-        """Whether a background prompt of ``num_new`` tokens may start (``first``: the first of the step's batch)."""
+    def may_admit(self, seq: Sequence, running, num_new: int, whole_prompts: bool, first: bool) -> bool:
+        """Whether ``seq``'s prompt of ``num_new`` tokens may start (``first``: the first of the
+        step's batch): a background one needs a slot and prompt tokens of the share."""
+        if not self.yields(seq):
+            return True
         return self.can_run(running) and self.tokens > 0 and not (whole_prompts and not first
                                                                    and num_new > self.tokens)
 
-    def admitted(self, num_new: int, whole_prompts: bool) -> int:
-        """A background prompt starts: the tokens it computes in this step."""
+    def admitted(self, seq: Sequence, num_new: int, whole_prompts: bool) -> int:
+        """``seq``'s prompt starts: the tokens it computes in this step."""
+        if not self.yields(seq):
+            return num_new
         if not whole_prompts:
             num_new = min(num_new, self.tokens)
         self.tokens -= num_new
@@ -185,38 +237,54 @@ class ClassShare:
 
     def paused(self, running, batch) -> tuple[Sequence, ...]:
         """Background decodes that sit this step out (running, between two decode steps)."""
-        if not any(s.background for s in running):
+        if not any(self.yields(s) for s in running):
             return ()
         stepping = {id(s) for s, _ in batch}
-        return tuple(s for s in running if s.background and s.status == SequenceStatus.RUNNING
+        return tuple(s for s in running if self.yields(s) and s.status == SequenceStatus.RUNNING
                      and s.num_uncomputed_tokens == 1 and id(s) not in stepping)
 
-    @staticmethod
-    def newest(running) -> Sequence | None:
-        """The sequence to preempt first: the newest background one (None: none runs)."""
-        return next((s for s in reversed(running) if s.background), None)
+    def newest(self, running) -> Sequence | None:
+        """The background sequence to preempt first: the newest (None: none runs)."""
+        return next((s for s in reversed(running) if self.yields(s)), None)
+
+    def victim(self, running) -> Sequence:
+        """Whom to preempt when blocks run out: the newest background sequence, else the newest."""
+        return self.newest(running) or running[-1]
+
+    def requeue_at(self, waiting, seq: Sequence) -> int:
+        """Where preempted ``seq`` waits again: a background one first of the background ones
+        (still behind every foreground prompt), a foreground one at the head."""
+        if not self.yields(seq):
+            return 0
+        return next((i for i, other in enumerate(waiting) if self.yields(other)), len(waiting))
+
+    def decoding(self, running, waiting) -> set[int] | None:
+        """The ids of the background decodes that run this step (None: every one does)."""
+        rows = self.rows(running, waiting)
+        return None if rows is None else self.chosen(running, rows)
 
     def rows(self, running, waiting) -> int | None:
         """How many background decodes this step takes: 0 while foreground prompt tokens wait
         to be computed (but every ``BACKGROUND_EVERY``-th step), ``BACKGROUND_ROWS`` (or as
         many as fit the TBT budget's share) while foreground sequences run or wait, else all
         (None)."""
-        if not any(s.background for s in running):
+        yields = self.yields
+        if not any(yields(s) for s in running):
             return None
-        foreground_waiting = any(not s.background for s in waiting)
-        prompt_pending = foreground_waiting or any(not s.background and s.num_uncomputed_tokens > 1 for s in running)
+        foreground_waiting = any(not yields(s) for s in waiting)
+        prompt_pending = foreground_waiting or any(not yields(s) and s.num_uncomputed_tokens > 1 for s in running)
         if prompt_pending and self.num_paused_steps < BACKGROUND_EVERY - 1:
             self.num_paused_steps += 1
             return 0
         self.num_paused_steps = 0
-        if foreground_waiting or any(not s.background for s in running):
-            foreground = sum(1 for s in running if not s.background and s.num_uncomputed_tokens == 1)
+        if foreground_waiting or any(not yields(s) for s in running):
+            foreground = sum(1 for s in running if not yields(s) and s.num_uncomputed_tokens == 1)
             return max(BACKGROUND_ROWS, self.tbt.rows_within(BACKGROUND_STEP_SHARE, foreground))
         return None
 
     def chosen(self, running, rows: int) -> set[int] | None:
         """The ids of the ``rows`` background decodes that run this step, in turn (None: none is ready)."""
-        ready = [s for s in running if s.background and s.num_uncomputed_tokens == 1]
+        ready = [s for s in running if self.yields(s) and s.num_uncomputed_tokens == 1]
         if not ready:
             return None
         start = self._turn % len(ready)
@@ -230,14 +298,15 @@ class TtftLateness:
     computing the prompt costs by the step cost model) is late, and waits behind those that
     still can: under overload, serving the ones already lost first only loses the next ones too."""
 
-    def __init__(self, cost: StepCostModel):
+    def __init__(self, cost: StepCostModel, share: ClassShare):
         self.cost = cost
+        self.share = share   # (background prompts have no TTFT target to miss)
 
     def mark(self, waiting, now_ms: float) -> bool:
         """Mark the late ones among ``waiting``; whether any became late."""
         changed = False
         for seq in waiting:
-            if seq.late or seq.ttft_due_ms is None or seq.background or seq.num_output_tokens:
+            if seq.late or seq.ttft_due_ms is None or self.share.yields(seq) or seq.num_output_tokens:
                 continue   # (a preempted sequence's first token is out: it keeps its place)
             cost_ms = 1000 * self.cost.predict(0, seq.num_uncomputed_tokens) if self.cost.ready else 0.0
             if now_ms + cost_ms > seq.ttft_due_ms:

@@ -9,17 +9,18 @@ A step is a list of ``(sequence, num_new_tokens)``. Two policies:
   the token budget on prompt chunks (Sarathi-style), so a long prompt never stalls decodes
   by more than one budget's worth of compute.
 
-The scheduler keeps the queues (``waiting``, ``running``) and asks three policy objects
-(policies.py): ``tbt`` (``TbtBudget``: the prompt tokens that fit beside the decodes under a
-TBT target), ``share`` (``ClassShare``: the slots, prompt tokens and decode rows background
-sequences may take) and ``lateness`` (``TtftLateness``: the prompts past their TTFT target).
+The scheduler keeps the queues (``waiting``, ``running``) and asks the policy objects of
+policies.py: ``tbt`` (``TbtBudget``: the prompt tokens that fit beside the decodes under a
+TBT target), ``share`` (``ClassShare``: which sequences are background, by their class's rank,
+and the slots, prompt tokens and decode rows those may take) and ``lateness``
+(``TtftLateness``: the prompts past their TTFT target); ``waiting_key`` is the waiting order.
 They share the step cost model ``cost``, which ``observe_step`` feeds.
 
 When the pool runs out of blocks the newest running sequence (the newest background one
 first) is preempted by recompute: its blocks are freed and it goes back to the front of its
 part of the waiting queue with its generated tokens, to be prefilled again (from its own
-blocks, if the prefix cache still has them). Prompts start in the waiting order
-(``waiting_key``); a waiting sequence's cached prefix is not counted against the token budget.
+blocks, if the prefix cache still has them). A waiting sequence's cached prefix is not
+counted against the token budget.
 
 Imports config, sequence, block_manager, step_cost, policies.
 """
@@ -30,23 +31,11 @@ from collections import deque
 
 from pdqueue.engine.block_manager import BlockManager
 from pdqueue.engine.config import EngineConfig, PrefillPolicy
-from pdqueue.engine.policies import ClassShare, TbtBudget, TtftLateness
+from pdqueue.engine.policies import ClassShare, TbtBudget, TtftLateness, waiting_key
 from pdqueue.engine.sequence import Sequence, SequenceStatus
 from pdqueue.engine.step_cost import StepCostModel
 
 ScheduledBatch = list[tuple[Sequence, int]]
-
-
-def waiting_key(seq: Sequence) -> tuple:
-    """Where a sequence waits (smallest first): foreground before background; those that can
-    still make their TTFT target before those that cannot (``late``: under overload, serving
-    the lost ones first only loses the next ones too); a preempted one (its tokens are out)
-    before new ones; then the service class's rank (``Sequence.rank``: interactive first); then
-    the deadline, earliest first, those without one last; then arrival. Admission takes the
-    head of the queue while it fits (the tokens are the same in any order: per-row batch
-    invariance)."""
-    return (seq.background, seq.late, seq.num_preemptions == 0, seq.rank,
-            seq.deadline_ms is None, seq.deadline_ms or 0.0, seq.arrival)
 
 
 class Scheduler:
@@ -61,25 +50,26 @@ class Scheduler:
         self.cost = StepCostModel()
         self.tbt = TbtBudget(config.tbt_slo_ms, config.tbt_percentile, self.cost)
         self.share = ClassShare(config.background_seqs, self.tbt)
-        self.lateness = TtftLateness(self.cost)
+        self.lateness = TtftLateness(self.cost, self.share)
         self._arrivals = 0            # sequences queued so far (their arrival order)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def key(self, seq: Sequence) -> tuple:
+        """``seq``'s place in the waiting order (``policies.waiting_key``)."""
+        return waiting_key(seq, self.share.yields(seq))
+
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence in the waiting order (``waiting_key``): behind every one that
-        comes first, ahead of the rest."""
+        """Queue a new sequence in the waiting order: behind every one that comes first,
+        ahead of the rest."""
         seq.status = SequenceStatus.WAITING
         self._arrivals += 1
         seq.arrival = self._arrivals
-        key = waiting_key(seq)
-        for i, other in enumerate(self.waiting):
-            if waiting_key(other) > key:
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+        key = self.key(seq)
+        i = next((i for i, other in enumerate(self.waiting) if self.key(other) > key), len(self.waiting))
+        self.waiting.insert(i, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose blocks are allocated and whose KV is already in place (imported)."""
@@ -93,20 +83,21 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    # ---- views of the queues --------------------------------------------------------------
     @property
     def num_background(self) -> int:
         """Background sequences holding a slot (running, preempted ones not counted)."""
-        return sum(s.background for s in self.running)
+        return sum(self.share.yields(s) for s in self.running)
 
     @property
     def num_waiting_foreground(self) -> int:
-        return sum(not s.background for s in self.waiting)
+        return sum(not self.share.yields(s) for s in self.waiting)
 
     @property
     def num_waiting_on_time(self) -> int:
         """Foreground sequences waiting that can still make their TTFT target (all of them
         without one)."""
-        return sum(not s.background and not s.late for s in self.waiting)
+        return sum(not self.share.yields(s) and not s.late for s in self.waiting)
 
     def num_waiting_rank(self, rank: int) -> int:
         """Waiting sequences of service-class rank ``rank`` (0: interactive)."""
@@ -116,33 +107,30 @@ class Scheduler:
         """Whether one more background sequence may take a slot now."""
         return self.share.can_run(self.running)
 
+    # ---- the step -------------------------------------------------------------------------
     def mark_late(self, now_ms: float) -> None:
         """Late prompts (``TtftLateness``) move behind those still in time, in their own order."""
         if self.lateness.mark(self.waiting, now_ms):
-            self.waiting = deque(sorted(self.waiting, key=waiting_key))
+            self.waiting = deque(sorted(self.waiting, key=self.key))
 
     def schedule(self, now_ms: float | None = None) -> ScheduledBatch:
         """The next step; ``now_ms`` (epoch ms): the clock for TTFT targets (``mark_late``)."""
         if now_ms is not None:
             self.mark_late(now_ms)
-        alone = not any(not s.background for s in self.running) and not any(not s.background for s in self.waiting)
-        self.share.begin_step(alone)
+        self.share.begin_step(self.running, self.waiting)
         if self.policy == PrefillPolicy.PREFILL_FIRST:
             batch = self._admit(self.max_num_batched_tokens, whole_prompts=True)
-            if batch and not alone and self.waiting and self.waiting[0].background:
-                self.share.ride_along()   # a prefill step anyway: background prompts may ride along
+            if self.share.ride_along(batch, self.waiting, whole_prompts=True):
                 batch += self._admit(self.max_num_batched_tokens - sum(n for _, n in batch), whole_prompts=True)
             return batch or self._decode_all()
         batch = self._decode_all()
-        budget = self._continue_prompts(batch, self._prompt_budget(batch))
+        prompts_pending = bool(self.waiting) or any(s.num_uncomputed_tokens > 1 for s in self.running)
+        budget = self.tbt.budget([seq for seq, _ in batch], self.max_num_batched_tokens - len(batch), prompts_pending)
+        budget = self._continue_prompts(batch, budget)
         admitted = self._admit(budget, whole_prompts=False)
         batch += admitted
         budget -= sum(n for _, n in admitted)
-        if not alone and budget > 0 and any(not s.background and n > 1 for s, n in batch):
-            # Foreground prompt tokens make this a mixed step anyway (no DecodeKV copies, see
-            # decode_kv.py): background prompts may ride along. In a pure decode step they
-            # would not: that step would gather every row's K/V instead.
-            self.share.ride_along()
+        if budget > 0 and self.share.ride_along(batch, self.waiting, whole_prompts=False):
             stepping = {id(s) for s, _ in batch}
             extra: ScheduledBatch = []
             budget = self._continue_prompts(extra, budget, only=[s for s in self.running if id(s) not in stepping])
@@ -156,21 +144,12 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.num_uncomputed_tokens > 1:
-                num_new = min(seq.num_uncomputed_tokens, budget)
-                if seq.background and (num_new := self.share.chunk(num_new)) <= 0:
+                num_new = self.share.chunk(seq, min(seq.num_uncomputed_tokens, budget))
+                if num_new <= 0:
                     continue
                 batch.append((seq, num_new))
                 budget -= num_new
         return budget
-
-    def _prompt_budget(self, decodes: ScheduledBatch) -> int:
-        """Prompt tokens this step may take beside ``decodes``: the token budget's rest, or
-        with a TBT target and prompts to compute, what ``tbt`` allows."""
-        full = self.max_num_batched_tokens - len(decodes)
-        if self.tbt.step_s is None or not decodes or not self.waiting and not any(
-                s.num_uncomputed_tokens > 1 for s in self.running):
-            return full
-        return self.tbt.prompt_tokens([seq for seq, _ in decodes], full)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float, ended_s: float | None = None) -> None:
         """After a step ran: its cost feeds the model; its decodes' slow gaps are counted
@@ -190,7 +169,7 @@ class Scheduler:
                 break  # the first prompt may exceed the budget; later ones wait
             # Background prompts queue behind every foreground one, so from here on the
             # queue is background: each needs a slot and prompt tokens of the share.
-            if seq.background and not self.share.may_admit(self.running, num_new, whole_prompts, first=not batch):
+            if not self.share.may_admit(seq, self.running, num_new, whole_prompts, first=not batch):
                 break
             if not self.block_manager.can_allocate(seq):
                 break
@@ -199,10 +178,7 @@ class Scheduler:
             assert seq.num_uncomputed_tokens == num_new
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            if not whole_prompts:
-                num_new = min(num_new, budget)
-            if seq.background:
-                num_new = self.share.admitted(num_new, whole_prompts)
+            num_new = self.share.admitted(seq, num_new if whole_prompts else min(num_new, budget), whole_prompts)
             batch.append((seq, num_new))
             budget -= num_new
         return batch
@@ -213,15 +189,14 @@ class Scheduler:
 
     def _decode_all(self) -> ScheduledBatch:
         batch: ScheduledBatch = []
-        rows = self.share.rows(self.running, self.waiting)
-        chosen = None if rows is None else self.share.chosen(self.running, rows)
+        chosen = self.share.decoding(self.running, self.waiting)   # None: every background decode runs
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below, or still prefilling in chunks
-            if seq.background and chosen is not None and id(seq) not in chosen:
+            if chosen is not None and id(seq) not in chosen and self.share.yields(seq):
                 continue  # paused: its KV stays, it decodes in a later step
             while not self.block_manager.can_append(seq):
-                victim = self.share.newest(self.running) or self.running[-1]
+                victim = self.share.victim(self.running)
                 self._preempt(victim)
                 # (a background victim may already be in this step: it leaves it)
                 batch = [(s, n) for s, n in batch if s is not victim]
@@ -247,8 +222,4 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if seq.background:   # first of the background ones, still behind every foreground prompt
-            i = next((i for i, other in enumerate(self.waiting) if other.background), len(self.waiting))
-            self.waiting.insert(i, seq)
-        else:
-            self.waiting.appendleft(seq)
+        self.waiting.insert(self.share.requeue_at(self.waiting, seq), seq)

@@ -23,8 +23,7 @@ class SequenceStatus(str, Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 output_ids: list[int] | None = None, background: bool = False, rank: int = 0,
-                 deadline_ms: float | None = None):
+                 output_ids: list[int] | None = None, rank: int = 0, deadline_ms: float | None = None):
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.request_id = request_id
@@ -46,10 +45,11 @@ class Sequence:
         self.cached_tokens = 0   # prompt tokens served from the prefix cache at admission
         self.slow_gaps = 0       # decode steps it took part in that ran past the TBT budget (policies.py)
         self.last_token_s: float | None = None   # perf_counter() when this engine sampled its last token
-        self.background = background   # the batch class: yields to the others (policies.ClassShare)
         self.decode_here = False       # prefill engine: keep decoding it after its first token
-        # The waiting order (scheduler.py): the service class's rank (0 first) and the
-        # deadline (epoch ms; None: after those with one), then arrival.
+        # Its service class's rank (pdqueue.protocol.ServiceClass, 0 first; 0 without a class):
+        # where it waits (policies.waiting_key) and whether it yields to the others
+        # (policies.ClassShare, by the ranks that yield). Then the deadline (epoch ms; None:
+        # after those with one), then arrival.
         self.rank = rank
         self.deadline_ms = deadline_ms
         # With a TTFT target (EngineConfig.ttft_slo_ms): when its first token is due (epoch ms),

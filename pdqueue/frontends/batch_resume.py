@@ -19,6 +19,7 @@ import redis
 from pdqueue.frontends.batch_input import request_id
 from pdqueue.keys import SEEN_TTL_S, Keys
 from pdqueue.protocol import request_to_fields
+from pdqueue.queue.streams import request_streams
 
 __all__ = ["MAX_ATTEMPTS", "place"]
 
@@ -81,16 +82,17 @@ def place(r: redis.Redis, keys: Keys, batch_id: str, jobs: list) -> tuple[list, 
         if queued:
             # Still queued or running: its entry is in a request stream (finishing deletes
             # the entry and writes out:<id> in one transaction, so one of the two is seen).
+            streams = request_streams(keys)
+            n = len(streams) + 1   # replies per job: one per stream, then out:<id>
             pipe = r.pipeline(transaction=True)
             for job, entry in queued:
                 entry = entry if _ENTRY_ID.match(entry) else "0-0"
-                pipe.xrange(keys.requests, entry, entry, count=1)
-                pipe.xrange(keys.requests_high, entry, entry, count=1)
-                pipe.xrange(keys.requests_batch, entry, entry, count=1)
+                for stream in streams:
+                    pipe.xrange(stream, entry, entry, count=1)
                 pipe.exists(keys.out(job.request.id))
             state = pipe.execute()
             for i, (job, entry) in enumerate(queued):
-                if _ENTRY_ID.match(entry) and any(state[4 * i:4 * i + 3]) or state[4 * i + 3]:
+                if _ENTRY_ID.match(entry) and any(state[n * i:n * i + n - 1]) or state[n * i + n - 1]:
                     placed.append((job, "reattached"))
                 elif job.attempt < MAX_ATTEMPTS:   # answered, but the answer expired unread
                     job.attempt += 1

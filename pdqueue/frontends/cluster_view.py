@@ -12,7 +12,7 @@ import redis
 
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.keys import PREFILL_GROUP, Keys
-from pdqueue.protocol import Role
+from pdqueue.protocol import Role, ServiceClass
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
@@ -39,9 +39,10 @@ class ClusterView:
     def poll(self) -> None:
         """One refresh (blocking: call it in a thread)."""
         workers = list_workers(self._r, self.keys)
-        # The batch class waits for spare capacity by design: its backlog is no reason to
-        # refuse an online request (429).
-        online = [s for s in request_streams_of(self._r, self.keys) if s != self.keys.requests_batch]
+        # A class that yields (batch) waits for spare capacity by design: its backlog is no
+        # reason to refuse an online request (429).
+        yielding = {self.keys.request_stream_for(c) for c in ServiceClass if c.yields}
+        online = [s for s in request_streams_of(self._r, self.keys) if s not in yielding]
         backlog = streams_backlog(self._r, online, PREFILL_GROUP).total
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()
 

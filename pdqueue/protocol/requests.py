@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .wire import Priority, RequestError, ServiceClass, _short
+from .classes import ServiceClass
+from .wire import Priority, RequestError, _short
 
 # A request's defaults, the one place they are written (the client, the CLI and the
 # engine's SamplingParams take them from here). A producer's ``Request`` holds them and
@@ -92,25 +93,23 @@ class Request:
                 and self.priority in ("normal", "high"):
             object.__setattr__(self, "priority", Priority(self.priority))
         if isinstance(self.service_class, str) and not isinstance(self.service_class, ServiceClass) \
-                and self.service_class in tuple(c.value for c in ServiceClass):
+                and self.service_class in ServiceClass.names():
             object.__setattr__(self, "service_class", ServiceClass(self.service_class))
 
     @property
     def cls(self) -> ServiceClass:
-        """The class it is admitted in: its own, else today's priority (high: interactive)."""
-        if self.service_class is not None:
-            return self.service_class
-        return ServiceClass.INTERACTIVE if self.priority is Priority.HIGH else ServiceClass.STANDARD
+        """The class it is admitted in: its own, else the one its priority names (high: interactive)."""
+        return ServiceClass.of(self.service_class, self.priority)
 
     @property
     def rank(self) -> int:
-        """Its class's place in the admission order (0: interactive, 1: standard, 2: batch)."""
-        return _RANKS[self.cls]
+        """Its class's place in the admission order (``ServiceClass.rank``, 0 first)."""
+        return self.cls.rank
 
     @property
     def background(self) -> bool:
-        """The batch class: it runs in the capacity the others leave (engine/scheduler.py)."""
-        return self.cls is ServiceClass.BATCH
+        """Its class yields (``ServiceClass.yields``): it runs in the capacity the others leave."""
+        return self.cls.yields
 
     @property
     def deadline_at_ms(self) -> int | None:
@@ -123,8 +122,6 @@ class Request:
         at = self.deadline_at_ms
         return at is not None and now_ms > at
 
-
-_RANKS = {c: i for i, c in enumerate(ServiceClass)}
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_p",
                   "top_k", "seed", "stop", "deadline_ms", "priority", "chat", "ignore_eos", "messages", "class",
@@ -184,7 +181,7 @@ def validate_request(req: Request) -> None:
     if not isinstance(req.priority, Priority):
         fail(f"priority must be 'normal' or 'high', got {_short(req.priority)}")
     if req.service_class is not None and not isinstance(req.service_class, ServiceClass):
-        fail(f"class must be one of {', '.join(c.value for c in ServiceClass)}, got {_short(req.service_class)}")
+        fail(f"class must be one of {', '.join(ServiceClass.names())}, got {_short(req.service_class)}")
     if not isinstance(req.chat, bool):
         fail(f"chat must be a boolean, got {_short(req.chat)}")
     if not isinstance(req.ignore_eos, bool):
@@ -345,7 +342,7 @@ def parse_request(entry_id: str | bytes | None,
         try:
             service_class = ServiceClass(text["class"].strip().lower())
         except ValueError:
-            fail(f"class must be one of {', '.join(c.value for c in ServiceClass)}, got {_short(text['class'])}")
+            fail(f"class must be one of {', '.join(ServiceClass.names())}, got {_short(text['class'])}")
 
     def flag(name: str) -> bool:
         if name not in text:

@@ -62,14 +62,6 @@ class Priority(str, Enum):
     HIGH = "high"
 
 
-class ServiceClass(str, Enum):
-    """A request's service class (field ``class``, issue 27): admission order, then deadline.
-    Without the field, ``priority=high`` is interactive and ``normal`` standard."""
-    INTERACTIVE = "interactive"
-    STANDARD = "standard"
-    BATCH = "batch"
-
-
 class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"  # malformed fields
     TOO_LONG = "too_long"        # prompt (+ max_tokens) does not fit the model or the KV pool

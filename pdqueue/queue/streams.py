@@ -10,7 +10,7 @@ same MULTI/EXEC that writes its output; the workers do it with
 still theirs. ``dead_record`` is a dead-letter entry. (The plain pipeline helpers the tests
 use live in tests/redis_ops.py.)
 
-Imports redis, pdqueue.keys and pdqueue.protocol (``as_str``) only.
+Imports redis, pdqueue.keys and pdqueue.protocol (``as_str``, ``ServiceClass``) only.
 """
 
 from __future__ import annotations
@@ -20,17 +20,23 @@ from typing import Any, Iterable, Mapping
 import redis
 
 from pdqueue.keys import SEEN_TTL_S, Keys
-from pdqueue.protocol import as_str
+from pdqueue.protocol import ServiceClass, as_str
 
 Entry = tuple[str, str, dict]
 """(stream, entry_id, fields)"""
 
 
+def request_streams(keys: Keys) -> tuple[str, ...]:
+    """The service classes' request streams, in class order (``ServiceClass``: interactive's
+    ``requests:high``, standard's ``requests``, batch's ``requests:batch``)."""
+    return tuple(keys.request_stream_for(c) for c in ServiceClass)
+
+
 def request_streams_of(r: redis.Redis, keys: Keys) -> list[str]:
-    """Every request stream of the cluster: ``requests:high``, ``requests``, then each
+    """Every request stream of the cluster: the classes' (``request_streams``), then each
     worker's own stream (``requests:w:<id>``: routed requests, workers/routing.py)."""
     own = sorted(as_str(m) for m in r.smembers(keys.routed_streams))
-    return [*keys.request_streams, *own]
+    return [*request_streams(keys), *own]
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:

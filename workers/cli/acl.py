@@ -3,7 +3,8 @@
 
 Roles (docs/security.md has the table and why):
 
-- ``producer``: XADD to ``requests``, ``requests:high`` and ``requests:batch``, XREAD of ``out:*``, SET of
+- ``producer``: XADD to the service classes' request streams (``requests:high``, ``requests``,
+  ``requests:batch``: ``queue.streams.request_streams``), XREAD of ``out:*``, SET of
   ``cancel:*``; nothing else (no SCAN, no other key, not even read of the request streams).
 - ``gateway``: a producer, plus what ``pdqueue serve`` reads to route and report: the
   heartbeats (SCAN, HGETALL ``worker:*``) and the backlog (XINFO GROUPS, XLEN, XRANGE of the
@@ -48,6 +49,7 @@ from pathlib import Path
 import click
 
 from pdqueue.keys import Keys
+from pdqueue.queue.streams import request_streams
 from workers.cli.common import UserError, redis_security_options
 
 ROLES = ("producer", "gateway", "worker", "usage", "admin")
@@ -100,7 +102,7 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
     """The ACL rules of ``role`` (after ``reset on #<hash>``), key patterns from ``keys``;
     ``setinfo``: the server knows CLIENT SETINFO (Redis >= 7.2, Valkey)."""
     connection = connection_rules(setinfo)
-    requests = [f"~{stream}" for stream in keys.request_streams]
+    requests = [f"~{stream}" for stream in request_streams(keys)]
     producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
                 _selector("+set", f"~{keys.cancel('*')}"),

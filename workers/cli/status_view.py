@@ -135,8 +135,8 @@ def collect(r: redis.Redis, keys: Keys, window_s: float = 60.0) -> dict:
     """One snapshot of the cluster (see the module docstring). Raises redis errors."""
     now_ms = _server_ms(r)
     workers = [_worker_row(w, now_ms) for w in list_workers(r, keys)]
-    high, normal, batch, *own = request_streams_of(r, keys)   # own: the workers' own streams (routing)
-    names = [normal, high, batch, *own, keys.handoff, *_handoff_node_streams(r, keys)]
+    # the classes' streams in class order, then the workers' own streams (routing)
+    names = [*request_streams_of(r, keys), keys.handoff, *_handoff_node_streams(r, keys)]
     streams = {n[len(keys.prefix):]: _stream_info(r, keys, n) for n in names}
     return {"cluster": keys.cluster, "time_ms": now_ms, "workers": workers, "streams": streams,
             "done_length": int(r.xlen(keys.done)), "dead_length": int(r.xlen(keys.dead)),

@@ -17,6 +17,7 @@ import sys
 
 import click
 
+from pdqueue.protocol import Priority, ServiceClass
 from workers.cli.common import (UserError, check_sampling, connect, redis_failure, resolve_target, sampling_options,
                                 summary, target_options)
 
@@ -28,8 +29,9 @@ from workers.cli.common import (UserError, check_sampling, connect, redis_failur
 @click.option("--seed", type=int, default=None, callback=check_sampling, help="Sampling seed [default: random].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template to PROMPT.")
-@click.option("--priority", type=click.Choice(["normal", "high"]), default="normal", show_default=True)
-@click.option("--class", "service_class", type=click.Choice(["interactive", "standard", "batch"]), default=None,
+@click.option("--priority", type=click.Choice([p.value for p in Priority]), default=Priority.NORMAL.value,
+              show_default=True)
+@click.option("--class", "service_class", type=click.Choice(ServiceClass.names()), default=None,
               help="Service class: the order workers admit requests in (batch only into spare capacity) "
                    "[default: from --priority: high is interactive, normal standard].")
 @click.option("--deadline-ms", type=click.IntRange(min=1), default=None,
