@@ -157,6 +157,12 @@ def test_up_serves_submit_and_status_then_leaves_nothing_behind(tmp_path, env):
         assert snap["recent"]["ttft_ms"]["p50"] > 0
         text = pdq("status", env=env)
         assert text.returncode == 0 and "prefill" in text.stdout and "requests:high" in text.stdout
+        # usage finds it as status does: the two answers and the refusal, one record each.
+        usage = pdq("usage", "--json", env=env)
+        assert usage.returncode == 0, usage.stderr
+        report = json.loads(usage.stdout)
+        assert report["redis_url"] == url and report["total"]["requests"] == 3, report
+        assert report["total"]["output_tokens"] == 12 and report["groups"][0]["model"] == "tiny"
 
         worker_pids = [w["pid"] for w in snap["workers"]]
 

@@ -522,6 +522,31 @@ def test_the_operators_tools_as_the_admin_user(acl_env, tmp_path):
         assert "lost the connection" not in line and "cannot reach" not in line, line
 
 
+def test_the_usage_user_reads_the_ledger_and_nothing_else(acl_env):
+    """`pdqueue usage` as the usage user: the records the workers (the worker user) wrote
+    with their answers; any other key, or a write to the ledger, is refused."""
+    with producer_client(acl_env) as client:
+        done = client.submit("billed", max_tokens=3, temperature=0, tenant="sec-tenant").result(timeout=120)
+    login = ["--redis-url", acl_env["url"]("usage"), "--redis-password-file", acl_env["pw_file"]("usage"),
+             "--cluster", CLUSTER]
+    out = pdq("usage", "--json", "--requests", "--tenant", "sec-tenant", *login)
+    assert out.returncode == 0, out.stderr
+    [rec] = json.loads(out.stdout)["requests"]
+    assert (rec["request_id"], rec["tenant"], rec["output_tokens"]) == (done.request_id, "sec-tenant", 3)
+    assert denials(acl_env["admin"], user_name(CLUSTER, "usage")) == []
+    keys = Keys(CLUSTER)
+    with redis.Redis.from_url(acl_env["url"]("usage"),
+                              password=Path(acl_env["pw_file"]("usage")).read_text().strip()) as r:
+        assert r.xlen(keys.usage) >= 1
+        for attempt in (lambda: r.xadd(keys.usage, {"id": "forged"}), lambda: r.xtrim(keys.usage, maxlen=0),
+                        lambda: r.delete(keys.usage), lambda: r.set(keys.usage_guard("x"), "1"),
+                        lambda: r.xrange(keys.requests), lambda: r.xrange(keys.out(done.request_id)),
+                        lambda: r.get(keys.kv_secret), lambda: r.scan(), lambda: r.xrange(Keys("default").usage)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+    assert_user_error(pdq("status", *login), "refused ACL user", user_name(CLUSTER, "usage"))
+
+
 def test_a_server_that_wants_a_password_says_so_and_where_to_give_it(acl_env, tmp_path):
     """No password given (no state file of an `up` says it either): the server answered, so
     the message is not "cannot reach Redis ... start a local cluster", but what it wants and
