@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator, Mapping
 
 from pdqueue.keys import SEEN_TTL_S, USAGE_RETENTION_S, Keys
-from pdqueue.protocol import Completion, Request, as_str
+from pdqueue.protocol import Completion, Request, ServiceClass, as_str
 from pdqueue.queue.ownership import Write
 
 __all__ = ["COUNTS", "GROUPINGS", "RETENTION_ENV", "Record", "batch_ref", "failed_record", "idempotency_ref",
@@ -158,8 +158,7 @@ def labels_of(request: Request | None = None, fields: Mapping | None = None) -> 
         return {"tenant": request.tenant, "ref": request.ref, "service_class": request.cls.value}
     text = {as_str(key, "replace"): as_str(value, "replace") for key, value in (fields or {}).items()}
     # a request entry's class: its field, else its priority's (a handoff entry's fields say none)
-    cls = text.get("class", "") or ("" if "data" in text else
-                                     "interactive" if text.get("priority", "") == "high" else "standard")
+    cls = text.get("class", "") or ("" if "data" in text else ServiceClass.of(None, text.get("priority", "")).value)
     return {"tenant": text.get("tenant", "")[:256], "ref": text.get("ref", "")[:1024], "service_class": cls[:32]}
 
 
