@@ -136,28 +136,30 @@ class Handover:
     ``app``; call ``tick`` from the server's ``on_tick``."""
 
     def __init__(self, app, on_ready: Callable[[], None] | None = None):
-        self._app = app
         self.on_ready = on_ready
         self.requested = False
         self.started = False   # the listeners are closed
         self.ready = False     # the server accepts (``on_ready`` was called)
         signal.signal(HANDOVER_SIGNAL, self._requested)
 
+        async def wrapped(scope, receive, send):
+            """``app``; once handing over, each answer closes its connection. (A function, not
+            a method: uvicorn takes a coroutine function for an ASGI 3 app.)"""
+            if not self.started or scope["type"] != "http":
+                return await app(scope, receive, send)
+
+            async def closing(message):
+                if message["type"] == "http.response.start":
+                    headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                await send(message)
+
+            return await app(scope, receive, closing)
+
+        self.app = wrapped
+
     def _requested(self, signum, frame) -> None:
         self.requested = True   # acted on in tick, on the event loop
-
-    async def app(self, scope, receive, send):
-        """The gateway's app; once handing over, each answer closes its connection."""
-        if not self.started or scope["type"] != "http":
-            return await self._app(scope, receive, send)
-
-        async def closing(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
-                message = {**message, "headers": [*headers, (b"connection", b"close")]}
-            await send(message)
-
-        return await self._app(scope, receive, closing)
 
     def tick(self, server, let_go: Callable[[], None], answering: bool) -> bool:
         """One tick of uvicorn's ``server`` (every 0.1 s): announce readiness once it

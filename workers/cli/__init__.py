@@ -12,6 +12,7 @@ drives); none imports this module or another command module.
 - ``status``: `status` (``status_view`` collects and draws the snapshot)
 - ``plan``: `plan` (the planner's recommendation; ``--apply`` switches roles)
 - ``up``: `up` (``local_cluster`` is the supervisor behind it)
+- ``restart``: `restart` (a rolling restart of a running `up`, carried out by its supervisor)
 - ``bench``: `bench engine|transfer|serve`
 - ``redis_server``: `redis-server`
 - ``serve``: `serve` (the OpenAI-compatible gateway, ``pdqueue.frontends.gateway``)
@@ -36,6 +37,7 @@ from workers.cli.metrics import metrics_sd
 from workers.cli.models import models
 from workers.cli.plan import plan
 from workers.cli.redis_server import redis_server
+from workers.cli.restart import restart
 from workers.cli.serve import serve
 from workers.cli.status import status
 from workers.cli.submit import submit
@@ -50,7 +52,7 @@ def cli():
     """pdqueue: LLM serving with prefill and decode disaggregated over Redis Streams."""
 
 
-for command in (up, submit, status, plan, generate, worker, bench, redis_server, batch):
+for command in (up, restart, submit, status, plan, generate, worker, bench, redis_server, batch):
     cli.add_command(command)
 cli.add_command(metrics_sd)
 cli.add_command(serve)

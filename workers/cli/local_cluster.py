@@ -10,10 +10,12 @@ never on a command line, which ``ps`` shows; ``PDQ_UP_SERVER`` marks their answe
 the embedded server, whose stop waits until they are read) -> ``write_state`` (a 0600 file per cluster,
 ``pdqueue.discovery``, with the password, so ``submit``/``status`` in another terminal find
 it) -> ``wait_ready`` (all registered by heartbeat) -> ``supervise`` (restarts:
-``workers.cli.supervisor.restarts``) -> ... -> ``stop`` (``workers.cli.supervisor.stopping``,
+``workers.cli.supervisor.restarts``; the rolling restarts `pdqueue restart` asks for:
+``supervisor.rolling``) -> ... -> ``stop`` (``workers.cli.supervisor.stopping``,
 with the drain of the embedded server's queue in ``supervisor.draining``). ``start_gateway``
-adds the OpenAI-compatible gateway (``pdqueue serve``, port 8000 when free): the first
-process ``stop`` signals and the last it waits for. Every child gets PDEATHSIG
+adds the OpenAI-compatible gateway (``pdqueue serve``, port 8000 when free), on a listening
+socket `up` binds and keeps, so that a restarted or replacing gateway serves the same one
+(``pdqueue.frontends.runtime``): the first process ``stop`` signals and the last it waits for. Every child gets PDEATHSIG
 (``pdqueue.procs.die_with_parent``), so a SIGKILLed supervisor does not leave workers or the
 server behind.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +44,7 @@ import redis
 from pdqueue.config import SECURITY_ENV, redact_url, url_credentials
 from pdqueue.discovery import read_state, remove_state, running_clusters, state_path, write_state
 from pdqueue.engine.config import DEFAULT_KV_CACHE_MB
+from pdqueue.frontends.runtime import bind
 from pdqueue.keys import Keys
 from pdqueue.procs import die_with_parent
 from pdqueue.protocol import Role
@@ -50,6 +54,7 @@ from pdqueue.queue.registry import list_workers
 from workers.cli.supervisor.draining import WorkLeft
 from workers.cli.supervisor.processes import Progress, WorkerFailed, WorkerProcess
 from workers.cli.supervisor.restarts import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S, RESTART_BACKOFF_S, Restarts
+from workers.cli.supervisor.rolling import Rolling
 from workers.cli.supervisor.stopping import Stopping
 
 DEFAULT_REDIS_PORT = 6379  # the embedded server's port when it is free: README's examples work
@@ -105,9 +110,13 @@ class LocalCluster:
         self.run_id = secrets.token_hex(2)
         self.gateway: WorkerProcess | None = None   # `pdqueue serve` (``start_gateway``)
         self.gateway_url: str | None = None         # its base URL, e.g. http://127.0.0.1:8000
+        self.gateway_socket: socket.socket | None = None   # its listening socket, `up`'s (``start_gateway``)
+        self.retired: list[WorkerProcess] = []      # processes a rolling restart replaced (``supervisor.rolling``)
         self.port_note = ""  # why the embedded server has its port, for `up`'s first line
         self.password = config.redis_password or secrets.token_hex(24)  # the embedded server's
         self.restarts = Restarts(self, config.restart_backoff_s)
+        self.rolling = Rolling(self, lambda text, level, tail: self.restarts.event(text, level, tail=tail))
+        self.restarts.each_round.append(self.rolling.tick)   # `pdqueue restart`, in the supervisor thread
         self.work_left = WorkLeft(self)
 
     @property
@@ -221,38 +230,44 @@ class LocalCluster:
         return self.config.prefill_weights if role == Role.PREFILL else self.config.decode_weights
 
     def start_gateway(self, timeout_s: float = 30.0) -> str:
-        """Start `pdqueue serve` for this cluster on ``config.gateway_port`` (None: 8000 when
-        free, else a free one); returns its URL once it printed it (``RuntimeError`` if it
-        exits first). It is the first to get SIGTERM in ``stop`` and the last to exit."""
-        ports = [self.config.gateway_port]
-        if ports[0] is None:  # 8000 may be taken between the check and the bind: then any port
-            ports = [DEFAULT_GATEWAY_PORT, 0] if port_is_free(DEFAULT_GATEWAY_PORT) else [0]
-        for attempt, port in enumerate(ports):
-            log_path = self.log_dir / "gateway.log"
-            self.gateway = WorkerProcess("gateway", "gateway", self.start_gateway_process(port), log_path)
-            deadline = time.monotonic() + timeout_s
-            while True:
-                url = self.gateway_printed_url()
-                if url:
-                    self.gateway_url = url
-                    return self.gateway_url
-                proc = self.gateway.proc
-                if proc.poll() is not None and attempt + 1 < len(ports):
-                    break  # (the port was taken meanwhile) the next one
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    reason = (f"exited with status {proc.returncode}" if proc.poll() is not None
-                              else f"printed no URL within {timeout_s:.0f}s")
-                    raise RuntimeError(f"the gateway (pdqueue serve) {reason}: {self.gateway.log_tail(3)}")
-                time.sleep(0.05)
-        raise AssertionError("unreachable")
+        """Bind the gateway's port (``config.gateway_port``; None: 8000 when free, else a free
+        one) and start `pdqueue serve` for this cluster on that socket; returns its URL once
+        it printed it (``RuntimeError`` if it exits first, or the port cannot be bound). `up`
+        keeps the socket: every gateway process it starts (a restart, a rolling restart's
+        replacement) serves the same one (``pdqueue.frontends.runtime``), so the port is never
+        closed while `up` runs. The gateway is the first to get SIGTERM in ``stop`` and the
+        last to exit."""
+        port = self.config.gateway_port
+        try:
+            self.gateway_socket = bind("127.0.0.1", DEFAULT_GATEWAY_PORT if port is None else port)
+        except OSError as exc:
+            if port is not None:
+                raise RuntimeError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror})") from None
+            self.gateway_socket = bind("127.0.0.1", 0)   # 8000 is taken: a free one
+        self.gateway = WorkerProcess("gateway", "gateway", self.start_gateway_process(), self.log_dir / "gateway.log")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            url = self.gateway_printed_url()
+            if url:
+                self.gateway_url = url
+                return self.gateway_url
+            proc = self.gateway.proc
+            if proc.poll() is not None or time.monotonic() > deadline:
+                reason = (f"exited with status {proc.returncode}" if proc.poll() is not None
+                          else f"printed no URL within {timeout_s:.0f}s")
+                raise RuntimeError(f"the gateway (pdqueue serve) {reason}: {self.gateway.log_tail(3)}")
+            time.sleep(0.05)
 
-    def start_gateway_process(self, port: int) -> subprocess.Popen:
+    def start_gateway_process(self) -> subprocess.Popen:
+        """A `pdqueue serve` on `up`'s gateway socket (``--fd``); its stdout in gateway.out."""
+        assert self.gateway_socket is not None, "start_gateway() first"
+        fd = self.gateway_socket.fileno()
         cmd = [sys.executable, "-m", "workers", "serve", "--cluster",   # the URL: in child_env
-               self.config.cluster, "--port", str(port), "--log-level", self.config.log_level]
+               self.config.cluster, "--fd", str(fd), "--log-level", self.config.log_level]
         if self.config.gateway_tenants:
             cmd += ["--tenants", self.config.gateway_tenants]
         with open(self.log_dir / "gateway.out", "wb") as out, open(self.log_dir / "gateway.log", "ab") as log:
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log,
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=log, pass_fds=(fd,),
                                     env=self.child_env(), start_new_session=True, preexec_fn=die_with_parent)
 
     def gateway_printed_url(self) -> str | None:
@@ -261,6 +276,13 @@ class LocalCluster:
         except OSError:
             return None
         return match.group(1) if match else None
+
+    def gateway_accepting(self, pid: int) -> bool:
+        """Whether the gateway process ``pid`` (the last one started) said it accepts."""
+        try:
+            return f"accepting connections (pid {pid})" in (self.log_dir / "gateway.out").read_text(errors="replace")
+        except OSError:
+            return False
 
     def registered(self) -> set[str]:
         """Ids of our workers that have registered (their heartbeat hash exists)."""

@@ -49,6 +49,9 @@ class Restarts:
         self._next_roles = 0.0
         self._events_lock = threading.Lock()
         self.events: list[dict] = []      # {"time": epoch s, "level", "text", "worker_id", "tail"}
+        # More work of the supervisor thread, each called once a round with the time (the
+        # rolling restarts, ``rolling.Rolling.tick``): it forks processes that must outlive it.
+        self.each_round: list[Callable[[float], None]] = []
         self.failure: str | None = None   # set when a crash loop left a role (or the gateway) with nobody
 
     def start(self, on_event: Callable[[dict], None] | None = None,
@@ -94,6 +97,10 @@ class Restarts:
                 self._exited(w, now)
             elif w.restart_at is not None and now >= w.restart_at:
                 self._restart(w, now)
+        for work in self.each_round:
+            if self.stopping.is_set():
+                return
+            work(now)
 
     def _note_heartbeats(self) -> None:
         try:
@@ -157,8 +164,7 @@ class Restarts:
                           f"({time.strftime('%H:%M:%S')}; the last process exited with status "
                           f"{w.proc.returncode}) ----\n".encode())
             if w is self.cluster.gateway:
-                port = int(self.cluster.gateway_url.rsplit(":", 1)[1]) if self.cluster.gateway_url else 0
-                proc = self.cluster.start_gateway_process(port)   # the URL `up` printed stays right
+                proc = self.cluster.start_gateway_process()   # on `up`'s socket: the URL `up` printed stays right
             else:
                 proc = self.cluster.start_worker_process(w.role, w.worker_id, w.log_path)
         except OSError as exc:

@@ -8,7 +8,10 @@ read (``WorkLeft.wait_read``, at most ``answer_grace_s``); KV segments a killed 
 /dev/shm; the state file and a temporary log directory (kept when a process died, or on
 ``keep_logs``). A second ``hurry`` signal repeats SIGTERM (a worker's cold stop) and is
 forwarded to the gateway (its second SIGTERM: its open answers fail); stragglers past the
-grace period get SIGKILL on their process group. Never imports torch.
+grace period get SIGKILL on their process group. A rolling restart under way ends first
+(``rolling.Rolling.abort``: a replacement not ready yet is stopped); an old process it had
+told to leave is waited for with its role (a gateway handing over gets SIGTERM with the
+gateway). Never imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pdqueue.protocol import ErrorCode, Role
 from workers.cli.supervisor.draining import STOP_REPORT_INTERVAL_S, UNANSWERED_READ_S, WorkLeft
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
 from workers.cli.supervisor.restarts import ROLES_IN_STOP_ORDER, Restarts
+from workers.cli.supervisor.rolling import Rolling
 from workers.cli.supervisor.supervised import Supervised
 
 # pdqueue.transfer.shm's DEFAULT_PREFIX and node's DEFAULT_SHM_DIR, not imported: importing
@@ -40,8 +44,10 @@ GATEWAY_EXIT_S = 10.0
 
 
 class Stoppable(Supervised, Protocol):
-    """The cluster ``Stopping`` stops: with its supervisor thread and its streams' backlog."""
+    """The cluster ``Stopping`` stops: with its supervisor thread, its rolling restarts and
+    its streams' backlog."""
     restarts: Restarts
+    rolling: Rolling
     work_left: WorkLeft
     config: Any   # LocalClusterConfig (its answer_grace_s)
 
@@ -72,6 +78,8 @@ class Stopping:
         say, waiting = self._logged(progress), self._logged(waiting) if waiting is not None else None
         hurry = hurry or threading.Event()
         self.cluster.restarts.halt()   # a round in progress ends; no restart after this
+        self.cluster.rolling.abort()   # a rolling restart ends; its old process leaving is waited for below
+        leaving = [w for w in self.cluster.retired if w.alive]   # (already told to leave: not signalled again)
         for w in self.cluster.processes():   # what exited since the supervisor last looked, or unsupervised
             if not w.alive:
                 self._note_exit(w)
@@ -89,6 +97,10 @@ class Stopping:
             gateway.signal(signal.SIGTERM)
             threading.Thread(target=self._forward_hurry, args=(gateway, hurry, forwarded, say),
                              name="pdq-gateway-hurry", daemon=True).start()
+        for old in leaving:   # a gateway handing over: its open connections drain as the gateway's
+            if old.role == "gateway":
+                signalled.add(old.proc.pid)
+                old.signal(signal.SIGTERM)
         try:
             if self.cluster.server is not None and not hurry.is_set():
                 # The queue dies with the embedded server: answer what it holds first.
@@ -96,7 +108,7 @@ class Stopping:
                 deadline = time.monotonic() + grace_s
             roles = self.cluster.current_roles()
             for role in ROLES_IN_STOP_ORDER:
-                group = [w for w in self.cluster.workers if roles.get(w.worker_id, w.role) == role and w.alive]
+                group = [w for w in self.cluster.workers + leaving if roles.get(w.worker_id, w.role) == role and w.alive]
                 if not group:
                     continue
                 cold = hurry.is_set()  # already in a hurry: the second SIGTERM follows at once
@@ -106,8 +118,9 @@ class Stopping:
                     cold, how = True, "cold: no decode worker is left to take its KV"
                 say(f"stopping {len(group)} {role} worker{'s' if len(group) > 1 else ''} ({how})")
                 for w in group:
-                    signalled.add(w.proc.pid)
-                    w.signal(signal.SIGTERM)
+                    if not any(w is x for x in leaving):
+                        signalled.add(w.proc.pid)
+                        w.signal(signal.SIGTERM)
                 killed += self._wait(group, deadline, hurry, say, waiting, cold=cold)
             for w in self.cluster.workers:  # any not covered above (another role)
                 if w.alive:
@@ -123,6 +136,8 @@ class Stopping:
                     time.sleep(UNANSWERED_READ_S)   # clients blocked on out:<id> read it before the server goes
             if gateway is not None:
                 killed += self._wait_gateway(gateway, hurry, forwarded, say)
+            killed += self._wait([w for w in leaving if w.role == "gateway"], time.monotonic() + 5.0, hurry, say,
+                                 cold=True)
         finally:
             forwarded.set()   # (ends the forwarding thread)
         self.cluster.restarts.release()   # (the supervisor thread ends: the processes it started are stopped)
@@ -142,6 +157,8 @@ class Stopping:
                     pass
             self.cluster.server.stop()
         self.cluster.close_redis()
+        if self.cluster.gateway_socket is not None:   # (every gateway has exited)
+            self.cluster.gateway_socket.close()
         removed = self.remove_segments()
         if self.cluster.state_file is not None:
             remove_state(self.cluster.state_file)
@@ -246,7 +263,7 @@ class Stopping:
 
     def segments(self) -> list[str]:
         """KV segments in /dev/shm that belong to our workers."""
-        return [p for w in self.cluster.workers
+        return [p for w in self.cluster.workers + self.cluster.retired
                 for p in glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}-{w.worker_id}-*"))]
 
     def remove_segments(self) -> list[str]:

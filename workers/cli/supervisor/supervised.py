@@ -5,6 +5,7 @@ provides. The parts take it instead of importing ``LocalCluster``, so imports po
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +23,8 @@ class Supervised(Protocol):
     workers: list[WorkerProcess]
     gateway: WorkerProcess | None
     gateway_url: str | None
+    gateway_socket: socket.socket | None   # the gateway's listening socket, held by `up`
+    retired: list[WorkerProcess]      # processes a rolling restart replaced (leaving, or gone)
     state_file: Path | None
     log_dir: Path
     own_log_dir: bool                 # a temporary directory of its own, removed at the stop
@@ -40,8 +43,10 @@ class Supervised(Protocol):
 
     def start_worker_process(self, role: str, worker_id: str, log_path: Path) -> subprocess.Popen: ...
 
-    def start_gateway_process(self, port: int) -> subprocess.Popen: ...
+    def start_gateway_process(self) -> subprocess.Popen: ...
 
     def gateway_printed_url(self) -> str | None: ...
+
+    def gateway_accepting(self, pid: int) -> bool: ...
 
     def close_redis(self) -> None: ...
