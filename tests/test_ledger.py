@@ -305,6 +305,15 @@ def test_client_and_gateway_requests_have_one_record_each_equal_to_their_usage(s
     key_rec, chat_rec = recs["ledger-key-1"], recs[chat[1]["x-request-id"]]
     assert (key_rec.tenant, key_rec.idempotency_key, key_rec.service_class) == ("alpha", "ledger-key-1", "standard")
     assert (chat_rec.tenant, chat_rec.ref, chat_rec.service_class) == ("beta", "", "interactive")
+    # The Responses API: its request (resp-<hex> for resp_<hex>) is recorded for the tenant too.
+    status, _, raw = post(stack, "/v1/responses", {"model": "tiny", "input": "respond", "max_output_tokens": 4,
+                                                   "temperature": 0}, "sk-beta")
+    assert status == 200, raw
+    response = json.loads(raw)
+    rec = ledger_of(stack, ["resp-" + response["id"][len("resp_"):]])["resp-" + response["id"][len("resp_"):]]
+    usage = response["usage"]
+    assert (rec.tenant, rec.prompt_tokens, rec.output_tokens, rec.cached_tokens) == \
+        ("beta", usage["input_tokens"], usage["output_tokens"], usage["input_tokens_details"]["cached_tokens"])
 
 
 @pytest.mark.processes

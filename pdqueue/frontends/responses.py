@@ -369,7 +369,7 @@ class ResponsesAPI:
         if rec.store:
             await self.store.create(rec)
         try:
-            handle = await gw._submit(rec.request_id, parsed, info, tenant.tenant.service_class)
+            handle = await gw._submit(rec.request_id, parsed, info, tenant.tenant.service_class, tenant.name)
         except OpenAIError:
             if rec.store:
                 await self.store.delete(rec.id)
