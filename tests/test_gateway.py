@@ -803,8 +803,10 @@ def test_timeout_gives_504_and_drops_the_request(cluster, shared_redis_url, logs
         assert gw.stop() == 0, gw.log()
 
 
-def test_no_workers_503_then_backlog_429(shared_redis_url, logs):
-    gw = Gateway(shared_redis_url, "gw-empty", logs, "--max-backlog", "2", name="gateway-empty")
+def test_no_workers_and_no_capacity_wait_503_then_backlog_429(shared_redis_url, logs):
+    """--capacity-wait-s 0: no worker is a 503 at once (tests/test_capacity.py: the wait)."""
+    gw = Gateway(shared_redis_url, "gw-empty", logs, "--max-backlog", "2", "--capacity-wait-s", "0",
+                 name="gateway-empty")
     try:
         status, _, _ = gw.get("/health")
         assert status == 503

@@ -189,6 +189,8 @@ class Reply:
         answer's: a resume goes on after the answer's last event)."""
         if not self.complete:
             if not self.started:
+                if headers is None and exc.status == 503:   # try again later (and maybe elsewhere)
+                    headers = errs.retry_after(self.headers)
                 await errs.error(exc, headers or self.headers)({"type": "http"}, None, send)
             else:
                 await send({"type": "http.response.body", "body": _sse(exc.body()), "more_body": True})

@@ -1,10 +1,16 @@
 """What the gateway knows about the cluster: the live workers (their heartbeats: role, model,
 ``max_model_len``) and the request backlog (lag + pending of the request streams), polled
-in a thread every ``poll_s`` so that 503, 404 and 429 cost no round trip per request."""
+in a thread every ``poll_s`` so that 503, 404 and 429 cost no round trip per request.
+
+The models last seen served are remembered (``served``), in this process and in Redis
+(``gwmodels``, a JSON string the gateways share): while no worker lives (a restart's gap, scaling from
+zero) a request still gets its 404 or its context check at once, and waits for capacity
+(``capacity.py``) instead of a 503; a gateway started during the gap reads them back."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -35,6 +41,8 @@ class ClusterView:
         self.sent_since_poll = 0          # requests this gateway sent after the last poll began
         self.ok = False                   # the last poll reached Redis
         self.polled_at = 0.0
+        self.served_key = keys.prefix + "gwmodels"
+        self.served: dict[str, dict] | None = None   # the models last seen served (None: not read yet)
 
     def poll(self) -> None:
         """One refresh (blocking: call it in a thread)."""
@@ -44,7 +52,19 @@ class ClusterView:
         yielding = {self.keys.request_stream_for(c) for c in ServiceClass if c.yields}
         online = [s for s in request_streams_of(self._r, self.keys) if s not in yielding]
         backlog = streams_backlog(self._r, online, PREFILL_GROUP).total
+        self._remember(workers)
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()
+
+    def _remember(self, workers: list[dict]) -> None:
+        """Keep ``served`` up to date: written (to Redis too) when the live workers' models
+        change, read back from Redis on the first poll."""
+        if self.served is None:
+            raw = self._r.get(self.served_key)
+            self.served = json.loads(raw) if raw else {}
+        live = _models_of(workers)
+        if live and live != self.served:
+            self._r.set(self.served_key, json.dumps(live))
+            self.served = live
 
     async def refresh(self) -> None:
         sent = self.sent_since_poll
@@ -79,21 +99,29 @@ class ClusterView:
 
     def models(self) -> dict[str, dict]:
         """Served model name -> {"max_model_len", "created"} (from the heartbeats)."""
-        out: dict[str, dict] = {}
-        for w in self.workers:
-            name = w.get("model") or ""
-            if not name:
-                continue
-            entry = out.setdefault(name, {"max_model_len": 0, "created": None})
-            if isinstance(w.get("max_model_len"), int) and w["max_model_len"] > 0:
-                mml = w["max_model_len"]
-                entry["max_model_len"] = mml if not entry["max_model_len"] else min(entry["max_model_len"], mml)
-            started = w.get("started_ms")
-            if isinstance(started, int) and started > 0:
-                created = started // 1000
-                entry["created"] = created if entry["created"] is None else min(entry["created"], created)
-        return out
+        return _models_of(self.workers)
+
+    def models_known(self) -> dict[str, dict]:
+        """The models served now, else those last seen served (no worker lives)."""
+        return self.models() or dict(self.served or {})
 
     def backlog_now(self) -> int:
         return self.backlog + max(0, self.sent_since_poll)
+
+
+def _models_of(workers: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for w in workers:
+        name = w.get("model") or ""
+        if not name:
+            continue
+        entry = out.setdefault(name, {"max_model_len": 0, "created": None})
+        if isinstance(w.get("max_model_len"), int) and w["max_model_len"] > 0:
+            mml = w["max_model_len"]
+            entry["max_model_len"] = mml if not entry["max_model_len"] else min(entry["max_model_len"], mml)
+        started = w.get("started_ms")
+        if isinstance(started, int) and started > 0:
+            created = started // 1000
+            entry["created"] = created if entry["created"] is None else min(entry["created"], created)
+    return out
 

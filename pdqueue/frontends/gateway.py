@@ -8,9 +8,10 @@ each needed role live), ``GET /v1/requests/{id}`` and ``POST /v1/requests/{id}/c
 (resumable requests: ``resumable.py``), ``/v1/responses`` (OpenAI's Responses API, its
 state in Redis: ``responses.py``), ``GET /metrics`` (Prometheus: ``gateway_metrics.py``).
 
-503 (no worker), 404 (unknown model) and 429 (backlog over ``max_backlog``) are answered
-from ``ClusterView``, polled in the background, at no round trip. 401: ``api_key`` is set
-and ``Authorization: Bearer`` differs (``/health``, ``/metrics`` are open). 504: no answer
+404 (unknown model) and 429 (backlog over ``max_backlog``) are answered from ``ClusterView``,
+polled in the background, at no round trip. No worker to take a request is no reason to refuse
+it: it waits in the queue up to ``capacity_wait_s`` (``capacity.py``), then 503 + Retry-After.
+401: ``api_key`` is set and ``Authorization: Bearer`` differs (``/health``, ``/metrics`` are open). 504: no answer
 within ``timeout_s`` (sent as ``deadline_ms`` too, so workers drop it). A client that hangs
 up cancels a plain request (``cancel:<id>``); ``keepalive_s`` adds SSE comments while no
 token comes (off by default: some benchmark clients drop every event after a comment).
@@ -49,6 +50,7 @@ from pdqueue.frontends import resumable as res
 from pdqueue.frontends.answer import Answer, Reply, reply
 from pdqueue.frontends.batch_api import BatchAPI
 from pdqueue.frontends.batch_runner import BatchRunner
+from pdqueue.frontends.capacity import models_meanwhile, waiting_for_capacity
 from pdqueue.frontends.cluster_view import ClusterView
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
@@ -82,6 +84,7 @@ class GatewayConfig:
     batch_lease_s: float = 10.0       # a killed gateway's batches are taken over after this
     batch_concurrency: int = 64       # requests in flight per batch
     responses_ttl_s: int = RESPONSES_TTL_S   # a stored response (/v1/responses) lives this long after its last write
+    capacity_wait_s: float = 30.0     # no worker can take a request: it waits this long in the queue, then 503
 
 
 
@@ -180,12 +183,9 @@ class Gateway:
                                           code="rate_limit_exceeded"), retry_after=1)   # polled every 0.25 s
         if not view.ok:
             raise errs.unavailable("the gateway cannot reach the cluster's Redis")
-        if not view.serving():
-            roles = view.roles()
-            have = ", ".join(f"{n} {r}" for r, n in sorted(roles.items())) or "none"
-            raise errs.unavailable(f"no workers to serve the request (live workers: {have}; needed: prefill "
-                               f"and decode, or colocated)")
         models = view.models()
+        if not view.serving():   # the request will wait for capacity (capacity.py)
+            models = models_meanwhile(view, parsed.model, self.config.capacity_wait_s)
         name = parsed.model
         if name is None:
             if not models:
@@ -355,7 +355,7 @@ class Gateway:
         except (redis.RedisError, OSError) as exc:
             raise errs.unavailable(f"cannot reach the cluster's Redis: {exc}") from None
         self.view.sent_since_poll += 1
-        return handle
+        return waiting_for_capacity(handle, self.view, self.cancel, self.config)
 
     def _reply(self, handle, spec: res.Spec, stream: bool, **options) -> Answer:
         return reply(self, handle, spec, stream, **options)

@@ -69,12 +69,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def worker_error(code: str | None, reason: str) -> OpenAIError:
     """A pdqueue ``error`` entry (``RequestFailed.code``/``.reason``) as an HTTP error: the
     request's fault (``bad_request``, ``too_long``) is a 400, a deadline that passed before
-    the first token (``deadline_exceeded``) a 504 as the gateway's own timeout is, anything
-    else a 500."""
+    the first token (``deadline_exceeded``) a 504 as the gateway's own timeout is, no worker
+    within the gateway's capacity wait (``no_capacity``) a 503, anything else a 500."""
     if code in ("bad_request", "too_long"):
         return bad_request(reason, code=code)
     if code == "deadline_exceeded":
         return OpenAIError(504, f"the deadline passed: {reason}", "timeout_error", code=code)
+    if code == "no_capacity":   # the gateway's own (frontends/capacity.py): no worker came in time
+        return OpenAIError(503, reason, "server_error", code="service_unavailable")
     return OpenAIError(500, f"the request failed: {reason}", "server_error", code=code)
 
 

@@ -120,6 +120,7 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
                 _selector("+smembers", f"~{keys.routed_streams}"),   # every worker's own stream (backlog)
                 _selector("+xlen", f"~{keys.done}", f"~{keys.dead}"),
                 _selector("+get", "+set", f"~{keys.gateway_record('*')}"),   # resumable requests' records
+                _selector("+get", "+set", f"~{keys.prefix}gwmodels"),   # the models last served (cluster_view.py)
                 *batch_api_rules(keys, requests), *responses_api_rules(keys)]
     if role == "worker":   # the usage ledger (usage, usage:*) among the cluster's keys
         return [*connection, f"~{keys.prefix}*", *WORKER_COMMANDS]

@@ -45,6 +45,9 @@ DEFAULT_PORT = 8000
                    "over this [default: no limit].")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
               show_default=True, help="Seconds a request may take (504 after; the workers drop it too).")
+@click.option("--capacity-wait-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="A request that arrives while no worker can take it (all stopped or restarting, scaling from "
+                   "zero) waits in the queue this long for one, then gets 503 with Retry-After (0: at once).")
 @click.option("--sse-keepalive-s", "keepalive_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Write an SSE comment (': keep-alive') after this many seconds without a token [default: never; "
                    "some benchmark clients drop every event after a comment, and a client that leaves is seen "
@@ -65,8 +68,8 @@ DEFAULT_PORT = 8000
               type=click.Choice(["auto", "hiredis", "python"]), default="auto", show_default=True,
               help="Parser of Redis replies (auto: hiredis when installed, else redis-py's Python one).")
 @click.option("--log-level", default="WARNING", show_default=True, help="Log level of the gateway.")
-def serve(redis_url, cluster, host, port, listen_fd, api_key, tenants_path, max_backlog, timeout_s, keepalive_s, batch_concurrency,
-          batch_lease_s, responses_ttl_s, loop, http, redis_parser, log_level):
+def serve(redis_url, cluster, host, port, listen_fd, api_key, tenants_path, max_backlog, timeout_s, capacity_wait_s,
+          keepalive_s, batch_concurrency, batch_lease_s, responses_ttl_s, loop, http, redis_parser, log_level):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) for a cluster.
 
     \b
@@ -119,7 +122,8 @@ def serve(redis_url, cluster, host, port, listen_fd, api_key, tenants_path, max_
     click.get_text_stream("stdout").flush()
     click.echo(f"pdqueue serve: {rt.describe()}", err=True)
     run(GatewayConfig(redis_url=target.url, cluster=target.cluster, api_key=api_key or None,
-                      max_backlog=max_backlog, timeout_s=timeout_s, keepalive_s=keepalive_s,
+                      max_backlog=max_backlog, timeout_s=timeout_s, capacity_wait_s=capacity_wait_s,
+                      keepalive_s=keepalive_s,
                       tenants=tuple(tenants), batch_lease_s=batch_lease_s,
                       batch_concurrency=batch_concurrency, responses_ttl_s=responses_ttl_s), sock,
         log_level=log_level, loop=rt.loop, http=rt.http, on_ready=None if listen_fd is None else _accepting)
