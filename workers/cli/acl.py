@@ -210,16 +210,19 @@ def _setinfo_for(redis_url: str | None, redis_version: str | None) -> tuple[bool
         import redis
 
         from pdqueue.config import redact_url
+        from pdqueue.discovery import DiscoveryError, resolve
         from pdqueue.queue.connection import connect, describe_error
 
         try:
-            r = connect(redis_url, purpose="check")
+            # The URL of a running `pdqueue up`'s server, with no password of the caller's: that
+            # `up`'s (its state file), as every other command finds it.
+            r = connect(resolve(redis_url).url, purpose="check")
             try:
                 known = server_knows_setinfo(r)
                 version = r.info("server").get("redis_version", "?")
             finally:
                 r.close()
-        except (redis.RedisError, ValueError, OSError) as exc:
+        except (redis.RedisError, ValueError, OSError, DiscoveryError) as exc:
             raise UserError(f"--redis-url: cannot ask Redis at {redact_url(redis_url)}: "
                             f"{describe_error(exc)}") from None
         version = version.decode() if isinstance(version, bytes) else version
