@@ -35,6 +35,15 @@ sequence (exported to a decode worker under a lease) come back through ``free_bl
   sequence's blocks are released last-first, so a chain's tail goes before its head
   (the head is the most likely to be shared). ``num_free_blocks`` counts both lists: every
   block that can be handed out.
+- *Tiers* (``tier``: engine/kv_tiers.py's ``KVTiers``, or None): a named block evicted from
+  the pool is first copied into the tier (``spill``), keyed by its hash. A sequence's chain
+  that the pool's index holds only in part continues in the tier: ``allocate`` (and
+  ``allocate_known``) fetch the payloads of the leading run the tier holds past the pool's
+  hits, copy each into a fresh block (``load``, after ``on_rewrite``), name it and count its
+  tokens as cached, exactly like a pool hit; only the rest is computed. The payloads are
+  fetched once per admission (memoized for the sequence between ``num_hit_tokens``,
+  ``can_allocate`` and ``allocate``), so a tier entry lost meanwhile cannot change what the
+  scheduler was told. A tier's failure is a miss.
 - *Epochs* (``on_rewrite``, wired by the prefill role to the shared segment's
   ``bump_epochs``): called with the blocks handed out for new content (``allocate``,
   ``append``), before the step that writes them. That is exactly when a block's bytes can
@@ -42,7 +51,7 @@ sequence (exported to a decode worker under a lease) come back through ``free_bl
   its epoch) while it waits in ``_evictable``/``_free``, so shm copies of it stay valid
   until it is reused, and a cached block leased again carries the same epoch.
 
-Imports nothing but sequence.
+Imports nothing but sequence (a tier is any object with kv_tiers.KVTiers' methods).
 """
 
 from __future__ import annotations
@@ -76,10 +85,10 @@ def chain_hashes(parent: bytes, token_ids, block_size: int) -> list[bytes]:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = False,
-                 root: bytes = b"", on_rewrite: Callable[[list[int]], None] | None = None):
+                 root: bytes = b"", on_rewrite: Callable[[list[int]], None] | None = None, tier=None):
         """``enable_caching``: automatic prefix caching (see the module docstring) with
         ``root`` as the chain's start. ``on_rewrite(block_ids)``: called before blocks get
-        new content."""
+        new content. ``tier``: a KVTiers bound to this pool, or None (no tiers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -94,6 +103,9 @@ class BlockManager:
         self._index: dict[bytes, int] = {}                      # hash -> the block holding it
         self.queries = 0   # tokens of sequences looked up in the cache (at each admission)
         self.hits = 0      # of those, tokens found cached
+        self.tier = tier if enable_caching else None
+        self.tier_hits = 0   # of ``hits``, tokens served from a tier
+        self._fetched: tuple[int, list[bytes], list] | None = None   # (id(seq), hashes, payloads)
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,13 +153,44 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def _tier_payloads(self, seq: Sequence, start: int, hashes: list[bytes] | None = None) -> list:
+        """The tier's payloads for ``seq``'s chain past its ``start`` pool hits (the leading
+        run the tier holds, never covering the last token), fetched once per admission."""
+        if self.tier is None or seq.block_table:
+            return []
+        if hashes is None:
+            max_blocks = (seq.num_tokens - 1) // self.block_size
+            hashes = self.block_hashes(seq, max_blocks)[:max_blocks]
+        wanted = hashes[start:]
+        if not wanted or not self.tier.has(wanted[0]):
+            return []
+        memo = self._fetched
+        if memo is not None and memo[0] == id(seq) and memo[1] == wanted:
+            return memo[2]
+        payloads = self.tier.fetch(wanted)
+        self._fetched = (id(seq), wanted, payloads)
+        return payloads
+
+    def _load_tier(self, seq: Sequence, start: int, payloads: list, hashes: list[bytes]) -> None:
+        """Copy ``payloads`` into ``seq``'s fresh blocks from ``start`` on and name them."""
+        self._fetched = None
+        for i, payload in enumerate(payloads, start):
+            block_id, h = seq.block_table[i], hashes[i]
+            self.tier.load(block_id, payload)
+            if h not in self._index:
+                self._index[h] = block_id
+                self._hash[block_id] = h
+        self.tier_hits += len(payloads) * self.block_size
+
     def num_cached_leading(self, hashes: list[bytes]) -> int:
-        """How many of ``hashes`` (a chain, in order) name blocks in the cache, from the first on."""
-        return len(self._cached_chain(hashes))
+        """How many of ``hashes`` (a chain, in order) name blocks in the cache or a tier, from the first on."""
+        n = len(self._cached_chain(hashes))
+        return n + (self.tier.leading(hashes[n:]) if self.tier is not None else 0)
 
     def num_hit_tokens(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` that ``allocate`` would serve from the cache now."""
-        return len(self._hit_blocks(seq)) * self.block_size
+        """Tokens of ``seq`` that ``allocate`` would serve from the cache (or a tier) now."""
+        hit = len(self._hit_blocks(seq))
+        return (hit + (len(self._tier_payloads(seq, hit)) if self.enable_caching else 0)) * self.block_size
 
     # ---- check/act pairs ---------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -161,25 +204,31 @@ class BlockManager:
         cached prefix (``use_cache``, when it holds none yet), fresh ones for the rest.
         ``use_cache=False``: fresh blocks only (the decode role copies KV into them)."""
         hit = self._hit_blocks(seq) if use_cache else []
+        tiered = self._tier_payloads(seq, len(hit)) if use_cache and self.enable_caching else []
         needed = self.blocks_for(seq.num_tokens) - len(seq.block_table) - len(hit)
         available = self.num_free_blocks - sum(1 for b in hit if self._ref[b] == 0)
         if needed > available:
             raise RuntimeError(f"allocate without can_allocate: need {needed}, free {available}")
-        if self.enable_caching and use_cache and not seq.block_table:
+        caching = self.enable_caching and use_cache and not seq.block_table
+        num_hit = len(hit)   # (``hit`` becomes the block table, extended below)
+        if caching:
             for block_id in hit:
                 self._hold(block_id)
             seq.block_table = hit
-            seq.num_hashed_blocks = len(hit)
-            seq.num_cached_tokens = len(hit) * self.block_size
-            if seq.num_preemptions == 0:   # the first admission: what the request saved
-                seq.cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
-            self.queries += seq.num_tokens
-            self.hits += seq.num_cached_tokens
         if needed > 0:
             fresh = [self._take() for _ in range(needed)]
             seq.block_table.extend(fresh)
             if self.on_rewrite is not None:
                 self.on_rewrite(fresh)
+        if caching:
+            if tiered:
+                self._load_tier(seq, num_hit, tiered, seq.block_hashes)
+            seq.num_hashed_blocks = num_hit + len(tiered)
+            seq.num_cached_tokens = seq.num_hashed_blocks * self.block_size
+            if seq.num_preemptions == 0:   # the first admission: what the request saved
+                seq.cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            self.queries += seq.num_tokens
+            self.hits += seq.num_cached_tokens
 
     def allocate_known(self, seq: Sequence, hashes: list[bytes], same_root: bool) -> int:
         """Decode role: give ``seq`` blocks for all of its tokens, whose KV (all but the
@@ -192,18 +241,23 @@ class BlockManager:
         otherwise only the given names are ever registered. Call ``can_allocate``-like
         checks first (``blocks_for(num_tokens)`` free blocks always suffice)."""
         hit: list[int] = []
+        tiered: list = []
         if self.enable_caching and not seq.block_table:
-            hit = self._cached_chain(hashes[:(seq.num_tokens - 1) // self.block_size])
+            usable = hashes[:(seq.num_tokens - 1) // self.block_size]
+            hit = self._cached_chain(usable)
+            tiered = self._tier_payloads(seq, len(hit), usable)
             for block_id in hit:
                 self._hold(block_id)
             seq.block_table = list(hit)
             seq.block_hashes = list(hashes)
-            seq.num_hashed_blocks = len(hit)
+            seq.num_hashed_blocks = len(hit) + len(tiered)
             seq.max_hashed_blocks = None if same_root else len(hashes)
             self.queries += min(len(hashes) * self.block_size, seq.num_tokens)
-            self.hits += len(hit) * self.block_size
+            self.hits += (len(hit) + len(tiered)) * self.block_size
         self.allocate(seq, use_cache=False)
-        return len(hit)
+        if tiered:
+            self._load_tier(seq, len(hit), tiered, hashes)
+        return len(hit) + len(tiered)
 
     def can_append(self, seq: Sequence) -> bool:
         """Room to compute the sequence's next token (its last one) without a new block, or a free block."""
@@ -263,6 +317,12 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
 
+    def named_blocks(self) -> list[tuple[bytes, int]]:
+        """(hash, block id) of every named block, the evictable ones least recently used
+        first, then the held ones (what a clean stop writes to the disk tier)."""
+        held = [(h, b) for h, b in self._index.items() if self._ref[b] > 0]
+        return [(self._hash[b], b) for b in self._evictable] + held
+
     def _hold(self, block_id: int) -> None:
         if self._ref[block_id] == 0:
             del self._evictable[block_id]
@@ -273,6 +333,8 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)   # the least recently used
+            if self.tier is not None:
+                self.tier.spill(self._hash[block_id], block_id)   # its KV, before it is rewritten
             del self._index[self._hash[block_id]]
             self._hash[block_id] = None
         self._ref[block_id] = 1

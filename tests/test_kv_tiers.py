@@ -1,0 +1,230 @@
+"""KV that outlives the pool (pdqueue/engine/kv_tiers.py under block_manager.py).
+
+What must hold:
+- the stores alone: the host tier is LRU and bounded in bytes, never evicts a leased entry,
+  and overflows into the disk tier; the disk tier round-trips a payload, leaves no
+  temporary file, is bounded (oldest first), is read again by a new store on the same
+  directory (a restart), keeps roots apart, and takes a short or corrupt file for a miss;
+- on the real tiny model: a conversation's second turn (the first turn's prompt and answer,
+  then more) after the pool evicted the first turn gets the same greedy tokens with the tiers
+  as without any cache, and reports the tokens the tier served as cached; an engine started
+  anew on the same disk directory serves them from disk; an engine of another block size or
+  dtype never does; a decode engine (``reserve``) takes tier blocks as hits.
+
+One torch thread (a fixture), as in tests/test_engine.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.kv_tiers import _HEADER, DiskTier, HostTier, KVTiers, attach
+from pdqueue.engine.llm_engine import LLMEngine
+from pdqueue.engine.sampling import SamplingParams
+from pdqueue.models.loader import load_model
+
+BS = 16
+SHAPE = (2, 2, 4, 1, 2)   # layers, K/V, block size, KV heads, head dim
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    """Every test here runs torch on one thread."""
+
+
+def payload(i: int) -> torch.Tensor:
+    return torch.full(SHAPE, float(i))
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def nbytes(n: int) -> int:
+    return n * payload(0).numel() * 4
+
+
+def files(n: int) -> int:
+    """Disk bytes of ``n`` entries (header and payload)."""
+    return n * (_HEADER.size + nbytes(1))
+
+
+# --- the stores alone ---------------------------------------------------------------------
+
+def test_host_tier_is_lru_bounded_and_never_evicts_a_leased_entry():
+    spilled = []
+    tier = HostTier(nbytes(3), overflow=lambda k, p: spilled.append(k))
+    for i in range(3):
+        tier.put(h(i), payload(i))
+    assert tier.get(h(0)) is not None            # 0 is now the most recently used
+    tier.put(h(3), payload(3))                   # evicts 1, the least recently used
+    assert h(1) not in tier and spilled == [h(1)] and tier.nbytes == nbytes(3)
+    with tier.lease([h(2)]):
+        tier.put(h(4), payload(4))               # 2 is held: 0 goes instead
+        assert h(2) in tier and h(0) not in tier
+        tier.put(h(5), payload(5))
+        assert h(2) in tier and len(tier) == 3
+    assert torch.equal(tier.get(h(2)), payload(2))
+    assert spilled == [h(1), h(0), h(3)]
+
+
+def test_disk_tier_round_trips_bounds_restarts_and_keeps_roots_apart(tmp_path):
+    disk = DiskTier(tmp_path, b"root-a", files(3), SHAPE, "float32")
+    for i in range(4):
+        disk.put(h(i), payload(i))
+    assert not list(disk.dir.glob("*.tmp"))
+    assert h(0) not in disk and len(disk) == 3    # bounded: the oldest went
+    assert torch.equal(disk.get(h(2)), payload(2))
+    again = DiskTier(tmp_path, b"root-a", files(3), SHAPE, "float32")   # a restart
+    assert len(again) == 3 and torch.equal(again.get(h(3)), payload(3))
+    other = DiskTier(tmp_path, b"root-b", files(3), SHAPE, "float32")
+    assert len(other) == 0 and other.get(h(3)) is None
+
+
+def test_a_short_or_corrupt_disk_file_is_a_miss(tmp_path):
+    disk = DiskTier(tmp_path, b"root", files(8), SHAPE, "float32")
+    for i in range(3):
+        disk.put(h(i), payload(i))
+    short = disk.path(h(0))
+    short.write_bytes(short.read_bytes()[:-7])
+    flipped = disk.path(h(1))
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    assert disk.get(h(0)) is None and disk.get(h(1)) is None and disk.corrupt == 2
+    assert not short.exists() and not flipped.exists()   # removed: the next write can replace them
+    assert torch.equal(disk.get(h(2)), payload(2))
+    wrong_shape = DiskTier(tmp_path, b"root", files(8), (2, 2, 8, 1, 2), "float32")
+    assert wrong_shape.get(h(2)) is None
+
+
+def test_the_host_tier_overflows_to_disk_and_fetch_promotes(tmp_path):
+    pool = torch.zeros(2, 2, 8, 4, 1, 2)
+    tiers = KVTiers(host_bytes=nbytes(2), disk_dir=tmp_path, disk_bytes=2**20)
+    tiers.bind(pool, b"root")
+    for i in range(4):
+        pool[:, :, i] = float(i)
+        tiers.spill(h(i), i)
+    assert len(tiers.host) == 2 and len(tiers.disk) == 2
+    got = tiers.fetch([h(0), h(1), h(2), h(9), h(3)])
+    assert [float(p.flatten()[0]) for p in got] == [0.0, 1.0, 2.0]   # the run ends at the first miss
+    tiers.load(7, got[1])
+    assert torch.equal(pool[:, :, 7], pool[:, :, 1])
+
+
+# --- on the tiny model ----------------------------------------------------------------------
+
+def make_engine(loaded, tiers: KVTiers | None = None, caching: bool = True, **overrides) -> LLMEngine:
+    fields = dict(model=loaded.config.name, block_size=BS, num_blocks=24, prefix_caching=caching)
+    fields.update(overrides)
+    eng = LLMEngine(loaded, EngineConfig(**fields))
+    attach(tiers, eng)
+    return eng
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+def one(eng: LLMEngine, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """The output tokens and cached prompt tokens of one request."""
+    cached = []
+    out = eng.generate([prompt], greedy(n), on_output=lambda o: cached.append(o.cached_tokens))[0]
+    return out, cached[-1]
+
+
+def conversation(seed: int = 1) -> tuple[list[int], list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    turn1 = [rng.randrange(0, 256) for _ in range(5 * BS + 3)]
+    more = [rng.randrange(0, 256) for _ in range(BS + 5)]
+    others = [[rng.randrange(0, 256) for _ in range(10 * BS)] for _ in range(3)]
+    return turn1, more, others
+
+
+def evict_all(eng: LLMEngine, others: list[list[int]]) -> None:
+    """Unrelated requests that need every block of the pool."""
+    for p in others:
+        eng.generate([p], greedy(2))
+
+
+def test_a_second_turn_after_eviction_is_served_by_the_host_tier(tiny):
+    turn1, more, others = conversation()
+    plain = make_engine(tiny, caching=False)
+    out1, _ = one(plain, turn1, 2 * BS)
+    turn2 = turn1 + out1 + more
+    expected, _ = one(plain, turn2, 8)
+
+    tiers = KVTiers(host_bytes=64 * 2**20)
+    eng = make_engine(tiny, tiers)
+    assert one(eng, turn1, 2 * BS)[0] == out1
+    evict_all(eng, others)
+    assert eng.block_manager.num_cached_leading(eng.block_manager.block_hashes(
+        eng.add_request("probe", turn2, greedy(1)), 3)) == 3   # routing sees the tier's blocks
+    eng.abort("probe")
+    assert eng.block_manager.tier_hits == 0
+    got, cached = one(eng, turn2, 8)
+    assert got == expected
+    # The first turn's prompt and the answer's full blocks but the last token's came back.
+    assert cached == (len(turn1) + len(out1) - 1) // BS * BS, (cached, len(turn1), len(out1))
+    assert eng.block_manager.tier_hits >= cached - 0 and tiers.loaded >= cached // BS
+
+    bounded = KVTiers(host_bytes=2 * tiny_block_bytes(eng))   # a full tier: only 2 blocks kept
+    small = make_engine(tiny, bounded)
+    one(small, turn1, 2 * BS)
+    evict_all(small, others)
+    assert len(bounded.host) == 2 and bounded.host.evicted > 0
+    got, cached = one(small, turn2, 8)
+    assert got == expected and cached == 0   # the chain's head was evicted: recomputed
+
+
+def tiny_block_bytes(eng: LLMEngine) -> int:
+    return eng.layout.num_layers * 2 * eng.layout.block_nbytes
+
+
+def test_the_disk_tier_serves_a_new_engine_and_never_another_layout(tiny, tmp_path):
+    turn1, more, others = conversation(seed=2)
+    plain = make_engine(tiny, caching=False)
+    out1, _ = one(plain, turn1, BS)
+    turn2 = turn1 + out1 + more
+    expected, _ = one(plain, turn2, 6)
+
+    first = KVTiers(host_bytes=2**20, disk_dir=tmp_path, disk_bytes=2**30)
+    eng = make_engine(tiny, first)
+    one(eng, turn1, BS)
+    assert first.flush(eng.block_manager.named_blocks()) > 0   # a clean stop
+
+    restarted = KVTiers(disk_dir=tmp_path, disk_bytes=2**30)
+    eng = make_engine(tiny, restarted)
+    got, cached = one(eng, turn2, 6)
+    assert got == expected and cached == (len(turn1) + len(out1) - 1) // BS * BS
+    assert restarted.loaded == cached // BS
+
+    # Another block size, other weights under the same name, another dtype: never matched.
+    bf16 = load_model("tiny", dtype=torch.bfloat16)
+    for loaded, other in ((tiny, dict(block_size=8)), (dataclasses.replace(tiny, fingerprint="retrained"), {}),
+                          (bf16, dict(dtype="bfloat16"))):
+        tiers = KVTiers(disk_dir=tmp_path, disk_bytes=2**30)
+        eng = make_engine(loaded, tiers, **other)
+        assert one(eng, turn2, 6)[1] == 0 and tiers.loaded == 0, other
+    assert len(list(tmp_path.iterdir())) == 4   # a directory per prefix root
+
+
+def test_a_decode_engine_takes_tier_blocks_as_hits(tiny):
+    turn1, _, others = conversation(seed=3)
+    tiers = KVTiers(host_bytes=64 * 2**20)
+    eng = make_engine(tiny, tiers)
+    one(eng, turn1, 2)
+    evict_all(eng, others)
+    bm = eng.block_manager
+    hashes = list(bm.block_hashes(eng.add_request("probe", turn1, greedy(1)), len(turn1) // BS))
+    eng.abort("probe")
+    seq = eng.reserve("d1", turn1, greedy(4), [7], block_hashes=hashes, hash_root=bm.root)
+    assert seq.num_cached_tokens == len(hashes) * BS and tiers.loaded == len(hashes)
+    for i, block in enumerate(seq.block_table[:len(hashes)]):
+        assert bm.is_cached(block) and bm.ref_count(block) == 1, i
+    eng.unreserve(seq)
