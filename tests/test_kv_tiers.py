@@ -27,6 +27,7 @@ from pdqueue.engine.kv_tiers import _HEADER, DiskTier, HostTier, KVTiers, attach
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.models.loader import load_model
+from tests.helpers import wait_for
 
 BS = 16
 SHAPE = (2, 2, 4, 1, 2)   # layers, K/V, block size, KV heads, head dim
@@ -228,3 +229,94 @@ def test_a_decode_engine_takes_tier_blocks_as_hits(tiny):
     for i, block in enumerate(seq.block_table[:len(hashes)]):
         assert bm.is_cached(block) and bm.ref_count(block) == 1, i
     eng.unreserve(seq)
+
+
+# --- real worker processes ---------------------------------------------------------------------
+
+TURN1 = [random.Random(7).randrange(0, 256) for _ in range(9 * BS + 5)]
+MORE = [random.Random(8).randrange(0, 256) for _ in range(BS + 3)]
+FILLERS = [[random.Random(s).randrange(0, 256) for _ in range(50 * BS)] for s in (11, 12, 13)]
+
+
+def turns(tiny) -> tuple[list[int], list[int], list[int]]:
+    """The first turn's answer, the second turn's prompt (first prompt + answer + more) and
+    its answer, by the colocated engine without any cache."""
+    plain = make_engine(tiny, caching=False, num_blocks=256)
+    out1 = plain.generate([TURN1], SamplingParams(max_tokens=2 * BS, temperature=0, ignore_eos=True))[0]
+    turn2 = TURN1 + out1 + MORE
+    out2 = plain.generate([turn2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    return out1, turn2, out2
+
+
+def worker_root(tiny) -> bytes:
+    """The prefix root of the test cluster's workers (tests/cluster.py: tiny, default engine options)."""
+    return LLMEngine(tiny, EngineConfig(model=tiny.config.name, num_blocks=8)).block_manager.root
+
+
+def ask(client, prompt_ids: list[int], max_tokens: int):
+    return client.submit(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=0.0, seed=0,
+                         ignore_eos=True).result(timeout=60)
+
+
+def test_a_colocated_worker_serves_the_next_turn_from_its_tiers_and_from_disk_after_a_restart(cluster, tiny, tmp_path):
+    """A colocated worker with a 1 MiB pool (128 blocks) and both tiers: the first turn, then
+    requests that take the whole pool (the first turn's blocks are evicted into the host
+    tier), then the second turn: the no-cache answer, its history (the first prompt and
+    answer) reported cached and loaded from the tier. Stopped (its blocks written to disk)
+    and started again with one file of the chain cut short: the chain is served up to it."""
+    import json
+
+    from pdqueue.client import Client
+    from pdqueue.engine.block_manager import chain_hashes
+
+    out1, turn2, out2 = turns(tiny)
+    history = (len(TURN1) + len(out1) - 1) // BS * BS
+    disk = tmp_path / "kv"
+    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4", "--kv-disk-dir", str(disk), "--kv-disk-gb", "1")
+    cluster.start("colocated", *tier_args, worker_id="c1")
+    client = Client(cluster.redis_url, cluster.cluster)
+
+    def load(name: str) -> dict:
+        return json.loads(cluster.r.hget(cluster.keys.worker(cluster.id(name)), "load") or b"{}")
+
+    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
+    for filler in FILLERS:
+        ask(client, filler, 1)
+    second = ask(client, turn2, 8)
+    assert list(second.token_ids) == out2
+    assert second.cached_tokens == history
+    wait_for(lambda: load("c1").get("kv_tier_loaded", 0) >= history // BS, 10, "the tier's counters")
+    assert cluster.stop("c1") == 0
+
+    root_dir = disk / worker_root(tiny).hex()
+    hashes = chain_hashes(worker_root(tiny), turn2, BS)
+    assert all((root_dir / h.hex()).exists() for h in hashes[:history // BS])
+    cut = root_dir / hashes[4].hex()
+    cut.write_bytes(cut.read_bytes()[:100])
+    cluster.start("colocated", *tier_args, worker_id="c2")
+    third = ask(client, turn2, 8)
+    assert list(third.token_ids) == out2 and third.cached_tokens == 4 * BS
+    wait_for(lambda: load("c2").get("kv_tier_loaded", 0) == 4, 10, "the tier's counters")
+
+
+@pytest.mark.parametrize("transfer", ["auto", "tcp"])
+def test_prefill_and_decode_workers_serve_the_next_turn_from_disk_after_a_restart(cluster, tiny, tmp_path, transfer):
+    """Prefill and decode workers sharing a --kv-disk-dir: the first turn, a restart of both
+    (their pools' blocks written at the stop), the second turn: the no-cache answer; the
+    prefill worker reports its history cached (the decode worker's answer blocks included,
+    read from the shared directory) and the decode worker holds it (only the rest travels)."""
+    from pdqueue.client import Client
+
+    out1, turn2, out2 = turns(tiny)
+    history = (len(TURN1) + len(out1) - 1) // BS * BS
+    tier_args = ("--transfer", transfer, "--kv-host-tier-mb", "4", "--kv-disk-dir", str(tmp_path / "kv"))
+    cluster.start_together(("prefill", *tier_args, {"worker_id": "p1"}), ("decode", *tier_args, {"worker_id": "d1"}))
+    client = Client(cluster.redis_url, cluster.cluster)
+    first = ask(client, TURN1, 2 * BS)
+    assert list(first.token_ids) == out1 and first.transfer_path == ("shm" if transfer == "auto" else transfer)
+    assert cluster.stop("d1") == 0 and cluster.stop("p1") == 0
+    cluster.start_together(("prefill", *tier_args, {"worker_id": "p2"}), ("decode", *tier_args, {"worker_id": "d2"}))
+    second = ask(client, turn2, 8)
+    assert list(second.token_ids) == out2
+    assert second.cached_tokens == history
+    assert second.kv_reused_tokens == history

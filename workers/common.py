@@ -61,6 +61,11 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"  # ... bound on this host (0.0.0.0: every interface)
     metrics_advertise: str | None = None  # the host put in the heartbeat when bound to 0.0.0.0 (None: resolved)
     limits: Limits = field(default_factory=Limits)  # what intake takes from one request (--max-* options)
+    # KV that outlives the pool (pdqueue/engine/kv_tiers.py, workers/kv_pool.py): a host-memory tier
+    # of this many MiB (0: none) and a disk tier of kv_disk_gb in kv_disk_dir (None: none).
+    kv_host_tier_mb: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float = 10.0
 
     def __post_init__(self) -> None:
         """A bad value is a ValueError naming the field, here rather than deep in a role."""
@@ -92,6 +97,10 @@ class WorkerConfig:
             bad("redis_gone_exit_s", "must be >= 0 seconds (0: never)")
         if not (isinstance(self.reclaim_idle_ms, int) and self.reclaim_idle_ms >= 100):
             bad("reclaim_idle_ms", "must be an integer >= 100")
+        if not (isinstance(self.kv_host_tier_mb, int) and self.kv_host_tier_mb >= 0):
+            bad("kv_host_tier_mb", "must be an integer >= 0")
+        if not self.kv_disk_gb >= 0:
+            bad("kv_disk_gb", "must be >= 0")
         for name in ("max_batch_requests", "max_attempts"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 bad(name, "must be an integer >= 1")

@@ -149,12 +149,23 @@ def limit_options(f):
               help="Host the metrics server binds [default: the --bind host]; 0.0.0.0 listens on every interface "
                    "and advertises --advertise-host, else this machine's address.")
 @click.option("--no-metrics", is_flag=True, help="Serve no metrics endpoint.")
+@click.option("--kv-host-tier-mb", type=click.IntRange(min=0), default=config_default("kv_host_tier_mb"),
+              show_default=True,
+              help="A host-memory tier under the prefix cache, this many MiB: a cached KV block evicted from the "
+                   "pool is copied there, and a later request with that prefix (a conversation's next turn) "
+                   "copies it back instead of computing it again. 0: none.")
+@click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
+              help="A disk tier under the host tier (or the pool): a file per KV block under DIR/<prefix root>/, "
+                   "read again by a worker restarted with the same DIR (a clean stop writes the pool's cached "
+                   "blocks there). Another model, weights, dtype or block size never matches. Default: none.")
+@click.option("--kv-disk-gb", type=click.FloatRange(min=0), default=config_default("kv_disk_gb"), show_default=True,
+              help="With --kv-disk-dir: the disk tier's bound (least recently used files go first).")
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs,
            policy, tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port,
            advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s,
-           migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, limits, log_level):
+           migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -179,7 +190,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           worker_id=worker_id, burst=burst, switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
-                          limits=limits)
+                          limits=limits, kv_host_tier_mb=kv_host_tier_mb, kv_disk_dir=kv_disk_dir,
+                          kv_disk_gb=kv_disk_gb)
     if config.metrics_port:
         check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
     config = with_kv_auth(config, kv_auth, kv_secret_file)
