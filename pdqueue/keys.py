@@ -11,6 +11,7 @@ on Redis Cluster.
 | ``requests:high``, ... | (one per service class)  |                     | (in class order)   |
 | ``handoff:<node>``     | stream, group ``decode`` | prefill             | decode (own node)  |
 | ``handoff``            | stream, group ``decode`` | prefill             | decode (any node)  |
+| ``handoff:kv:<key>``   | stream, group ``decode`` | prefill, decode     | decode of that key |
 | ``out:<request_id>``   | stream, TTL              | prefill, decode     | the producer       |
 | ``done``               | stream, trimmed          | decode              | observers, bench   |
 | ``dead``               | stream, trimmed          | any worker          | operators          |
@@ -118,6 +119,12 @@ class Keys:
     def handoff_node(self, node: str) -> str:
         """The handoff stream of one shared-memory domain (decode workers there read it first)."""
         return f"{self.prefix}handoff:{node}"
+
+    def handoff_compat(self, compat_key: str) -> str:
+        """The handoff stream of one compatibility key (``pdqueue.protocol.compat``): only decode
+        workers of that key read it. Senders use it while the cluster is mixed (an incompatible
+        decode worker lives); a decode worker passes a handoff it must not run on to it."""
+        return f"{self.prefix}handoff:kv:{compat_key}"
 
     def handoff_streams(self, node: str) -> tuple[str, str]:
         """The handoff streams in the order a decode worker on ``node`` reads them."""

@@ -11,6 +11,7 @@ import warnings
 import pytest
 
 from pdqueue.client import Client
+from pdqueue.protocol.compat import compat_of
 from tests import hf_models
 from tests.helpers import FAST, wait_for, wait_pools_free
 
@@ -90,21 +91,31 @@ def test_a_colocated_worker_and_placed_prompts_answer_as_transformers(cluster, c
     wait_pools_free(cluster)
 
 
-def test_a_decode_worker_of_other_weights_refuses_the_handoff(cluster, checkpoints, tmp_path):
+def test_a_decode_worker_of_other_weights_gets_no_handoff_and_the_requests_wait_for_their_own(
+        cluster, checkpoints, expected, tmp_path):
     """Prefill and decode workers that load different weights of the same shape (a cluster
-    half-way through a model change): every request is refused with one clear error naming
-    both models, none is decoded from KV its weights did not compute."""
+    half-way through a model change): none is decoded from KV its weights did not compute and
+    none fails. They wait (the prefill worker says so once, in its log and its heartbeat) in
+    the stream of its kind, and a decode worker of its weights answers them as transformers."""
     other = hf_models.build("qwen3", tmp_path / "qwen3-other", seed=1)
+    cluster.model = str(other)
+    cluster.start("decode", *FAST, worker_id="d1")
     cluster.model = str(checkpoints["qwen3"])
     cluster.start("prefill", *FAST, worker_id="p0")
-    cluster.model = str(other)
-    cluster.start("decode", *FAST, worker_id="d0")
+    wait_for(lambda: cluster.workers()["p0"]["load"].get("no_compatible_decode") == 1, what="p0: nobody serves it")
+    kind = compat_of(cluster.workers()["p0"])
     client = Client(cluster.redis_url, cluster.cluster)
-    handles = client.submit_many([dict(prompt=p, max_tokens=8, temperature=0.0) for p in PROMPTS])
-    for h in handles:
-        with pytest.raises(Exception, match="model mismatch") as caught:
-            h.result(timeout=60)
-        assert "qwen3-other" in str(caught.value) and str(checkpoints["qwen3"]) in str(caught.value)
+    handles = client.submit_many([dict(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+                                  for p in PROMPTS])
+    wait_for(lambda: cluster.r.xlen(cluster.keys.handoff_compat(kind.key)) == len(PROMPTS), what="the handoffs waiting")
+    assert cluster.r.xlen(cluster.keys.done) == cluster.r.xlen(cluster.keys.dead) == 0   # none answered, none failed
+    cluster.start("decode", *FAST, worker_id="d0")
+    results = [h.result(timeout=120) for h in handles]
+    assert [list(r.token_ids) for r in results] == expected["qwen3"]
+    assert {r.decode_worker for r in results} == {cluster.id("d0")}
+    log = (cluster.log_dir / "p0.log").read_text(errors="replace")
+    assert log.count(f"decode worker {cluster.id('d1')} is not compatible") == 1
+    assert log.count("no live decode worker is compatible") == 1
     wait_pools_free(cluster)
 
 

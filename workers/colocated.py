@@ -29,6 +29,7 @@ from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Handoff, Role as RoleName, encode_handoff
 from workers.common import Every, now_ms
+from workers.compat import sender_fields
 from workers.migration import Migrator
 from workers.role import RequestRole, RoleHost
 
@@ -124,7 +125,7 @@ class ColocatedRole(RequestRole):
                                   seed=it.params.seed, ticket=ticket, prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms, prefill_end_ms=first,
                                   first_token_ms=first, cached_tokens=seq.cached_tokens,
-                                  kv_identity=self.engine.kv_identity, model=self.engine.config.model)
+                                  **sender_fields(self.engine))
                 unit.handoff(it.stream, it.entry_id, rid, target, encode_handoff(handoff))
                 moved += 1
         return moved

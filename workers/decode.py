@@ -3,9 +3,11 @@
 A request here, from handoff to done. Each handoff in hand is one ``Job`` in ``jobs`` (by
 request id), and its ``state`` says where it is:
 
-    accept      handoff:<own node>, then handoff (group decode) -> BACKLOG
-                (a handoff that cannot run is dead-lettered; one taken over from another
-                worker first catches up with what out:<id> shows, see ``caught_up``)
+    accept      handoff:<own node>, handoff:kv:<its key>, then handoff (group decode) -> BACKLOG
+                (a handoff that cannot run is dead-lettered; one of another kind, KV format,
+                model or wire version, is passed on to its kind's stream and never run here:
+                workers/compat.py; one taken over from another worker first catches up with
+                what out:<id> shows, see ``caught_up``)
     start       BACKLOG -> FETCHING: once the engine can reserve blocks for the whole
                 sequence and a batch slot; the fetch thread copies the KV in (shm when the
                 ticket's node is ours, else the sender's TCP data wire, else ZeroMQ)
@@ -46,9 +48,10 @@ from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
 from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, Role as RoleName,
-                              decode_handoff, encode_handoff, entry_id_ms)
+                              as_str, decode_handoff, encode_handoff, entry_id_ms)
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
+from workers.compat import Rerouter, engine_compat
 from workers.fetch import FetchOutcome, Fetcher
 from workers.migration import Migrator
 from workers.placement import RECENT_STEPS, SpareTime, prompt_load
@@ -97,6 +100,7 @@ class DecodeRole(Role):
                                    mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s,
                                    auth=kv_auth_for(shell.config, shell.r, shell.keys))
         self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
+        self.rerouter = Rerouter(shell.r, shell.keys, engine_compat(self.engine), shell.metrics)
         self.jobs: dict[str, Job] = {}
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self.takes_prompts = shell.config.take_prompts
@@ -108,7 +112,8 @@ class DecodeRole(Role):
                  ", takes prompts" if self.takes_prompts else "")
 
     def streams(self) -> list[str]:
-        return [self.shell.keys.handoff_node(self.shell.node), self.shell.keys.handoff]
+        keys = self.shell.keys
+        return [keys.handoff_node(self.shell.node), keys.handoff_compat(self.rerouter.mine.key), keys.handoff]
 
     def registration(self) -> dict:
         return {"node": self.shell.node}
@@ -173,6 +178,10 @@ class DecodeRole(Role):
     def accept(self, entries: list, resumed: bool) -> None:
         with self.shell.unit() as unit:
             for stream, entry_id, fields in entries:
+                elsewhere = self.rerouter.target(fields)   # of another kind: never run here
+                if elsewhere:
+                    unit.handoff(stream, entry_id, as_str(fields.get(b"id", b"")), elsewhere, fields)
+                    continue
                 h, problem = read_handoff(fields, self.engine)
                 if problem:
                     unit.reject(stream, entry_id, fields, h and h.request.id, f"bad handoff: {problem}",
@@ -392,6 +401,7 @@ def decode_load(role: DecodeRole) -> dict:
             "prefix_cache_hits": role.engine.prefix_cache_hits,
             "draining": int(role.migrator is not None and role.migrator.announced_at is not None),
             "migrated_out": role.migrator.moved if role.migrator is not None else 0,
+            "rerouted": role.rerouter.rerouted,   # handoffs of another kind passed on (workers/compat.py)
             # what a prefill worker decides by whether to hand a request over or decode it
             # itself (workers/decode_peers.py), and where to place prompts
             "free_slots": max(0, role.engine.config.max_num_seqs - len(role.jobs)),
@@ -423,11 +433,8 @@ def read_handoff(fields, engine: LLMEngine) -> tuple[Handoff | None, str | None]
 
 
 def handoff_problem(h: Handoff, engine: LLMEngine) -> str | None:
-    """What makes a (well-formed) handoff impossible to run on ``engine``, or None."""
-    if h.kv_identity and h.kv_identity != engine.kv_identity:
-        return (f"model mismatch: {h.prefill_worker} runs {h.model or '?'} (KV identity {h.kv_identity}), this "
-                f"decode worker runs {engine.config.model} (KV identity {engine.kv_identity}); prefill and decode "
-                f"workers of one cluster must load the same weights with the same KV dtype and block size")
+    """What makes a (well-formed) handoff impossible to run on ``engine``, or None. (One of
+    another KV identity never gets here: ``Rerouter`` passed it on.)"""
     vocab = engine.model_config.vocab_size
     if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
         return f"token ids beyond the vocabulary ({vocab})"

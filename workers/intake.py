@@ -45,6 +45,7 @@ from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, Limi
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms
+from workers.compat import sender_fields
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -121,8 +122,7 @@ class Intake:
                 if target is not None:
                     handoff = Handoff(request=req, prompt_ids=prompt_ids, output_ids=[], seed=seed, ticket=None,
                                       prefill_worker=self.worker_id, enqueued_ms=req.enqueued_ms,
-                                      prefill_start_ms=read_ms, kv_identity=engine.kv_identity,
-                                      model=engine.config.model)
+                                      prefill_start_ms=read_ms, **sender_fields(engine))
                     unit.handoff(stream, entry_id, req.id, target, encode_handoff(handoff))
                     if self.metrics is not None:
                         self.metrics.placed()

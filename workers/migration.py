@@ -28,9 +28,14 @@ decodes (``op=migrate``, pdqueue/control/commands.py): the same move, to the sam
 (``peer_stream``), with no drain announced.
 
 Where to: only while a peer decode worker lives that is not itself stopping or switching
-(``draining`` in its heartbeat's load). Stopping workers announce it at once and look for
-peers ``SETTLE_S`` later, so two workers stopped together (``up``'s Ctrl-C) do not hand their
-requests to each other: they finish them, as without migration.
+(``draining`` in its heartbeat's load) and is compatible with this one (the same KV format,
+model and wire versions: workers/compat.py; one of another kind is said once in the log and
+never chosen). Stopping workers announce it at once and look for peers ``SETTLE_S`` later, so
+two workers stopped together (``up``'s Ctrl-C) do not hand their requests to each other: they
+finish them, as without migration. The stream is the one a prefill worker would write
+(``compat.handoff_stream``): this node's or the shared one, or while a decode worker of another
+kind lives, the stream of this worker's kind. A moved request's handoff names this worker's
+KV identity and wire (``resume``): its KV is this worker's now.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pdqueue.protocol import Handoff, Role
+from pdqueue.protocol.compat import Compat
 from pdqueue.queue.registry import list_workers
-from pdqueue.transfer.registry import same_host_possible
 from pdqueue.transfer.sender import KVSender
+from workers.compat import Once, engine_compat, handoff_stream, say_incompatible, sender_fields, split
 from workers.kv_export import close_sender, make_sender, serve_leases
 
 if TYPE_CHECKING:
@@ -67,6 +73,8 @@ class Migrator:
         self.last_export_at: float | None = None
         self._target: str | None = None
         self._target_at = 0.0
+        self.compat = engine_compat(engine)
+        self._once = Once()
 
     # ---- when ------------------------------------------------------------------------------
     def announce(self) -> None:
@@ -102,16 +110,13 @@ class Migrator:
     def _find_target(self) -> str | None:
         shell = self.shell
         try:
-            peers = [w for w in list_workers(shell.r, shell.keys, role=Role.DECODE.value)
-                     if w["worker_id"] != shell.worker_id and not w.get("switching_to")
-                     and not (w.get("load") or {}).get("draining")]
+            workers = list_workers(shell.r, shell.keys, role=Role.DECODE.value)
         except Exception:
             return None
-        if not peers:
-            return None
-        if same_host_possible(shell.config.transfer) and any(w.get("node") == shell.node for w in peers):
-            return shell.keys.handoff_node(shell.node)
-        return shell.keys.handoff
+        stream, incompatible = target_stream(shell.keys, self.compat, shell.worker_id, shell.node,
+                                             shell.config.transfer, workers)
+        say_incompatible(self._once, self.compat, incompatible, "no running request moves to it", shell.metrics)
+        return stream
 
     # ---- how -------------------------------------------------------------------------------
     def _sender(self) -> KVSender:
@@ -155,7 +160,8 @@ class Migrator:
         if exported is None:
             return None
         seq, ticket = exported
-        return replace(handoff, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids), ticket=ticket)
+        return replace(handoff, prompt_ids=list(seq.prompt_ids), output_ids=list(seq.output_ids), ticket=ticket,
+                       **sender_fields(self.engine))
 
     def free_released(self) -> None:
         if self.sender is not None:
@@ -185,3 +191,16 @@ class Migrator:
         if self.sender is None:
             return
         close_sender(self.sender)
+
+
+def target_stream(keys, mine: Compat, worker_id: str, node: str, transfer: str,
+                  workers: list[dict]) -> tuple[str | None, list[dict]]:
+    """Where worker ``worker_id`` (record ``mine``, on ``node``) moves running requests, given
+    the live decode workers (``workers``): the handoff stream, or None (no compatible peer
+    takes work: finish here); and the decode workers of another kind it routed around."""
+    others = [w for w in workers if w["worker_id"] != worker_id]
+    compatible, incompatible = split(others, mine)
+    peers = [w for w in compatible if not w.get("switching_to") and not (w.get("load") or {}).get("draining")]
+    if not peers:
+        return None, incompatible
+    return handoff_stream(keys, mine, node, transfer, peers, incompatible), incompatible

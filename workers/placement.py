@@ -24,6 +24,10 @@ The prefill half. A prefill worker, at intake (workers/intake.py), sends a promp
       remote = (its prompt_backlog at its last beat + what we sent since
                 - what it took since, at its prompt_tok_s + the prompt) / its prompt_tok_s
 
+Only decode workers compatible with the prefill worker are candidates (the view holds no
+other: workers/decode_peers.py); while one of another kind lives, the prompt goes to the
+stream of the prefill worker's kind rather than to the chosen worker's node stream.
+
 The decode worker's heartbeat is seconds old (a beat every ttl/3), so the placer counts
 what it sent since that beat and lets the backlog drain at the advertised rate. Only
 estimates here; no I/O but the heartbeat reads (``refresh``: the prefill worker's
@@ -150,6 +154,10 @@ class Placement:
         self._read_at = self.view.read_at
         wall_ms = time.time() * 1000
         peers: dict[str, Peer] = {}
+        # Only compatible decode workers are in the view (workers/compat.py); while one of
+        # another kind lives (it reads the node streams too), a placed prompt goes to the
+        # stream of this worker's kind, which every compatible decode worker reads.
+        shared = self.view.compat_stream()
         for w in self.view.workers:
             load = w.get("load") or {}
             tok_s = float(load.get("prompt_tok_s") or 0)
@@ -158,7 +166,7 @@ class Placement:
             beat_s = now - max(0.0, wall_ms - float(w.get("beat_ms") or wall_ms)) / 1000
             old = self.peers.get(w["worker_id"])
             sent = [(t, n) for t, n in old.sent if t > beat_s] if old else []
-            peers[w["worker_id"]] = Peer(w["worker_id"], self.keys.handoff_node(w.get("node") or ""), tok_s,
+            peers[w["worker_id"]] = Peer(w["worker_id"], shared or self.keys.handoff_node(w.get("node") or ""), tok_s,
                                          float(load.get("prompt_backlog") or 0), beat_s,
                                          int(load.get("free_slots") or 0), sent)
         self.peers = peers

@@ -13,7 +13,10 @@ A request here, from XADD to handoff:
                      max_tokens 1): no decode needed; or
                    - the handoff (ticket inside: ``KVSender.export`` put the blocks under a
                      lease) on the handoff stream of this node when a decode worker lives
-                     here, else on the global one
+                     here, else on the global one; while a decode worker of another kind
+                     (KV format, model, wire version) lives, on the stream of this worker's
+                     kind, ``handoff:kv:<key>`` (workers/compat.py): only the decode workers
+                     compatible with it count, here and for what follows
       -> the blocks come back to the engine when the decode side releases the lease or it
          expires (``free_released``, before each step)
 
@@ -44,8 +47,8 @@ import time
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.protocol import Completion, Handoff, Role as RoleName, encode_handoff
 from pdqueue.transfer.leases import LeaseState
-from pdqueue.transfer.registry import same_host_possible
 from workers.common import Every, now_ms
+from workers.compat import own_compat, sender_fields
 from workers.decode_peers import DecodePeers
 from workers.kv_export import close_sender, make_sender, serve_leases
 from workers.placement import Placement
@@ -70,8 +73,10 @@ class PrefillRole(RequestRole):
         super().start(shell)
         config = shell.config
         # One read of the decode workers' heartbeats serves the handoff stream, the placement
-        # and decoding here.
-        self.peers = DecodePeers(shell.r, shell.keys)
+        # and decoding here; it holds only the decode workers compatible with this one
+        # (workers/compat.py).
+        self.peers = DecodePeers(shell.r, shell.keys, mine=own_compat(shell.loaded, config.engine),
+                                 metrics=shell.metrics)
         # Short prompts go to a decode worker taking prompts when it would answer sooner.
         if config.placement != "off":
             self.intake.placer = Placement(shell.r, shell.keys, shell.worker_id, config.placement, peers=self.peers)
@@ -97,7 +102,7 @@ class PrefillRole(RequestRole):
     def load(self) -> dict:
         return {**super().load(), "leases": len(self.sender.leases), "auth_failures": self.sender.auth_failures,
                 "placed_out": self.intake.placer.placed if self.intake.placer is not None else 0,
-                "decoded_here": self.kept,
+                "decoded_here": self.kept, **self.peers.load(),
                 "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def housekeeping(self) -> None:
@@ -166,7 +171,7 @@ class PrefillRole(RequestRole):
                                   seed=it.params.seed, ticket=ticket.to_dict(), prefill_worker=self.shell.worker_id,
                                   enqueued_ms=req.enqueued_ms, prefill_start_ms=it.read_ms,
                                   prefill_end_ms=t, first_token_ms=t, cached_tokens=out.cached_tokens,
-                                  kv_identity=self.engine.kv_identity, model=self.engine.config.model)
+                                  **sender_fields(self.engine))
                 unit.handoff(it.stream, it.entry_id, req.id, self.handoff_stream(), encode_handoff(handoff))
                 self.peers.handed_off()
             if exported and self.pool:
@@ -175,12 +180,10 @@ class PrefillRole(RequestRole):
                 self.pool.keep_until(time.time() + self.shell.config.lease_s)
 
     def handoff_stream(self) -> str:
-        """This node's handoff stream when a decode worker lives on this node, else the global one."""
-        shell = self.shell
-        self.peers.refresh()
-        if same_host_possible(shell.config.transfer) and shell.node in self.peers.nodes:
-            return shell.keys.handoff_node(shell.node)
-        return shell.keys.handoff
+        """This node's handoff stream when a compatible decode worker lives on this node, else the
+        global one; while a decode worker of another kind lives, the stream of this worker's
+        compatibility key (workers/compat.py)."""
+        return self.peers.stream(self.shell.node, self.shell.config.transfer)
 
     # ---- stopping ------------------------------------------------------------------------
     def drain(self) -> None:

@@ -13,8 +13,9 @@ is layered on top, inside the workers, so none of that changes:
   block plus the backlog of every peer's own stream. The rule of the best routers (SGLang's,
   Dynamo's): if a peer holds a longer prefix than this worker by at least ``MIN_GAIN_BLOCKS``
   (and a quarter of the prompt), and that peer's load is within ``MAX_IMBALANCE`` of this
-  worker's, the entry moves to the peer's own stream ``requests:w:<id>``; otherwise it runs
-  here. The move is one Lua script (``ownership.forward``): the entry is acknowledged and
+  worker's, and it is of this worker's kind (KV format, model and wire versions:
+  workers/compat.py), the entry moves to the peer's own stream ``requests:w:<id>``; otherwise
+  it runs here. The move is one Lua script (``ownership.forward``): the entry is acknowledged and
   deleted here, and added there, only if it is still pending for this worker; ``seen:<id>``
   follows it, so exactly one outcome per request still holds. A moved entry is never moved
   again, and only the entries of a class that routes are moved (``ServiceClass.routed``: the
@@ -28,7 +29,8 @@ is layered on top, inside the workers, so none of that changes:
   owner had read but not finished are reclaimed as before (``Recovery``, which scans every
   worker's own stream too). An owner-less stream left empty is deleted.
 
-Imports redis, pdqueue.keys, queue.streams/ownership/registry, engine.block_manager (hashing).
+Imports redis, pdqueue.keys, queue.streams/ownership/registry, engine.block_manager (hashing),
+workers.compat.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import REQUEST_ROLES, Priority, ServiceClass, as_str, entry_id_ms
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
+from pdqueue.protocol.compat import compat_of
 from pdqueue.queue.registry import list_workers
 from workers.common import ROUTING_MODES
+from workers.compat import engine_compat
 
 log = logging.getLogger("pdqueue.worker")
 
@@ -107,6 +111,7 @@ class Router:
         self.forwarded = 0                        # requests this worker moved to a peer
         self.taken_over = 0                       # entries it took from another worker's stream
         self.route_lookups = 0
+        self._compat = None                       # this worker's record (workers/compat.py), once its engine is made
 
     @property
     def engine(self):
@@ -175,6 +180,15 @@ class Router:
                       if w["worker_id"] != self.worker_id and w.get("role") in REQUEST_ROLES
                       and not w.get("switching_to") and (w.get("load") or {}).get("accepting", True)}
 
+    def compatible(self, worker: dict) -> bool:
+        """Whether ``worker`` is of this worker's kind (KV format, model, wire versions:
+        workers/compat.py). Peers of another kind never advertise a prompt's blocks (the
+        chain hashes start from the engine's prefix root, which differs whenever the KV
+        identity does), so this only says where the decision is made."""
+        if self._compat is None:
+            self._compat = engine_compat(self.engine)
+        return self._compat.accepts(compat_of(worker))
+
     # -- advertising ---------------------------------------------------------------------------
     def advertise(self, unit, seq, whole: bool = False) -> None:
         """Add to ``unit`` the op announcing ``seq``'s full prompt blocks (when its prompt is
@@ -218,7 +232,7 @@ class Router:
             return None
         if any(wid not in self.peers for wid in depth) and time.monotonic() - self._refreshed > MIN_REFRESH_S:
             self.refresh(force=True)   # a peer that started (or stopped) since the last look
-        peers = [wid for wid in depth if wid in self.peers]
+        peers = [wid for wid in depth if wid in self.peers and self.compatible(self.peers[wid])]
         if not peers:
             return None
         with self.r.pipeline(transaction=False) as pipe:

@@ -5,7 +5,8 @@ runs: the configuration and the loaded model, the worker id and incarnation, the
 client (``pdqueue.queue.connection.connect``), the stop flag (a first SIGTERM/SIGINT asks
 for a warm stop, a second for a cold one), the publisher (its thread runs from here on),
 the heartbeat, the metrics (``pdqueue.telemetry.metrics.WorkerMetrics``; served over HTTP when
-``config.metrics_port`` is set, and advertised as ``metrics`` in the heartbeat),
+``config.metrics_port`` is set, and advertised as ``metrics`` in the heartbeat; the heartbeat
+also shows the worker's compatibility record, ``compat``: workers/compat.py),
 ``Recovery``, the sweep of dead owners' KV segments (a first one here, before the KV pool
 takes room), the role epoch; and the KV pool, made when the first role
 asks for it (``kv_pool``) and used by every role after it. ``run()``:
@@ -71,8 +72,9 @@ from pdqueue.queue.registry import Heartbeat
 from pdqueue.transfer.node import node_id
 from workers.answers import Unit, request_ids
 from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
+from workers.compat import own_compat
 from workers.recovery import REDIS_DOWN, Recovery
-from workers.kv_pool import ProcessKV, SegmentSweep, tiers_for
+from workers.kv_pool import ProcessKV, SegmentSweep
 from workers.outage import EXIT_REDIS_GONE, Outage, RedisGone, StoppedWaiting  # noqa: F401 (re-exported)
 from workers.role import Input, Role, role_for
 from workers.switching import SwitchControl
@@ -114,6 +116,9 @@ class WorkerShell:
         self.heartbeat.update(role_epoch=self.role_epoch, switchable=int(config.switchable),
                               role_since_ms=self.role_since_ms, switching_to="",
                               weights=getattr(loaded, "weights", "fp32"),
+                              # what KV it computes and which wires it speaks: peers of another
+                              # kind exchange no KV with it (workers/compat.py)
+                              compat=own_compat(loaded, config.engine).record(),
                               max_model_len=min(config.engine.max_model_len or loaded.config.max_position_embeddings,
                                                 loaded.config.max_position_embeddings))
         self.outage = Outage(config.redis_gone_exit_s, self.stop, lambda: self.heartbeat.beats,
@@ -131,7 +136,7 @@ class WorkerShell:
         self._role_open = False              # role.start succeeded and role.close is due
         # The KV pool: one per process, made when the first role asks (``kv_pool``).
         self.kv = ProcessKV(kv_layout_for(loaded.config, config.engine), config.engine.device,
-                            config.switchable, self.worker_id, self.incarnation, tiers=tiers_for(config))
+                            config.switchable, self.worker_id, self.incarnation)
         # Before any role's pool takes room: the segments of crashed predecessors (the
         # loop's sweep gets those still kept for their leases).
         self.sweep_segments(force=True)
@@ -210,7 +215,7 @@ class WorkerShell:
         log.info("%s worker %s stopped", self.role.name, self.worker_id)
 
     def load(self) -> dict:
-        return {**self.role.load(), "failed_units": self.failed_units, **self.kv.stats()}
+        return {**self.role.load(), "failed_units": self.failed_units}
 
     @property
     def segment(self):
@@ -258,7 +263,6 @@ class WorkerShell:
         self.metrics.activate(role.name)   # what the role observes carries its name
         role.start(self.view)   # a role whose start fails releases what it built before raising
         self.role, self._role_open = role, True
-        self.kv.attach(role)    # the KV tiers under its engine (workers/kv_pool.py)
         while True:
             try:
                 self.ensure_groups()

@@ -1,4 +1,10 @@
-"""The handoff: prefill -> decode, internal, msgpack with a ``version`` field."""
+"""The handoff: prefill -> decode, internal, msgpack with a ``version`` field.
+
+A handoff stream entry has the fields ``id`` (the request id, for operators), ``data`` (the
+msgpack body) and, from senders that know the compatibility handshake, ``compat``: the
+sender's key (protocol/compat.py), which a decode worker reads before ``data`` to leave
+alone what it must not run (workers/compat.py).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
+from .compat import COMPAT_FIELD, compat_key
 from .requests import Request, parse_request, request_to_fields
 from .wire import PROTOCOL_VERSION, HandoffError, RequestError
 
@@ -35,23 +42,32 @@ class Handoff:
     first_token_ms: float = 0.0
     attempt: int = 0                 # how many times the request was recomputed
     cached_tokens: int = 0           # prompt tokens the prefill worker's prefix cache served
-    # The sender's model and KV layout (``LLMEngine.kv_identity``): a decode worker of another
-    # model or layout refuses the handoff rather than decode garbage. "" (older senders): unchecked.
+    # The sender's model and KV layout (``LLMEngine.kv_identity``) and its transfer wire version
+    # (``pdqueue.transfer.base.TRANSFER_VERSION``; its ticket carries it too): with the
+    # handoff's own version, its compatibility key (``compat``). A decode worker of another key
+    # never runs it: it passes it on to the stream of its key (workers/compat.py). "" and 0
+    # (older senders): compatible with every decode worker, as before.
     kv_identity: str = ""
-    model: str = ""                  # the sender's model name, for that refusal's message
+    model: str = ""                  # the sender's model name, for messages
+    transfer_version: int = 0
 
     @property
     def prompt_only(self) -> bool:
         """A prompt handoff: nothing computed yet, the receiver prefills the prompt."""
         return not self.output_ids
 
+    @property
+    def compat(self) -> str:
+        """The sender's compatibility key (protocol/compat.py), "" when it did not say."""
+        return compat_key(self.kv_identity, self.transfer_version) if self.kv_identity and self.transfer_version else ""
+
 
 _HANDOFF_TIMES = ("enqueued_ms", "prefill_start_ms", "prefill_end_ms", "first_token_ms")
 
 
 def encode_handoff(h: Handoff) -> dict[str, bytes]:
-    """Fields of a handoff stream entry: ``id`` (the request id, for operators) and
-    ``data`` (msgpack)."""
+    """Fields of a handoff stream entry: ``id`` (the request id, for operators), ``data``
+    (msgpack) and, when the sender said it, ``compat`` (its key)."""
     import msgpack   # here, so that the planner can import the contract's roles without it
     body = {
         "version": PROTOCOL_VERSION,
@@ -66,10 +82,14 @@ def encode_handoff(h: Handoff) -> dict[str, bytes]:
         "cached_tokens": int(h.cached_tokens),
         "kv_identity": h.kv_identity,
         "model": h.model,
+        "transfer_version": int(h.transfer_version),
     }
     for name in _HANDOFF_TIMES:
         body[name] = float(getattr(h, name))
-    return {"id": h.request.id.encode(), "data": msgpack.packb(body, use_bin_type=True)}
+    fields = {"id": h.request.id.encode(), "data": msgpack.packb(body, use_bin_type=True)}
+    if h.compat:
+        fields[COMPAT_FIELD] = h.compat.encode()
+    return fields
 
 
 def decode_handoff(fields: Mapping) -> Handoff:
@@ -111,6 +131,9 @@ def decode_handoff(fields: Mapping) -> Handoff:
     identity, model = body.get("kv_identity", ""), body.get("model", "")   # absent from older senders
     if not isinstance(identity, str) or not isinstance(model, str):
         raise HandoffError("handoff kv_identity and model must be strings")
+    wire = body.get("transfer_version", 0)   # absent from older senders: 0
+    if type(wire) is not int or wire < 0:
+        raise HandoffError("handoff transfer_version must be a non-negative integer")
     ticket = body.get("ticket")
     if ticket is not None and not isinstance(ticket, dict):
         raise HandoffError("handoff ticket must be a map or nil")
@@ -124,4 +147,4 @@ def decode_handoff(fields: Mapping) -> Handoff:
     return Handoff(request=request, prompt_ids=ids("prompt_ids", True),
                    output_ids=ids("output_ids", ticket is not None), seed=seed, ticket=ticket,
                    prefill_worker=worker, attempt=attempt, cached_tokens=cached, kv_identity=identity, model=model,
-                   **times)
+                   transfer_version=wire, **times)

@@ -21,6 +21,9 @@ PROTOCOL_VERSION = 1
 #      error code deadline_exceeded (a request with a class whose deadline passed unstarted);
 #      request fields tenant and ref (usage labels for the ledger, issue 42; absent: "") and
 #      done field recomputed_tokens (0 if absent).
+#      Handoff key transfer_version and the handoff entry's field compat (the compatibility
+#      handshake, issue 42: protocol/compat.py; this version is part of its key): absent, the
+#      sender is compatible with every decode worker, as before.
 #      Producers write max_tokens, temperature, top_p and top_k even at their defaults (the
 #      request means what its producer meant whatever a worker's defaults); an absent field
 #      still means the default, so older producers' entries read as before.

@@ -3,7 +3,9 @@
 Each worker keeps a hash ``worker:<id>`` with a TTL (``Heartbeat``): fields ``role``,
 ``node``, ``incarnation``, ``endpoints`` (JSON), ``load`` (JSON), ``model``, ``pid``,
 ``host``, ``started_ms``, ``beat_ms``, ``max_model_len`` (the context, in tokens),
-``weights`` (``fp32``, ``int8`` or ``int4``: how its linear layers are held), and
+``weights`` (``fp32``, ``int8`` or ``int4``: how its linear layers are held), ``compat``
+(JSON: the compatibility record of its KV and wires, ``pdqueue.protocol.compat``; absent
+from older workers, which are then compatible with every other), and
 what role switching needs (``pdqueue.control.commands``): ``role_epoch``, ``switchable`` (0/1),
 ``role_since_ms`` and ``switching_to`` (the role an accepted switch goes to; empty
 otherwise). The whole hash is rewritten and its TTL renewed every ``ttl_s / 3`` seconds
@@ -38,8 +40,9 @@ log = logging.getLogger(__name__)
 
 _TOP_LEVEL = ("role", "node", "endpoints", "model", "role_epoch", "switchable", "role_since_ms", "switching_to",
               "max_model_len", "metrics",   # metrics: host:port of its Prometheus endpoint (pdqueue.telemetry.metrics)
-              "weights")    # weights: fp32, int8 or int4 (pdqueue.models.quant)
-_JSON_FIELDS = ("endpoints", "load")
+              "weights",    # weights: fp32, int8 or int4 (pdqueue.models.quant)
+              "compat")     # compat: the compatibility record (pdqueue.protocol.compat.Compat.record)
+_JSON_FIELDS = ("endpoints", "load", "compat")
 _INT_FIELDS = ("pid", "started_ms", "beat_ms", "role_epoch", "switchable", "role_since_ms", "max_model_len")
 _RETRY_INITIAL_S = 0.05
 
@@ -52,9 +55,10 @@ class Heartbeat:
     """Keeps ``worker:<worker_id>`` alive from a daemon thread until ``stop()``.
 
     ``update(**fields)`` changes what the next beat writes: ``role``, ``node``,
-    ``endpoints``, ``model``, ``role_epoch``, ``switchable``, ``role_since_ms`` and
-    ``switching_to`` replace those fields; ``load`` (a dict) replaces the whole
-    load dict; any other name is merged into it (e.g. ``update(running=3, kv_free=120)``).
+    ``endpoints``, ``model``, ``role_epoch``, ``switchable``, ``role_since_ms``,
+    ``switching_to`` and the other top-level fields (``compat``, ...) replace those
+    fields; ``load`` (a dict) replaces the whole load dict; any other name is merged into
+    it (e.g. ``update(running=3, kv_free=120)``).
     """
 
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, *, role: str, node: str = "",

@@ -157,6 +157,11 @@ class WorkerMetrics:
         self.request_errors = Counter("pdqueue:request_errors",
                                       "Requests answered with an error entry while they ran, by error code.",
                                       (*LABELS, "code"), registry=r)
+        self.incompatible_events = Counter(
+            "pdqueue:kv_incompatible",
+            "The compatibility handshake (workers/compat.py), by event: peer (a worker of another KV or wire kind "
+            "seen, routed around: once per peer), rerouted (decode: a handoff of another kind passed on to its "
+            "kind's stream, never run here).", (*LABELS, "event"), registry=r)
         self.failed_units = Counter("pdqueue:failed_units",
                                     "Units of answers the publisher failed to write (entries taken in again).",
                                     ("model_name",), registry=r)
@@ -247,6 +252,9 @@ class WorkerMetrics:
 
     def lease_expired(self, n: int = 1) -> None:
         self.leases_expired.labels(*self._l()).inc(n)
+
+    def incompatible(self, event: str) -> None:
+        self.incompatible_events.labels(*self._l(), event).inc()
 
     # ---- recovery ---------------------------------------------------------------------
     def reclaim(self, group: str, cause: str, n: int) -> None:

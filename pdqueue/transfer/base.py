@@ -29,7 +29,18 @@ if TYPE_CHECKING:
     from pdqueue.transfer.auth import KVAuth
 
 # Version of the ticket and of every transfer wire message (the requests and replies of the
-# ZeroMQ and TCP wires, ZeroMQ data tags, shared-memory segment header). Change log:
+# ZeroMQ and TCP wires, ZeroMQ data tags, shared-memory segment header): the "wire version" of
+# the compatibility handshake. Every worker shows it in its heartbeat's ``compat`` record
+# (pdqueue/protocol/compat.py), and a handoff carries it (``transfer_version``, and its ticket's
+# ``version``): workers of two versions exchange no KV, they route around each other
+# (workers/compat.py), so a cluster half-way through an upgrade serves correctly.
+# Bump rules: bump it when a peer of the previous version would misread or refuse what this
+# one sends (a field renamed, removed or given another meaning or type; an op or reply a peer
+# must answer to go on; a new frame layout). A field or op that an older peer ignores, and
+# whose absence a newer one reads as before, needs no bump (note it below as "later, without
+# a bump"). A bump makes the workers of the two builds two kinds: a rolling upgrade then
+# serves each kind with its own decode workers (docs/operations/failures.md, "Mixed versions").
+# Change log:
 #   1  first version: ticket fields below; ops acquire/release/fetch; header frame + raw
 #      frames of whole planes or block ranges (at most max_frame_bytes each).
 #   2  a fetch reply is a header message, then one message [data_tag, frame] per frame (not

@@ -1,6 +1,9 @@
 """The request and reply messages every wire speaks (the ZeroMQ wire, transfer.zmq; the TCP
 data wire, transfer.tcp; the NIXL path's ops, transfer.nixl): msgpack maps, the version
-``base.TRANSFER_VERSION``. The message formats are described in transfer.zmq's docstring.
+``base.TRANSFER_VERSION`` (its bump rules beside it): every message carries it as ``v``, a reply of
+another version is refused (``check_reply``: ``version_mismatch``), and workers show it in their
+heartbeat's compatibility record so that KV never travels between two versions. The message
+formats are described in transfer.zmq's docstring.
 Imports msgpack; never zmq (so the TCP wire runs without it).
 """
 

@@ -3,7 +3,9 @@ pdqueue cluster read from Redis (``collect``), and its rendering with rich (``re
 
 A snapshot is a plain JSON-able dict:
 - ``workers``: every registered worker (role, node, pid, load incl. KV pool use and
-  leases, heartbeat age, ``metrics``: the host:port of its Prometheus endpoint or "",
+  leases, heartbeat age, ``compat``: its compatibility record or None (drawn only when the
+  workers are of more than one kind, and for a prefill worker whose load says
+  ``no_compatible_decode``), ``metrics``: the host:port of its Prometheus endpoint or "",
   ``prefix_hit_pct``: of the prompt tokens its prefix cache was asked for, the share it had,
   or None before any);
 - ``streams``: ``requests``, ``requests:high``, ``handoff`` and every ``handoff:<node>``,
@@ -63,7 +65,7 @@ def _worker_row(w: dict, now_ms: int) -> dict:
     hit_pct = round(100.0 * int(load.get("prefix_cache_hits") or 0) / queries, 1) if queries else None
     return {"worker_id": w["worker_id"], "role": w.get("role", ""), "node": w.get("node", ""),
             "host": w.get("host", ""), "pid": w.get("pid"), "model": w.get("model", ""),
-            "weights": w.get("weights", ""),
+            "weights": w.get("weights", ""), "compat": w.get("compat") or None,
             "endpoints": w.get("endpoints") or {}, "metrics": w.get("metrics") or "", "load": load,
             "kv_used_pct": used_pct, "prefix_hit_pct": hit_pct,
             "heartbeat_age_s": round(max(0, now_ms - int(w.get("beat_ms") or now_ms)) / 1000, 2)}
@@ -168,6 +170,29 @@ def queued(snapshot: dict) -> int:
 
 # ---- rendering ---------------------------------------------------------------------------
 
+def _kinds(workers: list[dict]) -> list:
+    """Lines on the kinds of KV and wire among the workers (their compatibility records,
+    workers/compat.py) when there is more than one, and on each prefill worker that no live
+    decode worker is compatible with (its handoffs wait)."""
+    from rich.text import Text
+
+    kinds: dict[str, list[str]] = {}
+    for w in workers:
+        c = w.get("compat") or {}
+        if c.get("kv"):
+            kinds.setdefault(f"{c.get('format') or c['kv']}, model {w.get('model') or '?'}, KV identity {c['kv']}, "
+                             f"handoff v{c.get('handoff')}, transfer v{c.get('transfer')}", []).append(w["worker_id"])
+    lines = []
+    if len(kinds) > 1:
+        lines += [Text(""), Text("mixed versions: workers of different kinds exchange no KV", style="yellow")]
+        lines += [Text(f"  {kind}: {', '.join(ids)}", style="yellow") for kind, ids in kinds.items()]
+    for w in workers:
+        if (w.get("load") or {}).get("no_compatible_decode"):
+            lines.append(Text(f"{w['worker_id']}: no live decode worker is compatible with it; its handoffs wait",
+                              style="red"))
+    return lines
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
@@ -248,7 +273,7 @@ def render(snapshot: dict, title: str = "", processes: list[dict] | None = None,
         f"TBT p50/p90 {_ms(b['p50'])}/{_ms(b['p90'])} ms   ",
         f"e2e p50/p99 {_ms(e['p50'])}/{_ms(e['p99'])} ms")
     parts = [Text(title, style="bold cyan")] if title else []
-    tail = []
+    tail = _kinds(snapshot["workers"])
     plan = snapshot.get("plan")
     if plan:
         counts = ", ".join(f"{plan[role]} {role}" for role in commands.ROLES if plan.get(role))
