@@ -74,7 +74,7 @@ from workers.answers import Unit, request_ids
 from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
 from workers.compat import own_compat
 from workers.recovery import REDIS_DOWN, Recovery
-from workers.kv_pool import ProcessKV, SegmentSweep
+from workers.kv_pool import ProcessKV, SegmentSweep, tiers_for
 from workers.outage import EXIT_REDIS_GONE, Outage, RedisGone, StoppedWaiting  # noqa: F401 (re-exported)
 from workers.role import Input, Role, role_for
 from workers.switching import SwitchControl
@@ -136,7 +136,7 @@ class WorkerShell:
         self._role_open = False              # role.start succeeded and role.close is due
         # The KV pool: one per process, made when the first role asks (``kv_pool``).
         self.kv = ProcessKV(kv_layout_for(loaded.config, config.engine), config.engine.device,
-                            config.switchable, self.worker_id, self.incarnation)
+                            config.switchable, self.worker_id, self.incarnation, tiers=tiers_for(config))
         # Before any role's pool takes room: the segments of crashed predecessors (the
         # loop's sweep gets those still kept for their leases).
         self.sweep_segments(force=True)
@@ -215,7 +215,7 @@ class WorkerShell:
         log.info("%s worker %s stopped", self.role.name, self.worker_id)
 
     def load(self) -> dict:
-        return {**self.role.load(), "failed_units": self.failed_units}
+        return {**self.role.load(), "failed_units": self.failed_units, **self.kv.stats()}
 
     @property
     def segment(self):
@@ -263,6 +263,7 @@ class WorkerShell:
         self.metrics.activate(role.name)   # what the role observes carries its name
         role.start(self.view)   # a role whose start fails releases what it built before raising
         self.role, self._role_open = role, True
+        self.kv.attach(role)    # the KV tiers under its engine (workers/kv_pool.py)
         while True:
             try:
                 self.ensure_groups()
