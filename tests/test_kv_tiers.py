@@ -9,7 +9,12 @@ What must hold:
   then more) after the pool evicted the first turn gets the same greedy tokens with the tiers
   as without any cache, and reports the tokens the tier served as cached; an engine started
   anew on the same disk directory serves them from disk; an engine of another block size or
-  dtype never does; a decode engine (``reserve``) takes tier blocks as hits.
+  dtype never does; a decode engine (``reserve``) takes tier blocks as hits;
+- real worker processes (tiny model, real Redis): colocated, the second turn after the pool
+  evicted the first is served from the host tier, and after a restart from the disk tier up
+  to a file cut short; prefill + decode (shm and TCP) restarted on a shared disk directory:
+  the history is cached at the prefill worker and held by the decode worker; cache-aware
+  routing sends the next turn to the colocated worker whose tier holds its history.
 
 One torch thread (a fixture), as in tests/test_engine.py.
 """
@@ -81,8 +86,11 @@ def test_disk_tier_round_trips_bounds_restarts_and_keeps_roots_apart(tmp_path):
     assert not list(disk.dir.glob("*.tmp"))
     assert h(0) not in disk and len(disk) == 3    # bounded: the oldest went
     assert torch.equal(disk.get(h(2)), payload(2))
+    stray = disk.dir / (h(9).hex() + ".4242.tmp")   # a write cut short by a kill
+    stray.write_bytes(b"partial")
     again = DiskTier(tmp_path, b"root-a", files(3), SHAPE, "float32")   # a restart
     assert len(again) == 3 and torch.equal(again.get(h(3)), payload(3))
+    assert not stray.exists() and h(9) not in again
     other = DiskTier(tmp_path, b"root-b", files(3), SHAPE, "float32")
     assert len(other) == 0 and other.get(h(3)) is None
 
@@ -320,3 +328,37 @@ def test_prefill_and_decode_workers_serve_the_next_turn_from_disk_after_a_restar
     assert list(second.token_ids) == out2
     assert second.cached_tokens == history
     assert second.kv_reused_tokens == history
+
+
+def test_the_next_turn_is_routed_to_the_colocated_worker_whose_tier_holds_its_history(cluster, tiny):
+    """Colocated worker h runs the first turn and evicts it into its host tier; then worker r
+    starts and is the only one reading when the second turn comes (h is stopped a moment):
+    r routes it to h, which serves the history from its tier (no-cache tokens)."""
+    import json
+    import signal
+
+    from pdqueue.client import Client
+
+    out1, turn2, out2 = turns(tiny)
+    history = (len(TURN1) + len(out1) - 1) // BS * BS
+    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4")
+    cluster.start("colocated", *tier_args, worker_id="h")
+    client = Client(cluster.redis_url, cluster.cluster)
+    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
+    for filler in FILLERS:
+        ask(client, filler, 1)
+    cluster.start("colocated", *tier_args, worker_id="r")
+
+    def load(name: str) -> dict:
+        return json.loads(cluster.r.hget(cluster.keys.worker(cluster.id(name)), "load") or b"{}")
+
+    cluster.signal("h", signal.SIGSTOP)
+    try:
+        handle = client.submit(prompt_ids=turn2, max_tokens=8, temperature=0.0, seed=0, ignore_eos=True)
+        wait_for(lambda: load("r").get("routed_out", 0) == 1, 20, "r routes the second turn to h")
+    finally:
+        cluster.signal("h", signal.SIGCONT)
+    second = handle.result(timeout=60)
+    assert list(second.token_ids) == out2
+    assert second.prefill_worker == cluster.id("h") and second.cached_tokens == history
+    wait_for(lambda: load("h").get("kv_tier_loaded", 0) >= history // BS, 10, "h's tier counters")
