@@ -40,8 +40,9 @@ from pdqueue.bench.serve_batch import BatchBeside
 from pdqueue.bench.serve_client import OpenAIClient, Record, run_requests, send_one
 from pdqueue.bench.serve_load import Planned, Settings, plan_phases, plan_prefix_requests, plan_requests, warmup_requests
 from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
-from pdqueue.bench.serve_report import (chaos_event_line, claim, metrics, phase_claim, phase_metrics, pool_rates,
-                                       rate_key, workload_dict)
+from pdqueue.bench.serve_chaos import chaos_schedule
+from pdqueue.bench.serve_report import (alternated, chaos_event_line, claim, metrics, phase_claim, phase_metrics,
+                                       pool_rates, rate_key, window_figures, window_split, workload_dict)
 from pdqueue.bench.stats import summary
 from pdqueue.queue.connection import raise_dropped_cancellation
 from pdqueue.queue.streams import request_streams
@@ -249,41 +250,60 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
             for rate in settings.rates:
                 planner = plan_prefix_requests if settings.workload_kind == "prefix" else plan_requests
                 plan = planner(settings, rate, settings.requests_at(rate))
-                task = bar.add_task(f"{mode} @ {rate:g} req/s", total=len(plan))
-                batch = None
-                if settings.batch_lines and mode != "openai":
-                    batch = BatchBeside(url, cluster, settings, rate)
-                    await batch.start(client)
-                    progress(f"{mode} @ {rate:g} req/s: {settings.batch_lines} batch-class requests queued")
-                started = time.time()
-                faults = None
-                if chaos is not None:   # half way through the arrivals, unless an event says when
-                    faults = asyncio.create_task(chaos.run(started, plan[-1].at_s / 2))
-                records, timeline = await _run_sampled(client, plan, settings, url, cluster,
-                                                       lambda: bar.advance(task), progress)
-                by_rate[rate_key(rate)], raw[rate_key(rate)] = metrics(records, rate, settings)
-                raw[rate_key(rate)]["timeline"] = timeline
-                by_rate[rate_key(rate)]["records"] = records
-                if batch is not None:
-                    ended = max([r.finished for r in records if r.finished is not None] or [time.perf_counter()])
-                    # Record times are perf_counter; the batch's are unix: the window's end in unix time.
-                    window_end = time.time() - (time.perf_counter() - ended)
-                    online_tok_s = sum(len(r.token_times) for r in records) / max(1e-3, window_end - started)
-                    if faults is not None:   # (an event due after the online load still happens)
-                        events = await faults
-                    by_rate[rate_key(rate)]["batch"] = figures = await batch.finish(
-                        started, window_end, online_tok_s, settings.drain_timeout_s * 3)
-                    if faults is not None:
-                        await chaos.settle([e for e in events if "worker_id" in e], 60.0)
-                        by_rate[rate_key(rate)]["chaos"] = events
-                        progress(f"{mode} @ {rate:g} req/s: chaos " + "; ".join(map(chaos_event_line, events)))
-                    once = "every line answered once" if figures["exactly_once"] else "NOT every line answered once"
-                    progress(f"{mode} @ {rate:g} req/s: batch {figures['answered']}/{figures['lines']} answered, "
-                             f"{figures['duplicates']} duplicates, {figures['missing']} missing, "
-                             f"{figures['out_not_once']} out:<id> not ending in one done, {figures['short']} short: "
-                             f"{once}")
+                runs = []
+                for with_chaos in chaos_schedule(chaos is not None, settings.chaos_alternate):
+                    label = f"{mode} @ {rate:g} req/s" + (f" run {len(runs) + 1}, {'with' if with_chaos else 'without'}"
+                                                          f" the chaos" if settings.chaos_alternate else "")
+                    task = bar.add_task(label, total=len(plan))
+                    runs.append(await _run_rate(client, plan, rate, settings, url, cluster, label, mode, progress,
+                                                lambda t=task: bar.advance(t), chaos if with_chaos else None))
+                if len(runs) == 1:
+                    by_rate[rate_key(rate)], raw[rate_key(rate)] = runs[0]
+                else:
+                    by_rate[rate_key(rate)], raw[rate_key(rate)] = alternated(runs, rate, settings)
     return by_rate, raw
 
+
+
+async def _run_rate(client, plan, rate: float, settings: Settings, url: str, cluster: str, label: str, mode: str,
+                    progress, on_done, chaos=None) -> tuple[dict, dict]:
+    """One run of ``plan`` at ``rate`` (with its batch lines and, given ``chaos``, its events):
+    (figures, raw values)."""
+    batch = None
+    if settings.batch_lines and mode != "openai":
+        batch = BatchBeside(url, cluster, settings, rate)
+        await batch.start(client)
+        progress(f"{label}: {settings.batch_lines} batch-class requests queued")
+    started, started_perf = time.time(), time.perf_counter()
+    faults = None
+    if chaos is not None:   # half way through the arrivals, unless an event says when
+        faults = asyncio.create_task(chaos.run(started, plan[-1].at_s / 2))
+    records, timeline = await _run_sampled(client, plan, settings, url, cluster, on_done, progress)
+    figures, raw = metrics(records, rate, settings)
+    raw["timeline"] = timeline
+    figures["records"] = records
+    if batch is not None:
+        ended = max([r.finished for r in records if r.finished is not None] or [time.perf_counter()])
+        # Record times are perf_counter; the batch's are unix: the window's end in unix time.
+        window_end = time.time() - (time.perf_counter() - ended)
+        online_tok_s = sum(len(r.token_times) for r in records) / max(1e-3, window_end - started)
+        if faults is not None:   # (an event due after the online load still happens)
+            events = await faults
+        figures["batch"] = b = await batch.finish(started, window_end, online_tok_s, settings.drain_timeout_s * 3)
+        if faults is not None:
+            await chaos.settle([e for e in events if "worker_id" in e], 60.0)
+            figures["chaos"] = events
+            if any(e.get("until_s") is not None for e in events):   # a roll, an outage: its window
+                inside, rest, unanswered = window_split(records, started_perf, events)
+                raw["window_ttft"] = (inside, rest)
+                figures.update(window_figures(inside, rest, unanswered, [[e["at_s"], e["until_s"]] for e in events
+                                                                         if e.get("until_s") is not None]))
+            progress(f"{label}: chaos " + "; ".join(map(chaos_event_line, events)))
+        once = "every line answered once" if b["exactly_once"] else "NOT every line answered once"
+        progress(f"{label}: batch {b['answered']}/{b['lines']} answered, {b['duplicates']} duplicates, "
+                 f"{b['missing']} missing, {b['out_not_once']} out:<id> not ending in one done, {b['short']} short: "
+                 f"{once}")
+    return figures, raw
 
 
 async def _run_sampled(client, plan, settings: Settings, url: str, cluster: str, on_done, progress):

@@ -92,6 +92,7 @@ class Settings:
     batch_lines: int = 0               # batch-class requests queued at each rate's start (serve_batch.py)
     batch_max_tokens: int = 32
     chaos: tuple = ()                  # serve_chaos.Event's: faults at each rate (--chaos, with --batch-lines)
+    chaos_alternate: int = 0           # with chaos: each rate run N times without and N times with it, alternately
     tenants_path: str | None = None    # a gateway with this tenants file in front of each mode (serve_tenants.py)
     tenant_rates: tuple[tuple[str, float], ...] = ()   # (tenant, req/s) of each tenant's load
 

@@ -241,6 +241,7 @@ def batch_lines(result: dict) -> list[str]:
                          f"{'n/a' if share is None else f'{share:.2f}'} of the capacity left)")
             for e in f.get("chaos", ()):
                 lines.append(f"  chaos: {chaos_event_line(e)}")
+            lines += chaos_lines(f)
             if not b["exactly_once"]:
                 lines.append(f"!! FAILED: {mode} @ {rate}: batch lines NOT answered exactly once "
                              f"({b['missing']} missing, {b['duplicates']} duplicates, {b['out_not_once']} out:<id> "
@@ -250,13 +251,127 @@ def batch_lines(result: dict) -> list[str]:
 
 def chaos_event_line(e: dict) -> str:
     """One chaos event's record (serve_chaos.Chaos.run) in words."""
+    run = f"run {e['run']}: " if "run" in e else ""
     if "error" in e:
-        return f"{e['event']} at {e['at_s']:.1f} s failed: {e['error']}"
+        return f"{run}{e['event']} at {e['at_s']:.1f} s failed: {e['error']}"
+    if e["event"] == "rolling-restart":
+        replaced = ", ".join(r["old"] for r in e["replaced"]) or "none"
+        return (f"{run}rolling-restart at {e['at_s']:.1f} s: {e['status']} in {e['took_s']:.1f} s, "
+                f"{len(e['replaced'])} workers replaced ({replaced} -> {', '.join(e['new_workers']) or 'none'}); "
+                f"workers only (no gateway)" + (f"; FAILED: {e['failure']}" if "failure" in e else ""))
+    if e["event"].startswith("zero-capacity"):
+        back = e.get("capacity_back_s")
+        return (f"{run}{e['event']} at {e['at_s']:.1f} s: stopped {', '.join(e['stopped'])} (warm), started "
+                f"{', '.join(e['started'])} at {e['outage_end_s']:.1f} s, capacity back at "
+                + (f"{back:.1f} s" if back is not None else "NOT back"))
     if "worker_id" in e:
         back = e.get("back_after_s")
-        return (f"{e['event']} at {e['at_s']:.1f} s: SIGKILL {e['worker_id']} ({e['role']}, pid {e['pid']}), "
+        return (f"{run}{e['event']} at {e['at_s']:.1f} s: SIGKILL {e['worker_id']} ({e['role']}, pid {e['pid']}), "
                 + (f"back (restarted by the supervisor) {back:.1f} s later" if back is not None else "not back"))
-    return f"{e['event']} at {e['at_s']:.1f} s: Redis away {e['away_s']:.2f} s (pid {e['old_pid']} -> {e['pid']})"
+    return f"{run}{e['event']} at {e['at_s']:.1f} s: Redis away {e['away_s']:.2f} s (pid {e['old_pid']} -> {e['pid']})"
+
+
+# ---- --chaos rolling-restart / zero-capacity: the window, the baseline --------------------------
+
+def window_split(records: list[Record], started_perf: float, events: list[dict]) -> tuple[list, list, int]:
+    """The TTFTs (ms) of the answered requests that arrived within an event's window
+    (``at_s`` .. ``until_s`` after the run's start, ``started_perf`` on the records' clock) and
+    of the others; and how many in a window went unanswered."""
+    windows = [(e["at_s"], e["until_s"]) for e in events if e.get("until_s") is not None]
+    inside, rest, lost = [], [], 0
+    for r in records:
+        t = r.submitted - started_perf
+        within = any(a <= t <= b for a, b in windows)
+        if r.finished is None or not r.token_times:
+            lost += within
+            continue
+        (inside if within else rest).append((r.token_times[0] - r.submitted) * 1e3)
+    return inside, rest, lost
+
+
+def window_figures(inside: list, rest: list, unanswered: int, windows: list) -> dict:
+    return {"chaos_window": {"windows_s": windows, "requests": len(inside) + unanswered, "unanswered": unanswered,
+                             "ttft_ms": summary(inside), "ttft_rest_ms": summary(rest)}}
+
+
+def run_summary(figures: dict, index: int) -> dict:
+    """One run of a rate in a few figures (``--chaos-alternate``)."""
+    b, w = figures.get("batch") or {}, figures.get("chaos_window")
+    return {"run": index, "chaos": "chaos" in figures, "goodput_rps": figures["goodput_rps"],
+            "ttft_p50_ms": figures["ttft_ms"]["p50"], "ttft_p99_ms": figures["ttft_ms"]["p99"],
+            "tbt_p50_ms": figures["tbt_ms"]["p50"], "tbt_p99_ms": figures["tbt_ms"]["p99"],
+            "errors": figures["failed"], "lost": b.get("missing", 0), "doubled": b.get("duplicates", 0),
+            "out_not_once": b.get("out_not_once", 0),
+            "ttft_p99_window_ms": w["ttft_ms"]["p99"] if w else None,
+            "ttft_p99_rest_ms": w["ttft_rest_ms"]["p99"] if w else None}
+
+
+VERSUS = ("goodput_rps", "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "errors", "lost", "doubled",
+          "ttft_p99_window_ms", "ttft_p99_rest_ms")
+
+
+def alternated(runs: list[tuple[dict, dict]], rate: float, settings: Settings) -> tuple[dict, dict]:
+    """A rate's runs with and without the chaos (``--chaos-alternate``) as one rate's figures:
+    those of the chaos runs' requests pooled (batch: every run's lines, the exactly-once check
+    over all of them; the windows' TTFTs pooled), each run's summary (``runs``) and the
+    medians of each kind of run side by side (``versus``)."""
+    from pdqueue.bench.stats import median
+
+    chaos = [(f, raw) for f, raw in runs if "chaos" in f]
+    records = [r for f, _ in chaos for r in f["records"]]
+    figures, raw = metrics(records, rate, settings)
+    figures["records"] = records
+    raw["timeline"] = chaos[0][1]["timeline"] if chaos else []
+    figures["batch"] = combined_batch([f["batch"] for f, _ in runs if f.get("batch")])
+    figures["chaos"] = [dict(e, run=i + 1) for i, (f, _) in enumerate(runs) for e in f.get("chaos", ())]
+    inside = [t for _, r in chaos for t in r.get("window_ttft", ((), ()))[0]]
+    rest = [t for _, r in chaos for t in r.get("window_ttft", ((), ()))[1]]
+    unanswered = sum(f.get("chaos_window", {}).get("unanswered", 0) for f, _ in chaos)
+    figures.update(window_figures(inside, rest, unanswered,
+                                  [w for f, _ in chaos for w in f.get("chaos_window", {}).get("windows_s", [])]))
+    figures["runs"] = [run_summary(f, i + 1) for i, (f, _) in enumerate(runs)]
+    figures["versus"] = {}
+    for kind, with_chaos in (("without", False), ("with", True)):
+        chosen = [s for s in figures["runs"] if s["chaos"] == with_chaos]
+        known = {k: [s[k] for s in chosen] for k in VERSUS}
+        figures["versus"][kind] = {k: median(v) if v and None not in v else None for k, v in known.items()}
+        figures["versus"][kind]["runs"] = len(chosen)
+    return figures, raw
+
+
+def combined_batch(batches: list[dict]) -> dict:
+    """Several runs' batch figures as one: counts summed, exactly once if every run was."""
+    out = {k: sum(b[k] for b in batches) for k in ("lines", "answered", "duplicates", "missing", "out_not_once",
+                                                   "short", "answered_in_window")}
+    shares = [b["idle_share_used"] for b in batches if b["idle_share_used"] is not None]
+    out.update(exactly_once=all(b["exactly_once"] for b in batches), runs=len(batches),
+               tok_s_in_window=sum(b["tok_s_in_window"] for b in batches) / len(batches),
+               idle_share_used=sum(shares) / len(shares) if shares else None,
+               all_answered_after_s=max((b["all_answered_after_s"] or 0.0) for b in batches))
+    return out
+
+
+def chaos_lines(f: dict) -> list[str]:
+    """The TTFT of the requests that arrived during a roll or an outage against the others, and
+    with ``--chaos-alternate`` each run and the medians side by side."""
+    lines = []
+    w = f.get("chaos_window")
+    if w:
+        a, b = w["ttft_ms"], w["ttft_rest_ms"]
+        lines.append(f"  arrived during the roll/outage: {w['requests']} ({w['unanswered']} unanswered), TTFT p50/p99 "
+                     f"{a['p50']:.0f}/{a['p99']:.0f} ms; the others: TTFT p50/p99 {b['p50']:.0f}/{b['p99']:.0f} ms")
+    if len(f.get("runs", ())) > 1:
+        lines.append(f"  {'run':>5} {'chaos':>6} {'goodput':>8} {'TTFT p50/p99':>14} {'TBT p50/p99':>13} {'errors':>7}"
+                     f" {'lost':>5} {'doubled':>8} {'TTFT p99 window/rest':>21}")
+        for s in f["runs"] + [dict(v, run=k) for k, v in f["versus"].items()]:
+            chaos = "yes" if s.get("chaos") or s["run"] == "with" else "no"
+            win = (f"{s['ttft_p99_window_ms']:.0f}/{s['ttft_p99_rest_ms']:.0f}"
+                   if s["ttft_p99_window_ms"] is not None else "-")
+            lines.append(f"  {s['run'] if isinstance(s['run'], int) else 'median':>5} {chaos:>6} "
+                         f"{s['goodput_rps']:>8.2f} {s['ttft_p50_ms']:>6.0f}/{s['ttft_p99_ms']:<7.0f} "
+                         f"{s['tbt_p50_ms']:>5.0f}/{s['tbt_p99_ms']:<7.0f} {s['errors']:>7g} {s['lost']:>5g} "
+                         f"{s['doubled']:>8g} {win:>21}")
+    return lines
 
 
 def batch_failures(result: dict) -> list[str]:

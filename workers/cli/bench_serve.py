@@ -104,6 +104,77 @@ class _Stopper:
 
         return time.time()
 
+    def rolling_restart(self, timeout_s: float) -> dict:
+        """``--chaos rolling-restart``: the supervisor's rolling restart of every worker
+        (``supervisor.rolling``: the command `pdqueue restart` sends, taken by this cluster's
+        supervisor thread, which forks the replacements), followed to its end. Blocking (the
+        chaos runs it in a thread). The bench runs no gateway in these modes: workers only."""
+        import time
+
+        from workers.cli.supervisor.rolling import FINAL, follow, send_restart
+
+        c = self.cluster
+        before = {w.worker_id: w.role for w in c.workers if w.alive}
+        t0 = time.time()
+        command_id, since = send_restart(c.redis, c.keys, by="bench serve --chaos rolling-restart")
+        lines, status = [], None
+        deadline = time.monotonic() + timeout_s
+        while status is None and time.monotonic() < deadline:
+            try:
+                got, since = follow(c.redis, c.keys, command_id, since, block_ms=500)
+            except Exception:   # noqa: BLE001 (a Redis restart meanwhile: read again)
+                time.sleep(0.5)
+                continue
+            for event in got:
+                lines.append(event.get("text", ""))
+                if event.get("status") in FINAL:
+                    status = event["status"]
+        after = {w.worker_id: w.role for w in c.workers if w.alive}
+        record = {"status": status or "timeout", "took_s": round(time.time() - t0, 3),
+                  "gateway": "none (the bench's modes run no gateway: workers only)",
+                  "replaced": [{"old": old, "role": role} for old, role in before.items() if old not in after],
+                  "new_workers": [w for w in after if w not in before], "lines": lines}
+        if status != "done":
+            record["failure"] = lines[-1] if lines else f"no answer within {timeout_s:g} s"
+        return record
+
+    def stop_prefill_capable(self) -> list[dict]:
+        """``--chaos zero-capacity``: every running prefill and colocated worker told to stop
+        warm (SIGTERM) at once. They leave the supervisor's care first (moved to ``retired``,
+        as a rolling restart's old processes are, within one of its rounds), so it does not
+        start them again; the cluster's stop still waits for them."""
+        import signal
+
+        c = self.cluster
+        with c.restarts.round:
+            chosen = [w for w in c.workers if w.role in ("prefill", "colocated") and w.alive and not w.gave_up]
+            for w in chosen:
+                c.workers.remove(w)
+                c.retired.append(w)
+                w.restart_at, w.handled_pid = None, w.proc.pid
+                w.signal(signal.SIGTERM)
+        return [{"worker_id": w.worker_id, "role": w.role, "pid": w.proc.pid} for w in chosen]
+
+    def start_again(self, stopped: list[dict]) -> list[str]:
+        """As many workers as ``stopped``, in their roles, under new worker ids (a rolling
+        restart's ``replacement_id``), supervised from then on; their ids. Called from a thread
+        that outlives them (their PDEATHSIG: ``serve_chaos.Owner``)."""
+        from workers.cli.supervisor.rolling import replacement_id
+
+        c, new = self.cluster, []
+        with c.restarts.round:
+            for old in stopped:
+                taken = {w.worker_id for w in c.workers + c.retired}
+                new.append(c.spawn(old["role"], replacement_id(old["worker_id"], taken)).worker_id)
+        return new
+
+    def registered(self, worker_ids: list[str]) -> bool:
+        """Whether any of ``worker_ids`` has registered (its heartbeat)."""
+        try:
+            return bool(self.cluster.registered() & set(worker_ids))
+        except Exception:   # noqa: BLE001 (Redis away: not yet)
+            return False
+
     def restarts_of(self, worker_id: str) -> int:
         return next((w.restarts for w in self.cluster.workers if w.worker_id == worker_id), 0)
 
@@ -254,8 +325,15 @@ def _write_partial(out: str, partial: dict) -> None:
                    "else a prefill one; kill-worker:prefill picks the role; the bench's workers then run under "
                    "pdqueue up's supervisor, which starts it again) and restart-redis (stop the bench's Redis "
                    "server and start it on the same port; it then keeps an AOF, appendfsync everysec). E.g. "
-                   "kill-worker,restart-redis. The report adds what each did; the batch lines must still be "
-                   "answered exactly once (pdqueue/bench/serve_chaos.py).")
+                   "kill-worker,restart-redis. rolling-restart: every worker replaced one at a time by the "
+                   "supervisor's rolling restart (pdqueue restart's); zero-capacity[:SECONDS]: every prefill and "
+                   "colocated worker stopped warm, started again SECONDS (20) later; for these two the report adds "
+                   "the TTFT of the requests that arrived meanwhile against the others. The report adds what each "
+                   "did; the batch lines must still be answered exactly once (pdqueue/bench/serve_chaos.py).")
+@click.option("--chaos-alternate", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="With --chaos: each rate runs N times without the faults and N times with them, by turns (without "
+                   "first), on the same workers; the report shows each run and the medians side by side (0: one "
+                   "run, with the faults).")
 @click.option("--tenants", "tenants_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A tenants run: each mode's cluster gets a gateway (pdqueue serve --tenants FILE) in front, and "
                    "each tenant of --tenant-rates sends its own Poisson load through it with its first API key; "
@@ -272,7 +350,7 @@ def _write_partial(out: str, partial: dict) -> None:
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
                 phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, placed_chunk_tokens,
                 late_last, batch_lines, batch_max_tokens,
-                chaos, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
+                chaos, chaos_alternate, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
     with --openai-url, the same load against any OpenAI-compatible server.
@@ -297,6 +375,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     except ValueError as exc:
         raise UserError(f"--phases: {exc}") from None
     chaos_events = _chaos_option(chaos, batch_lines, phases, tenants_path, openai_url)
+    if chaos_alternate and not chaos_events:
+        raise UserError("--chaos-alternate goes with --chaos (the runs alternate without and with its events)")
     rates_by_tenant = _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines,
                                       openai_url)
     settings = Settings.for_model(
@@ -305,7 +385,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens,
         placed_chunk_tokens=placed_chunk_tokens, late_last=late_last, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
-        batch_max_tokens=batch_max_tokens, chaos=chaos_events, tenants_path=tenants_path, tenant_rates=rates_by_tenant,
+        batch_max_tokens=batch_max_tokens, chaos=chaos_events, chaos_alternate=chaos_alternate if chaos_events else 0,
+        tenants_path=tenants_path, tenant_rates=rates_by_tenant,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=progress,
