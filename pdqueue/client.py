@@ -52,13 +52,17 @@ from pdqueue.config import RedisConfig
 from pdqueue.discovery import DEFAULT_CLUSTER, resolve
 from pdqueue.keys import CANCEL_TTL_S, OUT_TTL_S, Keys
 from pdqueue.protocol import (
-    DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, as_str,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
     Completion,
     Priority,
     Request,
     RequestError,
     ResultEvent,
     ResultType,
+    as_str,
     request_to_fields,
     up_server,
     validate_request,

@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 

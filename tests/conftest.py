@@ -15,7 +15,6 @@ import redis
 
 from pdqueue.queue.redis_server import RedisServer
 
-
 # What the tests set themselves; a developer's own PDQ_* settings (a cluster name, a Redis
 # URL, a cache directory) must not change what a test sees. PDQ_REDIS_SERVER (which server
 # binary to run) stays, and PDQ_CACHE_DIR, which ``_own_cache_dir`` sets for the whole run.

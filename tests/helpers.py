@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import signal
-import os
 import subprocess
 import sys
 import time

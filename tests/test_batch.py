@@ -26,12 +26,11 @@ from pathlib import Path
 
 import redis
 
+from pdqueue.client import Client
 from pdqueue.frontends import openai_compat
 from pdqueue.frontends.batch import custom_id_hash, output_line, request_id
-from pdqueue.client import Client
 from pdqueue.keys import Keys
-from pdqueue.protocol import parse_result
-from pdqueue.protocol import ServiceClass
+from pdqueue.protocol import ServiceClass, parse_result
 from tests.cluster import Cluster
 from tests.helpers import mixed_prompts, wait_for
 

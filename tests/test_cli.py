@@ -27,12 +27,10 @@ from pdqueue.client import Client, RequestFailed
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import state_url
 from pdqueue.keys import PREFILL_GROUP, Keys
-from pdqueue.protocol import Completion, FinishReason, done_entry
+from pdqueue.protocol import Completion, FinishReason, ServiceClass, done_entry
 from pdqueue.queue.redis_server import RedisServer, free_port, port_is_free
 from pdqueue.queue.registry import Heartbeat
-from pdqueue.queue.streams import ensure_group
-from pdqueue.queue.streams import request_streams
-from pdqueue.protocol import ServiceClass
+from pdqueue.queue.streams import ensure_group, request_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--threads", "1", "--kv-cache-mb", "16"]

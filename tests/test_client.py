@@ -32,7 +32,6 @@ from pdqueue.protocol import (
     parse_request,
     token_entry,
 )
-from tests.helpers import wait_for
 from pdqueue.queue import (
     Publisher,
     RedisServer,
@@ -41,6 +40,7 @@ from pdqueue.queue import (
     read_own_pending,
 )
 from pdqueue.queue.streams import request_streams
+from tests.helpers import wait_for
 from tests.redis_ops import XAdd, ack_into, dead_letter
 
 KEYS = Keys()

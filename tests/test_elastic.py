@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pdqueue.control import commands
-from pdqueue.control.planner import (COLOCATED, DECODE, PREFILL, Budget, Migration, Observation, Planner,
-                                     PlannerConfig)
+from pdqueue.control.planner import COLOCATED, DECODE, PREFILL, Budget, Migration, Observation, Planner, PlannerConfig
 from tests.test_planner import CHAT, COLO_STALLS, DOCS, T0, completions, worker
 
 ELASTIC = PlannerConfig(elastic=True, min_dwell_s=0, cooldown_s=0, budget_every_s=10, migrate_every_s=5)

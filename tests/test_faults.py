@@ -19,12 +19,11 @@ from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.procs import pid_alive
 from pdqueue.queue.redis_server import RedisServer
-from pdqueue.transfer.shm import read_segment_info
 from pdqueue.queue.streams import request_streams
+from pdqueue.transfer.shm import read_segment_info
 from tests.cluster import Cluster
-from tests.oracle import assert_same_tokens
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
-
+from tests.oracle import assert_same_tokens
 
 
 @pytest.fixture

@@ -35,10 +35,9 @@ from hypothesis import strategies as st
 
 from pdqueue.client import Client
 from pdqueue.keys import Keys
-from pdqueue.transfer import FailureCode, KVAuth, KVReceiver, KVSender, TransferError, generate_secret
+from pdqueue.transfer import FailureCode, KVAuth, KVReceiver, KVSender, TransferError, generate_secret, wire
 from pdqueue.transfer import auth as kvauth
 from pdqueue.transfer import sender as sender_module
-from pdqueue.transfer import wire
 from pdqueue.transfer.auth import ClientHandshake, parse_secrets
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.tcp import DataClient, parse_endpoint, recv_control, recv_frame, send_control

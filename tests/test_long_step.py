@@ -20,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdqueue.client import Client, build_request
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.queue.publisher import Publisher
-from pdqueue.queue.streams import ensure_group, read_group
-from pdqueue.queue.streams import request_streams
+from pdqueue.queue.streams import ensure_group, read_group, request_streams
 from tests.helpers import wait_for
 from workers.recovery import Recovery
 

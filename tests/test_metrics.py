@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdqueue.client import Client
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.telemetry.metrics import StreamCollector, cluster_app, serve_metrics, stop_metrics
 from pdqueue.queue.registry import Heartbeat
 from pdqueue.queue.streams import ensure_group, read_group
+from pdqueue.telemetry.metrics import StreamCollector, cluster_app, serve_metrics, stop_metrics
 from tests.cluster import ROOT, Cluster
 from tests.helpers import wait_for
 

@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-import redis
 
 from pdqueue.client import Client
 from pdqueue.keys import Keys

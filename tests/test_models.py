@@ -19,8 +19,14 @@ import torch
 
 from pdqueue.models.attention import AttentionBatch
 from pdqueue.models.config import ModelConfig
-from pdqueue.models.loader import (TINY_CONFIG, ensure_gguf_cache, load_model, model_config_for,
-                                   resolve_model_path, tiny_weights)
+from pdqueue.models.loader import (
+    TINY_CONFIG,
+    ensure_gguf_cache,
+    load_model,
+    model_config_for,
+    resolve_model_path,
+    tiny_weights,
+)
 from pdqueue.models.source import ModelSourceError
 from pdqueue.models.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from tests.gguf_files import write_tiny_gguf

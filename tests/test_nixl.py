@@ -24,9 +24,17 @@ pytestmark = [pytest.mark.timeout(120),
 
 from pdqueue.transfer import FailureCode, KVAuth, KVReceiver, TransferError, generate_secret  # noqa: E402
 from pdqueue.transfer.zmq import ControlClient  # noqa: E402
-from tests.kv_peers import (NODE, SHM_DIR, SMALL, Receiver, SenderProcess,  # noqa: E402,F401 (an autouse fixture)
-                            no_segment_left_behind, resign, rid)
 from tests.helpers import FAST, wait_for, wait_pools_free  # noqa: E402
+from tests.kv_peers import (  # noqa: E402
+    NODE,
+    SHM_DIR,
+    SMALL,
+    Receiver,
+    SenderProcess,
+    no_segment_left_behind,  # noqa: F401 (an autouse fixture)
+    resign,
+    rid,
+)
 from tests.test_transfer import assert_copied, poll_until, shuffled  # noqa: E402
 
 

@@ -20,8 +20,8 @@ from pdqueue.protocol import as_str
 from pdqueue.queue.registry import Heartbeat, list_workers
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
-from tests.test_migration import check_answers
 from tests.test_metrics import endpoint, scrape, total
+from tests.test_migration import check_answers
 from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, SpareTime, local_wait_s
 
 N = 8

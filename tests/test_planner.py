@@ -18,14 +18,25 @@ import sys
 
 import pytest
 
-from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.control.planner import (COLOCATED, DECODE, PREFILL, Capacity, CompletionObs, Decision,
-                             Move, Observation, Planner, PlannerConfig, WorkerObs, percentile,
-                             violations)
 from pdqueue.control.observe import observe
-from pdqueue.protocol import Completion, FinishReason, done_entry
+from pdqueue.control.planner import (
+    COLOCATED,
+    DECODE,
+    PREFILL,
+    Capacity,
+    CompletionObs,
+    Decision,
+    Move,
+    Observation,
+    Planner,
+    PlannerConfig,
+    WorkerObs,
+    percentile,
+    violations,
+)
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.protocol import Completion, FinishReason, ServiceClass, done_entry
 from pdqueue.queue.registry import Heartbeat
-from pdqueue.protocol import ServiceClass
 
 T0 = 10_000.0
 # The settings the recorded phases below were shaped for: their completions span 60 s

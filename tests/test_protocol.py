@@ -30,6 +30,7 @@ from pdqueue.protocol import (
     Request,
     RequestError,
     ResultType,
+    ServiceClass,
     decode_handoff,
     done_entry,
     encode_handoff,
@@ -41,7 +42,6 @@ from pdqueue.protocol import (
     validate_request,
 )
 from pdqueue.queue.streams import request_streams
-from pdqueue.protocol import ServiceClass
 
 EID = "1700000000123-4"
 
@@ -333,8 +333,16 @@ def test_roles_finish_reasons_and_reply_text_have_one_definition():
 def test_max_tokens_against_the_context():
     """OpenAI's and vLLM's rule, prompt + max_tokens <= context; ``max_tokens=None`` (up to the
     context) goes on the wire as such and becomes what the prompt leaves of it."""
-    from pdqueue.protocol import MAX_TOKENS_CONTEXT, Limits, Request, RequestError, context_error, parse_request
-    from pdqueue.protocol import request_to_fields, validate_request
+    from pdqueue.protocol import (
+        MAX_TOKENS_CONTEXT,
+        Limits,
+        Request,
+        RequestError,
+        context_error,
+        parse_request,
+        request_to_fields,
+        validate_request,
+    )
 
     assert context_error(10, 8182, 8192) is None and context_error(None, 8191, 8192) is None
     assert "asks for 100010 tokens (10 in the prompt, 100000 in the completion)" in context_error(10, 100000, 8192)

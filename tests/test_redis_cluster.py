@@ -38,7 +38,6 @@ from tests.helpers import assert_ledger_is, mixed_prompts, oracle, pdqueue_up, w
 from tests.oracle import assert_same_tokens
 from tests.redis_cluster import RedisClusterServers, unavailable_reason
 
-
 # ---- fixtures ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

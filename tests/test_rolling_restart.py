@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -230,7 +229,7 @@ def test_a_rolling_restart_under_load_fails_no_request_and_runs_the_new_code(rol
     assert all(gone(pid) for pid in before.values()), before
     generation = dict(line.split() for line in (tmp / "procs").read_text().splitlines())
     assert all(generation.get(str(pid)) == "2" for pid in now.values()), (generation, now)
-    assert f"rolling restart " in lines[1] and "3 processes one at a time" in lines[1], out
+    assert "rolling restart " in lines[1] and "3 processes one at a time" in lines[1], out
     assert re.search(r"done: 3 processes replaced in [\d.]+ s", lines[-1]), out
     for old in before:   # (the replacement serves; then the old one leaves)
         assert re.search(rf" serves \([\d.]+ s after its start\); {old} \(pid {before[old]}\) leaves \(", out), out

@@ -13,9 +13,9 @@ import pytest
 from pdqueue.client import Client
 from pdqueue.keys import Keys
 from tests.helpers import oracle, wait_for
+from tests.oracle import assert_same_tokens
 from workers.role import IDLE_BLOCK_MS
 from workers.routing import REFRESH_S
-from tests.oracle import assert_same_tokens
 
 BS = 16
 SYSTEM = "You are a patient assistant who answers questions about animals in one short sentence. "

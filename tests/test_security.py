@@ -32,9 +32,8 @@ import redis
 from pdqueue.client import AsyncClient, Client, RequestFailed
 from pdqueue.config import RedisConfig, redact_url, redis_security, with_password
 from pdqueue.keys import Keys
-from pdqueue.protocol import Limits, RequestError, parse_request
+from pdqueue.protocol import Limits, RequestError, ServiceClass, parse_request
 from pdqueue.queue.redis_server import RedisServer, ServerTLS, free_port
-from pdqueue.protocol import ServiceClass
 from tests.cluster import Cluster
 from tests.helpers import wait_for
 from workers.cli.acl import ROLES, role_rules, user_name

@@ -13,8 +13,16 @@ from pdqueue.engine.config import EngineConfig
 from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import (ErrorCode, Priority, Request, RequestError, ServiceClass, entry_id_ms, parse_request,
-                              request_to_fields)
+from pdqueue.protocol import (
+    ErrorCode,
+    Priority,
+    Request,
+    RequestError,
+    ServiceClass,
+    entry_id_ms,
+    parse_request,
+    request_to_fields,
+)
 from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
 from tests.helpers import FAST, mixed_prompts, oracle, wait_for

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from pdqueue.control import commands
 from pdqueue.client import Client
+from pdqueue.control import commands
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster

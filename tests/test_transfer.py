@@ -23,14 +23,32 @@ import pytest
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
-from pdqueue.transfer import (FailureCode, KVReceiver, LeaseTable, SharedKVPool, Ticket, TransferError,
-                              cleanup_segments, node_id)
-from pdqueue.transfer import wire
+from pdqueue.transfer import (
+    FailureCode,
+    KVReceiver,
+    LeaseTable,
+    SharedKVPool,
+    Ticket,
+    TransferError,
+    cleanup_segments,
+    node_id,
+    wire,
+)
 from pdqueue.transfer.base import TRANSFER_VERSION
 from pdqueue.transfer.blocks import plan_frames
 from pdqueue.transfer.tcp import recv_control, send_control
-from tests.kv_peers import (NODE, PREFIX, SHM_DIR, SMALL, Receiver, SenderProcess,  # noqa: F401 (an autouse fixture)
-                             no_segment_left_behind, own_segments, resign, rid)
+from tests.kv_peers import (  # noqa: F401 (an autouse fixture)
+    NODE,
+    PREFIX,
+    SHM_DIR,
+    SMALL,
+    Receiver,
+    SenderProcess,
+    no_segment_left_behind,
+    own_segments,
+    resign,
+    rid,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -23,7 +23,6 @@ from pdqueue.client import Client, RedisUnavailable
 from pdqueue.config import RedisConfig
 from pdqueue.discovery import state_url
 from pdqueue.queue.redis_server import free_port
-
 from tests.test_cli import ROOT, TINY, Up, gone, submit_long
 
 

@@ -34,9 +34,8 @@ from pdqueue.config import RedisConfig
 from pdqueue.discovery import state_url
 from pdqueue.keys import Keys
 from pdqueue.queue.redis_server import free_port
-from workers.cli.local_cluster import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S
-
 from tests.test_cli import LONG_PROMPT, ROOT, TINY, Up, gone, pdq
+from workers.cli.local_cluster import CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S
 
 
 def wait_for(predicate, timeout: float, what: str, up: Up | None = None):
@@ -201,7 +200,7 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
     assert last.startswith(f"error: {d0['worker_id']} is in a crash loop ({CRASH_LOOP_RESTARTS} restarts within "
                            f"{CRASH_LOOP_WINDOW_S:g} s) and no decode worker is left: stopping (its log: "), last
     log = Path(re.search(r"\(its log: (\S+)\)$", last).group(1))
-    assert log.read_text().count(f"---- pdqueue up: restart ") == CRASH_LOOP_RESTARTS
+    assert log.read_text().count("---- pdqueue up: restart ") == CRASH_LOOP_RESTARTS
     shutil.rmtree(log.parent)
     assert not up.state_path.exists() and gone(state["server_pid"])
 

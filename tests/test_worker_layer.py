@@ -14,8 +14,7 @@ from pdqueue.client import Client
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Completion, ErrorCode, FinishReason
 from pdqueue.queue.publisher import Publisher
-from pdqueue.queue.streams import ensure_group, read_group
-from pdqueue.queue.streams import request_streams
+from pdqueue.queue.streams import ensure_group, read_group, request_streams
 from tests.helpers import oracle, wait_for
 from workers.answers import Unit
 from workers.recovery import Recovery

@@ -34,8 +34,16 @@ from typing import Mapping
 
 from pdqueue import keys as K
 from pdqueue.keys import Keys
-from pdqueue.protocol import (UP_FIELD, Completion, ErrorCode, Request, done_entry, error_entry, request_to_fields,
-                              token_entry)
+from pdqueue.protocol import (
+    UP_FIELD,
+    Completion,
+    ErrorCode,
+    Request,
+    done_entry,
+    error_entry,
+    request_to_fields,
+    token_entry,
+)
 from pdqueue.queue import ledger
 from pdqueue.queue.ownership import Write, ack_and_write
 from pdqueue.queue.streams import dead_record

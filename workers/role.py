@@ -46,7 +46,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from pdqueue.keys import PREFILL_GROUP
-from pdqueue.protocol import Completion, FinishReason, Role as RoleName, ServiceClass
+from pdqueue.protocol import Completion, FinishReason, ServiceClass
+from pdqueue.protocol import Role as RoleName
 from workers.admission import BatchGate
 from workers.common import now_ms, tbt_stats
 from workers.intake import Admitted, Intake

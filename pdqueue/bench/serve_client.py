@@ -15,6 +15,7 @@ from pdqueue.bench.serve_load import Planned
 from pdqueue.bench.serve_modes import BenchError
 from pdqueue.protocol import entry_id_ms
 
+
 @dataclass(slots=True)
 class Record:
     planned: Planned

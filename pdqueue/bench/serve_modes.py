@@ -81,8 +81,8 @@ def _start_planner(settings: Settings, url: str, cluster: str, elastic: bool = F
     import threading
 
     from pdqueue.control.adapter import Adapter
-    from pdqueue.keys import Keys
     from pdqueue.control.planner import PlannerConfig
+    from pdqueue.keys import Keys
     from pdqueue.queue.connection import connect
 
     config = PlannerConfig(ttft_slo_ms=settings.slo_ttft_ms, tbt_slo_ms=settings.slo_tbt_ms, mode=settings.plan_mode,

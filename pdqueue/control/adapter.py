@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass, field
 
 from pdqueue.control import commands
-from pdqueue.keys import Keys
-from pdqueue.control.planner import Decision, Move, Planner, PlannerConfig
 from pdqueue.control.observe import observe
+from pdqueue.control.planner import Decision, Move, Planner, PlannerConfig
+from pdqueue.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,7 @@ from itertools import combinations
 from typing import Iterable, Mapping
 
 from pdqueue.control.decision import Move, PlannerConfig
-from pdqueue.control.observation import (COLOCATED, DECODE, PREFILL, ROLES, Observation, WorkerObs,
-                                         count_roles)
+from pdqueue.control.observation import COLOCATED, DECODE, PREFILL, ROLES, Observation, WorkerObs, count_roles
 
 
 def violations(counts: Mapping[str, int], handoff_backlog: int,

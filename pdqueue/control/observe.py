@@ -27,9 +27,9 @@ from typing import Any
 
 import redis
 
-from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.control.decision import PlannerConfig
 from pdqueue.control.observation import CompletionObs, Observation, WorkerObs
+from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import ProtocolError, ResultType, as_str, entry_id_ms, parse_result
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers

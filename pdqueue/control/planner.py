@@ -29,8 +29,7 @@ from pdqueue.control.capacity import Capacity, CapacityModel
 from pdqueue.control.decision import Decision, Move, PlannerConfig
 from pdqueue.control.elastic import Budget, Elastic, Migration
 from pdqueue.control.moves import Roster, after_moves, violations
-from pdqueue.control.observation import (COLOCATED, DECODE, PREFILL, ROLES, CompletionObs, Observation,
-                                         WorkerObs)
+from pdqueue.control.observation import COLOCATED, DECODE, PREFILL, ROLES, CompletionObs, Observation, WorkerObs
 from pdqueue.control.predictive import Predictive
 from pdqueue.control.reactive import Reactive
 from pdqueue.control.signals import Signals, measure, percentile, shortages

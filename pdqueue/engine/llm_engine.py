@@ -39,8 +39,8 @@ import torch
 
 from pdqueue.engine.block_manager import BlockManager, prefix_root
 from pdqueue.engine.config import EngineConfig, PrefillPolicy
-from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.engine.cuda_graphs import GraphedDecode
+from pdqueue.engine.kv_cache import KVCacheLayout
 from pdqueue.engine.model_runner import ModelRunner
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams, sample

@@ -21,8 +21,8 @@ import redis
 from starlette.responses import JSONResponse
 
 from pdqueue.client import RequestFailed
-from pdqueue.frontends import openai_compat as oai
 from pdqueue.frontends import http_errors as errs
+from pdqueue.frontends import openai_compat as oai
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.resumable import Spec

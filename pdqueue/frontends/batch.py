@@ -29,15 +29,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdqueue.client import build_request
 from pdqueue.frontends import openai_compat
-from pdqueue.frontends.batch_input import (MAX_LINE_BYTES, URLS, BatchError, FileInput, Line, LineError,
-                                           check_batch_id, custom_id_hash, default_batch_id, parse_line,
-                                           request_id, scan_input)
+from pdqueue.frontends.batch_input import (
+    MAX_LINE_BYTES,
+    URLS,
+    BatchError,
+    FileInput,
+    Line,
+    LineError,
+    check_batch_id,
+    custom_id_hash,
+    default_batch_id,
+    parse_line,
+    request_id,
+    scan_input,
+)
 from pdqueue.frontends.batch_output import Done, FileOutput, output_line
 from pdqueue.frontends.batch_resume import place
 from pdqueue.frontends.service_classes import BATCH, class_fields
 from pdqueue.keys import Keys
-from pdqueue.protocol import (Completion, FinishReason, ProtocolError, Request, RequestError, ResultType,
-                              parse_result)
+from pdqueue.protocol import Completion, FinishReason, ProtocolError, Request, RequestError, ResultType, parse_result
 from pdqueue.queue.ledger import batch_ref
 from pdqueue.queue.streams import parse_read_reply
 from pdqueue.retry import backoff_delay

@@ -16,9 +16,9 @@ import time
 
 import redis
 
-from pdqueue.queue.backlog import streams_backlog
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import Role, ServiceClass
+from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.connection import connect
 from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of

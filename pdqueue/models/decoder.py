@@ -17,8 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdqueue.models.attention import (AttentionBatch, AttnSpec, PaddedDecode, causal_attention,
-                                      padded_decode_attention, paged_attention)
+from pdqueue.models.attention import (
+    AttentionBatch,
+    AttnSpec,
+    PaddedDecode,
+    causal_attention,
+    padded_decode_attention,
+    paged_attention,
+)
 from pdqueue.models.config import ModelConfig, RopeSpec
 from pdqueue.models.rope import rope_table
 from pdqueue.models.weight_names import WeightMap

@@ -24,8 +24,8 @@ import torch
 
 from pdqueue.models import cache, gguf_file
 from pdqueue.models.cache import cache_root  # noqa: F401  (kept importable from here)
-from pdqueue.models.decoder import DecoderModel
 from pdqueue.models.config import ModelConfig
+from pdqueue.models.decoder import DecoderModel
 from pdqueue.models.families import config_from_hf
 from pdqueue.models.source import SMOLLM2_FILE, SMOLLM2_PACKAGE, ModelSourceError, resolve_model_path  # noqa: F401
 from pdqueue.models.tokenizer import ByteTokenizer, Tokenizer

@@ -11,26 +11,61 @@ here and reported as a ``RequestError`` with a reason a human can act on.
 Imports the standard library only (msgpack when a handoff is encoded or decoded): a
 producer needs no torch, the planner nothing but the standard library.
 
-One module per message: ``wire`` (version, enums, errors), ``classes`` (the service classes' table), ``requests``, ``limits``,
-``results``, ``handoff``. The names below are re-exported so that
+One module per message: ``wire`` (version, enums, errors), ``classes`` (the service classes'
+table), ``requests``, ``limits``, ``results``, ``handoff``. The names below are re-exported so that
 ``from pdqueue.protocol import Request`` keeps working.
 """
 
 from .classes import YIELDING_RANKS, ServiceClass
 from .handoff import Handoff, decode_handoff, encode_handoff
-from .limits import (MAX_ENTRY_BYTES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, Limits,
-                     context_error, entry_bytes)
-from .requests import (DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, MAX_SEED, MAX_TOKENS_CONTEXT,
-                       REQUEST_FIELDS, ROUTING_FIELDS, SAMPLING_FIELDS, Request, entry_id_ms, entry_request_id,
-                       parse_request, request_to_fields, sampling_error, validate_request)
+from .limits import (
+    MAX_ENTRY_BYTES,
+    MAX_PROMPT_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    Limits,
+    context_error,
+    entry_bytes,
+)
+from .requests import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    MAX_SEED,
+    MAX_TOKENS_CONTEXT,
+    REQUEST_FIELDS,
+    ROUTING_FIELDS,
+    SAMPLING_FIELDS,
+    Request,
+    entry_id_ms,
+    entry_request_id,
+    parse_request,
+    request_to_fields,
+    sampling_error,
+    validate_request,
+)
 from .results import UP_FIELD, Completion, ResultEvent, done_entry, error_entry, parse_result, token_entry, up_server
-from .wire import (PROTOCOL_VERSION, REQUEST_ROLES, ROLES, ErrorCode, FinishReason, HandoffError, Priority,
-                   ProtocolError, RequestError, ResultType, Role, as_str)
+from .wire import (
+    PROTOCOL_VERSION,
+    REQUEST_ROLES,
+    ROLES,
+    ErrorCode,
+    FinishReason,
+    HandoffError,
+    Priority,
+    ProtocolError,
+    RequestError,
+    ResultType,
+    Role,
+    as_str,
+)
 
 __all__ = [
-    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ServiceClass", "YIELDING_RANKS", "ErrorCode",
-    "ProtocolError", "RequestError", "HandoffError", "as_str",
-    "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS", "ROUTING_FIELDS", "MAX_SEED", "validate_request",
+    "PROTOCOL_VERSION", "ResultType", "FinishReason", "Role", "ROLES", "REQUEST_ROLES", "Priority", "ServiceClass",
+    "YIELDING_RANKS", "ErrorCode", "ProtocolError", "RequestError", "HandoffError", "as_str",
+    "Request", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "DEFAULT_TOP_P", "DEFAULT_TOP_K", "REQUEST_FIELDS",
+    "ROUTING_FIELDS", "MAX_SEED", "validate_request",
     "SAMPLING_FIELDS", "sampling_error", "request_to_fields", "parse_request", "entry_id_ms", "entry_request_id",
     "Limits", "MAX_ENTRY_BYTES", "MAX_PROMPT_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "entry_bytes",
     "context_error", "MAX_TOKENS_CONTEXT",

@@ -8,7 +8,6 @@ from typing import Mapping
 from .requests import DEFAULT_MAX_TOKENS, Request, entry_request_id
 from .wire import ErrorCode, RequestError
 
-
 MAX_ENTRY_BYTES = 1 << 20
 """A request entry's size (field names and values, in bytes) a worker takes by default."""
 MAX_PROMPT_CHARS = 1 << 18

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
-
 _RECENT = 4096   # handed-back leases whose final state is remembered
 
 

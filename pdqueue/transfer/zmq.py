@@ -66,8 +66,16 @@ from pdqueue.transfer.base import Ticket, Transport
 from pdqueue.transfer.blocks import copy_blocks, plan_frames, planes
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.sender_admission import Admission, Fetch, lease_lost
-from pdqueue.transfer.wire import (check_reply, check_reply_describes, data_tag, error_reply, hello, request, seal,
-                                   unpack)
+from pdqueue.transfer.wire import (
+    check_reply,
+    check_reply_describes,
+    data_tag,
+    error_reply,
+    hello,
+    request,
+    seal,
+    unpack,
+)
 
 _sender_log = logging.getLogger("pdqueue.transfer.sender")
 

@@ -104,8 +104,14 @@ class _Progress:
     def start(self, batch_id: str, total: int) -> None:
         if not self.console.is_terminal:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            ProgressColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
         from rich.text import Text
 
         class Rate(ProgressColumn):

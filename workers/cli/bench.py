@@ -11,8 +11,18 @@ import click
 
 from workers.cli.bench_common import csv_values, positive_ints, progress, write_out
 from workers.cli.bench_serve import bench_serve
-from workers.cli.common import (Group, UserError, check_device, check_engine_config, check_kv_pool, check_model,
-                                engine_options, load, model_errors, model_option)
+from workers.cli.common import (
+    Group,
+    UserError,
+    check_device,
+    check_engine_config,
+    check_kv_pool,
+    check_model,
+    engine_options,
+    load,
+    model_errors,
+    model_option,
+)
 
 
 @click.group(cls=Group)

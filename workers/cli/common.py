@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import click
 
-from pdqueue.engine.config import DEFAULT_KV_CACHE_MB, WEIGHT_FORMATS
 from pdqueue.discovery import DEFAULT_URL, SOURCE_DEFAULT, DiscoveryError, Target, resolve
+from pdqueue.engine.config import DEFAULT_KV_CACHE_MB, WEIGHT_FORMATS
 from pdqueue.protocol import Request, sampling_error
 
 DEFAULT_MODEL = "smollm2"

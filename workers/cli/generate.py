@@ -10,9 +10,18 @@ import time
 
 import click
 
-from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
-                                check_model, check_sampling, engine_options, load, model_option,
-                                sampling_options)
+from workers.cli.common import (
+    UserError,
+    check_device,
+    check_engine_config,
+    check_kv_pool,
+    check_model,
+    check_sampling,
+    engine_options,
+    load,
+    model_option,
+    sampling_options,
+)
 
 
 @click.command()

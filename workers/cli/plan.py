@@ -9,8 +9,7 @@ import time
 
 import click
 
-from workers.cli.common import (connect, planner_config, planner_options, redis_failure, resolve_target,
-                                target_options)
+from workers.cli.common import connect, planner_config, planner_options, redis_failure, resolve_target, target_options
 
 
 @click.command()

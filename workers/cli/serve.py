@@ -90,7 +90,8 @@ def serve(redis_url, cluster, host, port, listen_fd, api_key, tenants_path, max_
     SIGTERM or Ctrl-C: open answers run to their end, new requests get 503; a second one
     ends the open answers now (an error event, then [DONE]).
     """
-    from pdqueue.frontends.gateway import GatewayConfig, bind, runtime, serve as run
+    from pdqueue.frontends.gateway import GatewayConfig, bind, runtime
+    from pdqueue.frontends.gateway import serve as run
     from pdqueue.frontends.runtime import inherited
     from pdqueue.frontends.tenants import TenantError, load_tenants
     from pdqueue.queue.connection import PARSER_ENV

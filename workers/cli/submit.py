@@ -18,8 +18,16 @@ import sys
 import click
 
 from pdqueue.protocol import Priority, ServiceClass
-from workers.cli.common import (UserError, check_sampling, connect, redis_failure, resolve_target, sampling_options,
-                                summary, target_options)
+from workers.cli.common import (
+    UserError,
+    check_sampling,
+    connect,
+    redis_failure,
+    resolve_target,
+    sampling_options,
+    summary,
+    target_options,
+)
 
 
 @click.command()

@@ -25,8 +25,19 @@ import click
 from rich.markup import escape
 
 from pdqueue.engine.config import WEIGHT_FORMATS
-from workers.cli.common import (Target, UserError, check_model, connect, planner_config, planner_options, print_line,
-                                redis_security_options, rich_console, summary, weights_option)
+from workers.cli.common import (
+    Target,
+    UserError,
+    check_model,
+    connect,
+    planner_config,
+    planner_options,
+    print_line,
+    redis_security_options,
+    rich_console,
+    summary,
+    weights_option,
+)
 
 DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                 "Explain in one sentence why the sky is blue.")

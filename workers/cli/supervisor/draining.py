@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
+
 import redis
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from pdqueue.protocol import REQUEST_ROLES, UP_FIELD, ErrorCode, Role, entry_request_id, error_entry
-from pdqueue.queue.registry import list_workers
 from pdqueue.queue.backlog import streams_backlog
+from pdqueue.queue.registry import list_workers
 from pdqueue.queue.streams import request_streams_of
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
 from workers.cli.supervisor.supervised import Supervised

@@ -52,8 +52,8 @@ from typing import Callable
 import redis
 
 from pdqueue.control.commands import event as publish_event
-from pdqueue.frontends.runtime import HANDOVER_SIGNAL
 from pdqueue.control.commands import take_commands
+from pdqueue.frontends.runtime import HANDOVER_SIGNAL
 from pdqueue.keys import CONTROL_TTL_S, Keys
 from pdqueue.protocol import ROLES, as_str
 from workers.cli.supervisor.processes import WorkerProcess, secs
