@@ -346,7 +346,6 @@ class Cluster:
 
     def __init__(self, tmp: Path):
         from pdqueue.queue.redis_server import free_port
-
         from tests.test_cli import Up
 
         self.tmp = tmp
@@ -363,7 +362,7 @@ class Cluster:
         self.state = self.up.wait_ready()
         self.redis_port = int(self.state["url"].rsplit(":", 1)[1].split("/")[0])
         self.gateway = self.state["gateway_url"].removeprefix("http://")
-        self.metrics_port = free_port()
+        self.metrics_port, self.tls_port = free_port(), free_port()
         self.ran: dict[tuple[str, str], tuple] = {}   # (lang, text as run) -> (status, output, env change)
         self.seconds: dict[str, float] = {}         # per page
         self.block_seconds: dict[str, float] = {}   # per block run
@@ -385,6 +384,7 @@ SUBSTITUTIONS = (
     (r"\bredis-cli\b(?! -p\b)", "redis-cli -p {c.redis_port}"),
     (r"(\bredis-cli -p) 6379\b", r"\1 {c.redis_port}"),
     (r"\b9464\b", "{c.metrics_port}"),
+    (r"\b6390\b", "{c.tls_port}"),   # docs/security.md's TLS server
     (r"(?<![\w.])/tmp/", "{c.tmp}/"),
 )
 
