@@ -4,8 +4,8 @@ load threatens their TBT. Role moves (the policies) stay as they are; these act 
 in seconds rather than the tens of seconds a role switch costs.
 
 Budgets (TaiChi-style per-instance chunk budgets), for the colocated workers that report one
-(``budgetable``: the chunked policy). Such a worker gives prompt chunks only what fits beside its decodes within its TBT budget
-(``engine/scheduler.py``). Per worker, from the completions it decoded in the window:
+(``budgetable``: the chunked policy). Such a worker gives prompt chunks only what fits beside
+its decodes within its TBT budget (``engine/scheduler.py``). Per worker, from the completions it decoded in the window:
 - its TBT p90 over the target: the budget tightens (x ``budget_step``, not below
   ``budget_min_frac`` x target): decodes get more of each step;
 - else its TTFT p90 over the target while its TBT p90 is at most ``donor_headroom`` x target:

@@ -15,12 +15,13 @@ projected p90 stays at 70 % of it, so borderline observations cannot flip a work
 forth, and ``confirm`` filters single noisy windows.
 
 Colocated. A single prefill worker can saturate on long prompts while the only decode worker
-idles; a small cluster then does better all-colocated (docs/performance.md, "The planner's
-colocated rules"). So when prefill is short, the last decode worker cannot be spared, decode
-is within its SLO with nothing queued, and the cluster has at most ``colocated_max_workers``
-workers, the planner goes all-colocated, unless a decode worker takes placed prompts
-(``--take-prompts``): its spare time already prefills, and going all-colocated there cost
-0.69-0.82x the fixed split's goodput at 5-6 req/s (docs/performance.md, session 10). When colocated workers break TBT (a prefill-first
+idles; a small cluster then does better all-colocated (docs/performance-history.md, "The
+planner's colocated rules"). So when prefill is short, the last decode worker cannot be spared,
+decode is within its SLO with nothing queued, and the cluster has at most
+``colocated_max_workers`` workers, the planner goes all-colocated, unless a decode worker takes
+placed prompts (``--take-prompts``): its spare time already prefills, and going all-colocated
+there loses goodput against the fixed split (docs/performance-history.md, "prompt placement,
+the elastic split against the fixed ones"). When colocated workers break TBT (a prefill-first
 engine stalls its decodes for whole prompts) it goes back: with no decode worker, and if TTFT
 holds with one prefill-capable worker fewer, one colocated worker -> decode and the others ->
 prefill; with a decode worker that has nothing queued, the colocated workers -> prefill; with

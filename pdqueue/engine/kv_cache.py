@@ -76,7 +76,8 @@ class KVCacheLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "KVCacheLayout":
-        return cls(**{k: data[k] for k in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")})
+        fields = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")
+        return cls(**{k: data[k] for k in fields})
 
     def check_pool(self, pool: torch.Tensor) -> None:
         """ValueError unless ``pool`` is a pool tensor of exactly this layout."""

@@ -271,7 +271,8 @@ class KVTiers:
             return
         self.root = root
         self.disk = DiskTier(self.disk_dir, root, self.disk_bytes, shape, dtype) if self.disk_bytes else None
-        self.host = HostTier(self.host_bytes, overflow=self.disk.put if self.disk is not None else None) if self.host_bytes else None
+        overflow = self.disk.put if self.disk is not None else None
+        self.host = HostTier(self.host_bytes, overflow=overflow) if self.host_bytes else None
 
     def has(self, h: bytes) -> bool:
         return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)

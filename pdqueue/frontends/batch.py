@@ -226,7 +226,8 @@ class BatchRun:
             return None
         rid = request_id(self.batch_id, line.custom_id)
         try:
-            parsed = (openai_compat.parse_chat if URLS[line.url] == "chat" else openai_compat.parse_completion)(line.body)
+            parse = openai_compat.parse_chat if URLS[line.url] == "chat" else openai_compat.parse_completion
+            parsed = parse(line.body)
             model, context = self._model_of(parsed)
             # Over the context: refused here where it can be told (the worker checks the rest);
             # a chat without max_tokens runs up to the context (max_tokens None), as in the gateway.

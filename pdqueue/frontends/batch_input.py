@@ -134,8 +134,8 @@ def parse_line(number: int, raw: bytes | None) -> Line:
     if custom_id is None:
         return Line(number, error=LineError("missing_required_parameter", f"line {number} has no custom_id"))
     if not isinstance(custom_id, str) or not custom_id:
-        return Line(number, error=LineError("invalid_custom_id",
-                                            f"line {number}: custom_id must be a non-empty string, got {custom_id!r:.60}"))
+        return Line(number, error=LineError(
+            "invalid_custom_id", f"line {number}: custom_id must be a non-empty string, got {custom_id!r:.60}"))
 
     def bad(code: str, message: str) -> Line:
         return Line(number, custom_id, error=LineError(code, f"line {number}: {message}"))

@@ -125,10 +125,10 @@ class BatchRunner:
             log.info("batch %s: running it (%s)", batch_id, "resumed" if status != "validating" else "new")
             sync_r = connect(self.redis_url, purpose="worker")
             stop = threading.Event()
+            fields = {**class_fields(BATCH), "tenant": record.get("tenant", "")[:MAX_TENANT_CHARS]}
             run = BatchRun(sync_r, self.keys, RedisInput(sync_r, self.bkeys, record["input_file_id"]),
                            RedisOutput(sync_r, self.bkeys, batch_id, self.owner), batch_id=batch_id,
-                           concurrency=self.concurrency, stop=stop,
-                           request_fields={**class_fields(BATCH), "tenant": record.get("tenant", "")[:MAX_TENANT_CHARS]},
+                           concurrency=self.concurrency, stop=stop, request_fields=fields,
                            unavailable_after_s=float("inf"))   # a Redis outage stops it (_drive), never fails it
             await self._drive(batch_id, run, stop)
         except (redis.RedisError, OSError) as exc:

@@ -30,8 +30,8 @@ from pdqueue.frontends.batch_input import MAX_LINE_BYTES, BatchError, InputInfo,
 from pdqueue.frontends.batch_output import Done, encode_line
 from pdqueue.keys import Keys
 
-__all__ = ["BatchKeys", "LeaseLost", "MAX_LINE_BYTES", "RETENTION_S", "RedisInput", "RedisOutput", "check_upload", "file_ids_of",
-           "output_file_batch"]
+__all__ = ["BatchKeys", "LeaseLost", "MAX_LINE_BYTES", "RETENTION_S", "RedisInput", "RedisOutput", "check_upload",
+           "file_ids_of", "output_file_batch"]
 
 RETENTION_S = 7 * 24 * 3600
 READ_CHUNK = 1 << 20            # bytes of a stored file per GETRANGE

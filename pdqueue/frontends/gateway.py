@@ -206,9 +206,8 @@ class Gateway:
             await self.view.refresh()
             if self.view.ok and self.view.serving():
                 return Response(status_code=200)
-        roles = self.view.roles()
-        why = ("cannot reach Redis" if not self.view.ok else
-               f"no workers to serve requests (live: {', '.join(f'{n} {r}' for r, n in sorted(roles.items())) or 'none'})")
+        live = ", ".join(f"{n} {r}" for r, n in sorted(self.view.roles().items())) or "none"
+        why = "cannot reach Redis" if not self.view.ok else f"no workers to serve requests (live: {live})"
         return errs.error(errs.unavailable(why))
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -249,7 +248,8 @@ class Gateway:
         except OpenAIError as exc:
             return self.count("cancel", errs.error(exc, headers))
         except (redis.RedisError, OSError) as exc:
-            return self.count("cancel", errs.error(errs.unavailable(f"cannot reach the cluster's Redis: {exc}"), headers))
+            unavailable = errs.unavailable(f"cannot reach the cluster's Redis: {exc}")
+            return self.count("cancel", errs.error(unavailable, headers))
         log.info("request %s: cancelled by its client", request_id)
         return self.count("cancel", JSONResponse({"id": request_id, "object": "request.cancel", "cancelled": True},
                                                   headers=headers))
@@ -299,7 +299,8 @@ class Gateway:
             return await self._resume_unrecorded(ident.request_id, kind, parsed, answer)
         model, info = await self._admit_fresh(parsed, tenant)
         spec = res.Spec(kind, model, int(time.time()), parsed.include_usage)
-        handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class, tenant.name, ident.resumable)
+        handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class, tenant.name,
+                                    ident.resumable)
         if ident.resumable:
             await self.records.save(ident.request_id, spec, params)
         return self._reply(handle, spec, parsed.stream, ids=ident.resumable, attached=False, **answer)
@@ -342,7 +343,8 @@ class Gateway:
         return self._reply(self.client.handle(request_id), spec, stream, endpoint="requests", arrived=arrived,
                            headers=headers, after=after, ids=True, attached=True, cancels=False)
 
-    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str, tenant="", keyed=False):
+    async def _submit(self, request_id: str, parsed: oai.Parsed, info: dict, service_class: str, tenant="",
+                      keyed=False):
         parsed.check_context(info["max_model_len"] or None)   # (the worker checks text prompts)
         kwargs = {**parsed.submit_kwargs(), **class_fields(service_class), "tenant": tenant[:MAX_TENANT_CHARS]}
         kwargs["ref"] = idempotency_ref(request_id if keyed else "")   # the usage record's labels (queue/ledger.py)

@@ -425,7 +425,8 @@ def usage_chunk(kind: str, id: str, model: str, created: int, prompt_tokens: int
                 cached_tokens: int = 0) -> dict:
     """The last chunk of a stream with ``stream_options.include_usage``: empty ``choices``."""
     return {"id": id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(chunks: Iterable[dict]) -> Iterable[str]:

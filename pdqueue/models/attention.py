@@ -100,7 +100,8 @@ class AttentionBatch:
         """Each sequence's (start, end) along the gathered tokens (``gather_plan``'s order);
         computed once a step and used by every layer."""
         if self._spans is None:
-            self._spans = [(first * block_size, first * block_size + ctx) for first, ctx in zip(offsets, self.context_lens)]
+            self._spans = [(first * block_size, first * block_size + ctx)
+                           for first, ctx in zip(offsets, self.context_lens)]
         return self._spans
 
     def copy_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

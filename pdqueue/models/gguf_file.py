@@ -86,7 +86,8 @@ def hf_config(reader) -> dict:
         "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)), "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": int(get("context_length", 2048)), "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": None if bos is None else int(bos), "eos_token_id": None if eos is None else int(eos),
     }

@@ -97,7 +97,8 @@ def interleave(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _tiled_scales(t: torch.Tensor, pad: int) -> torch.Tensor:
     """Per-block scales [N, blocks] -> [tiles, blocks, 16] float16, zero outputs added (``pad``)."""
     n, nb = t.shape
-    return torch.nn.functional.pad(t.half(), (0, 0, 0, pad)).view((n + pad) // TILE, TILE, nb).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(t.half(), (0, 0, 0, pad))
+    return padded.view((n + pad) // TILE, TILE, nb).transpose(1, 2).contiguous()
 
 
 def quantize_weight8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -221,7 +222,8 @@ def _compiler() -> str | None:
 
 def _build(cc: str, flags: list[str]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + repr((flags, version)).encode()).hexdigest()[:16]
+    sources = b"".join(s.read_bytes() for s in _SOURCES)
+    digest = hashlib.sha256(sources + repr((flags, version)).encode()).hexdigest()[:16]
     target = cache.cache_root() / "kernels" / f"q4-{digest}.so"
     if target.exists():
         return target

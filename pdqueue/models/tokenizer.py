@@ -208,7 +208,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At end of stream: whatever was held back (replacement characters included)."""
-        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        held = self.token_ids[self._prefix_offset:self._read_offset]
+        prefix_text = self.tokenizer.decode(held, self.skip_special_tokens)
         new_text = self.tokenizer.decode(self.token_ids[self._prefix_offset:], self.skip_special_tokens)
         delta = new_text[len(prefix_text):]
         self._prefix_offset = self._read_offset = len(self.token_ids)

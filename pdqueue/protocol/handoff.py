@@ -68,7 +68,7 @@ _HANDOFF_TIMES = ("enqueued_ms", "prefill_start_ms", "prefill_end_ms", "first_to
 def encode_handoff(h: Handoff) -> dict[str, bytes]:
     """Fields of a handoff stream entry: ``id`` (the request id, for operators), ``data``
     (msgpack) and, when the sender said it, ``compat`` (its key)."""
-    import msgpack   # here, so that the planner can import the contract's roles without it
+    import msgpack  # here, so that the planner can import the contract's roles without it
     body = {
         "version": PROTOCOL_VERSION,
         "request": request_to_fields(h.request),

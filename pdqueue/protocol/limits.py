@@ -59,7 +59,8 @@ class Limits:
                                f"{self.max_prompt_chars} (--max-prompt-chars)", req.id, ErrorCode.TOO_LONG)
         if req.prompt_ids is not None:
             self.check_prompt_tokens(req.id, len(req.prompt_ids))
-        if self.max_output_tokens is not None and req.max_tokens is not None and req.max_tokens > self.max_output_tokens:
+        limit = self.max_output_tokens
+        if limit is not None and req.max_tokens is not None and req.max_tokens > limit:
             raise RequestError(f"max_tokens {req.max_tokens} is over this worker's limit of "
                                f"{self.max_output_tokens} (--max-output-tokens)", req.id)
         if len(req.stop) > self.max_stop_strings:

@@ -73,7 +73,8 @@ class Heartbeat:
         self.interval_s = ttl_s / 3 if interval_s is None else min(interval_s, ttl_s / 3)
         self._backoff_max_s = backoff_max_s
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()   # one beat at a time: a later snapshot is never overwritten by an earlier one
+        # One beat at a time: a later snapshot is never overwritten by an earlier one.
+        self._write_lock = threading.Lock()
         self._info: dict[str, Any] = {
             "role": role, "node": node, "incarnation": self.incarnation,
             "endpoints": dict(endpoints or {}), "load": dict(load or {}), "model": model,

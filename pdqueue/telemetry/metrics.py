@@ -58,9 +58,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
+from pdqueue.protocol import ROLES, as_str
 from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.protocol import ROLES, as_str
 from pdqueue.queue.streams import request_streams_of
 
 log = logging.getLogger("pdqueue.telemetry.metrics")
@@ -139,10 +139,11 @@ class WorkerMetrics:
         self.recompute_tokens = Counter("pdqueue:recompute_tokens", "Tokens prefilled again by recomputes (decode).",
                                         LABELS, registry=r)
         self.prompts_placed = Counter("pdqueue:prompts_placed",
-                                      "Prompts placed on a decode worker taking prompts (prefill; workers/placement.py).",
-                                      LABELS, registry=r)
+                                      "Prompts placed on a decode worker taking prompts (prefill; "
+                                      "workers/placement.py).", LABELS, registry=r)
         self.placed_prompt_tokens = Counter("pdqueue:placed_prompt_tokens",
-                                            "Prompt tokens of placed prompts prefilled here (decode).", LABELS, registry=r)
+                                            "Prompt tokens of placed prompts prefilled here (decode).",
+                                            LABELS, registry=r)
         self.leases_expired = Counter("pdqueue:kv_leases_expired",
                                       "Exported KV leases handed back on expiry, never released (prefill).",
                                       LABELS, registry=r)

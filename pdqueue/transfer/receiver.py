@@ -145,7 +145,8 @@ class KVReceiver:
                                 "destination blocks", FailureCode.BAD_TICKET)
         if any(not 0 <= b < src_layout.num_blocks for b in src_ids):
             raise TransferError(f"ticket block ids out of range: {src_ids}", FailureCode.BAD_TICKET)
-        if any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(dst_block_ids):
+        if (any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids)
+                or len(set(dst_block_ids)) != len(dst_block_ids)):
             raise TransferError(f"destination block ids are not distinct ids of the local pool: {dst_block_ids}",
                                 FailureCode.BAD_TICKET)
         if not 0 < ticket.num_tokens <= len(src_ids) * self.layout.block_size:

@@ -186,7 +186,8 @@ class Admission:
         first = msg.get("first_block", 0)
         lease = self.leases.get(request_id)
         if not isinstance(first, int) or first < 0 or (lease is not None and first >= len(lease.block_ids)):
-            return wire.error_reply(seq, FailureCode.BAD_TICKET, f"first_block {first!r} is outside the ticket's blocks")
+            return wire.error_reply(seq, FailureCode.BAD_TICKET,
+                                    f"first_block {first!r} is outside the ticket's blocks")
         if not self.leases.acquire(request_id):
             return lease_error(self.leases, seq, request_id)
         if hold is not None:
