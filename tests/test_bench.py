@@ -277,12 +277,58 @@ def test_serve_batch_with_a_worker_killed_and_redis_restarted_answers_every_line
     assert f"{kill['worker_id']} exited (-9)" in up_log and f"{kill['worker_id']} is back" in up_log, up_log
 
 
+def test_serve_chaos_rolling_restart_then_zero_capacity_fail_no_request_beside_a_baseline(tmp_path):
+    """``--chaos rolling-restart@0.3,zero-capacity:1@0.3 --chaos-alternate 1`` (issue 42) on the
+    disagg mode: a run without the events, then one where the bench's supervisor rolls both
+    workers (pdqueue restart's own roll, supervisor/rolling.py: one at a time, under new ids)
+    and, once the roll is done, every prefill-capable worker (the new prefill worker) is stopped
+    warm for 1 s and started again under a new id (the requests wait in the queue). In neither
+    run does an online request fail or a batch line go lost or doubled; the figures say what
+    each event did, the TTFT of the requests that arrived during them, and set the runs side by
+    side. (One invocation for both events: CI pays for one cluster.)"""
+    stderr: list[str] = []
+    result = pdqueue("bench", "serve", "--model", "tiny", "--modes", "disagg", "--rates", "4", "--num-requests", "6",
+                     "--warmup", "1", "--batch-lines", "8", "--batch-max-tokens", "32",
+                     "--chaos", "rolling-restart@0.3,zero-capacity:1@0.3", "--chaos-alternate", "1",
+                     "--json", "--out", str(tmp_path), stderr=stderr)
+    figures = result["modes"]["disagg"]["by_rate"]["4"]
+    roll, outage = figures["chaos"]
+    assert roll["event"] == "rolling-restart" and roll["run"] == 2 and roll["status"] == "done", roll
+    assert "failure" not in roll and "no gateway" in roll["gateway"], roll
+    assert sorted(r["role"] for r in roll["replaced"]) == ["decode", "prefill"], roll
+    assert len(roll["new_workers"]) == 2 and not {r["old"] for r in roll["replaced"]} & set(roll["new_workers"])
+    assert roll["at_s"] >= 0.3 and roll["until_s"] > roll["at_s"], roll
+    # zero-capacity was due at 0.3 s too: it waited for the roll, then stopped the roll's new prefill worker
+    assert outage["event"] == "zero-capacity:1" and outage["run"] == 2 and outage["at_s"] >= roll["until_s"], outage
+    assert outage["roles"] == ["prefill"] and outage["stopped"][0] in roll["new_workers"], outage
+    assert len(outage["started"]) == 1 and outage["started"][0] not in outage["stopped"], outage
+    assert outage["outage_end_s"] >= outage["at_s"] + 1, outage
+    assert outage["capacity_back_s"] is not None and outage["capacity_back_s"] >= outage["outage_end_s"], outage
+    assert [(r["run"], r["chaos"]) for r in figures["runs"]] == [(1, False), (2, True)], figures["runs"]
+    for run in figures["runs"]:
+        assert run["errors"] == run["lost"] == run["doubled"] == run["out_not_once"] == 0, run
+    assert figures["runs"][1]["ttft_p99_window_ms"] is not None and figures["runs"][0]["ttft_p99_window_ms"] is None
+    assert figures["versus"]["with"]["runs"] == figures["versus"]["without"]["runs"] == 1, figures["versus"]
+    assert figures["failed"] == 0 and figures["requests"] == 6, figures["errors"]   # the chaos run's own figures
+    assert figures["batch"]["exactly_once"] and figures["batch"]["lines"] == 16, figures["batch"]
+    window = figures["chaos_window"]
+    assert window["windows_s"] == [[roll["at_s"], roll["until_s"]], [outage["at_s"], outage["until_s"]]], window
+    assert window["requests"] >= 1 and window["unanswered"] == 0, window
+    assert "chaos run 2: rolling-restart at" in stderr[0] or "chaos rolling-restart at" in stderr[0], stderr[0][-2000:]
+    up_log = (tmp_path / "logs" / "disagg" / "up.log").read_text()
+    assert "done: 2 processes replaced" in up_log, up_log
+    assert f"{outage['stopped'][0]} exited" not in up_log, up_log   # the supervisor did not restart it meanwhile
+
+
 def test_serve_chaos_options_are_checked():
     for args, says in ((("--chaos", "kill-worker"), "--chaos needs --batch-lines"),
                        (("--chaos", "kill-everything", "--batch-lines", "4"),
                         "expected one of kill-worker, restart-redis"),
                        (("--chaos", "restart-redis:decode", "--batch-lines", "4"), "a role goes with kill-worker only"),
                        (("--chaos", "kill-worker@soon", "--batch-lines", "4"), "@SECONDS must be a number"),
+                       (("--chaos", "zero-capacity:soon", "--batch-lines", "4"),
+                        "zero-capacity:SECONDS must be a number"),
+                       (("--chaos-alternate", "3",), "--chaos-alternate goes with --chaos"),
                        (("--chaos", "kill-worker", "--batch-lines", "4", "--phases", "chat"),
                         "cannot be combined with --phases")):
         proc = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny", *args],

@@ -184,6 +184,8 @@ class _Stopper:
 
         _TERM.stopping += 1
         try:
+            # (under --chaos a supervisor runs: no restart of what this stop ends first)
+            self.cluster.restarts.halt()
             gateway = self.cluster.gateway
             if gateway is not None and gateway.alive:   # first: nothing is open on it any more
                 gateway.signal(signal.SIGTERM)
