@@ -14,15 +14,13 @@ and no request's prefill and decode workers are of two kinds.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import re
 
 import msgpack
-import pytest
 
 from pdqueue.client import Client
-from pdqueue.keys import DECODE_GROUP, Keys
+from pdqueue.keys import Keys
 from pdqueue.protocol import Handoff, Request, decode_handoff, encode_handoff
 from pdqueue.protocol.compat import COMPAT_FIELD, Compat, compat_of, entry_compat
 from pdqueue.queue.registry import Heartbeat, list_workers

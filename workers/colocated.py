@@ -27,7 +27,8 @@ from __future__ import annotations
 from pdqueue.control.commands import MIGRATE
 from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Handoff, Role as RoleName, encode_handoff
+from pdqueue.protocol import Handoff, encode_handoff
+from pdqueue.protocol import Role as RoleName
 from workers.common import Every, now_ms
 from workers.compat import sender_fields
 from workers.migration import Migrator
@@ -48,7 +49,8 @@ class ColocatedRole(RequestRole):
 
     def load(self) -> dict:
         load = {**super().load(), "step_ms": round(self.step_s * 1000, 2),
-                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits,
+                "prefix_cache_queries": self.engine.prefix_cache_queries,
+                "prefix_cache_hits": self.engine.prefix_cache_hits,
                 "migrated_out": self.migrator.moved if self.migrator is not None else 0}
         if self.engine.config.policy == PrefillPolicy.CHUNKED:   # it takes budget commands (0: none)
             load["tbt_budget_ms"] = self.engine.scheduler.tbt.target_ms or 0

@@ -47,12 +47,22 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, HandoffError, Role as RoleName,
-                              as_str, decode_handoff, encode_handoff, entry_id_ms)
+from pdqueue.protocol import (
+    Completion,
+    ErrorCode,
+    FinishReason,
+    Handoff,
+    HandoffError,
+    as_str,
+    decode_handoff,
+    encode_handoff,
+    entry_id_ms,
+)
+from pdqueue.protocol import Role as RoleName
 from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.compat import Rerouter, engine_compat
-from workers.fetch import FetchOutcome, Fetcher
+from workers.fetch import Fetcher, FetchOutcome
 from workers.migration import Migrator
 from workers.placement import RECENT_STEPS, SpareTime, prompt_load
 from workers.role import IDLE_BLOCK_MS, Role, RoleHost

@@ -40,8 +40,17 @@ import redis
 
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.keys import Keys
-from pdqueue.protocol import (Completion, ErrorCode, FinishReason, Handoff, Limits, Request, RequestError,
-                              encode_handoff, parse_request)
+from pdqueue.protocol import (
+    Completion,
+    ErrorCode,
+    FinishReason,
+    Handoff,
+    Limits,
+    Request,
+    RequestError,
+    encode_handoff,
+    parse_request,
+)
 from pdqueue.queue import streams
 from workers.answers import Unit
 from workers.common import now_ms

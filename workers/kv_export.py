@@ -23,7 +23,8 @@ def make_sender(shell: RoleHost, kv_cache, layout, *, transfer: str = "auto") ->
     config = shell.config
     sender_config = SenderConfig(endpoint=config.bind, advertise=config.advertise, lease_s=config.lease_s,
                                  data_port=config.data_port, shared_blocks=True, transfer=transfer,
-                                 auth=kv_auth_for(config, shell.r, shell.keys))   # signs tickets; peers must prove the secret
+                                 # signs tickets; peers must prove the secret
+                                 auth=kv_auth_for(config, shell.r, shell.keys))
     if shell.segment is not None:
         return KVSender.for_shared_pool(shell.segment, shell.node, config=sender_config)
     # (An accelerator's pool cannot be mapped by another process: KV goes over ZeroMQ, or

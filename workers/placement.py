@@ -44,7 +44,8 @@ from workers.decode_peers import DecodePeers, takes_work
 
 # ---- the decode half: what a decode worker taking prompts advertises ------------------------
 SPARE_MIN = 0.2        # a decode worker whose decodes leave less of its time takes no placed prompt
-TOKEN_S_UNKNOWN = 0.005   # a prompt token's cost (s) before this engine has measured one (a small quantized model's on CPU)
+# A prompt token's cost (s) until this engine has timed one: a small quantized model's on a CPU.
+TOKEN_S_UNKNOWN = 0.005
 SPARE_TAU_S = 2.0      # the time constant of the spare-time average
 RECENT_STEPS = 32      # steps with decodes the gap guard looks at
 GAP_GUARD = 1.0        # of the TBT target: a step p90 past it stops placed prompts

@@ -45,7 +45,8 @@ import logging
 import time
 
 from pdqueue.engine.llm_engine import LLMEngine
-from pdqueue.protocol import Completion, Handoff, Role as RoleName, encode_handoff
+from pdqueue.protocol import Completion, Handoff, encode_handoff
+from pdqueue.protocol import Role as RoleName
 from pdqueue.transfer.leases import LeaseState
 from workers.common import Every, now_ms
 from workers.compat import own_compat, sender_fields
@@ -103,7 +104,8 @@ class PrefillRole(RequestRole):
         return {**super().load(), "leases": len(self.sender.leases), "auth_failures": self.sender.auth_failures,
                 "placed_out": self.intake.placer.placed if self.intake.placer is not None else 0,
                 "decoded_here": self.kept, **self.peers.load(),
-                "prefix_cache_queries": self.engine.prefix_cache_queries, "prefix_cache_hits": self.engine.prefix_cache_hits}
+                "prefix_cache_queries": self.engine.prefix_cache_queries,
+                "prefix_cache_hits": self.engine.prefix_cache_hits}
 
     def housekeeping(self) -> None:
         self.free_released()

@@ -43,9 +43,9 @@ import redis
 from pdqueue.engine.block_manager import chain_hashes
 from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import REQUEST_ROLES, Priority, ServiceClass, as_str, entry_id_ms
+from pdqueue.protocol.compat import compat_of
 from pdqueue.queue import streams
 from pdqueue.queue.ownership import forward
-from pdqueue.protocol.compat import compat_of
 from pdqueue.queue.registry import list_workers
 from workers.common import ROUTING_MODES
 from workers.compat import engine_compat

@@ -45,12 +45,13 @@ current role stops accepting and finishes what it holds (as on a warm stop), dra
 closes; then ``role`` starts as above (start, groups, registration, its group's pending
 entries). A worker started with ``--switchable`` does this on a switch command
 (pdqueue/control/commands.py): ``switches`` (``SwitchControl``, workers/switching.py, beside
-its rules) reads ``control:<id>``, refuses or accepts each command and answers with events (``accepted``, then ``done`` or
-``failed``; or ``refused``). The heartbeat carries ``role_epoch`` (the process start time
-in ms, +1 per switch), ``switchable``, ``role_since_ms`` and ``switching_to`` (empty unless
-a switch is under way) as top-level fields of ``worker:<id>``; decode and colocated roles
-add ``step_ms`` to the load. Should the new role fail to start, the worker answers
-``failed`` and starts its old role again (same epoch), and stops only if that fails too.
+its rules) reads ``control:<id>``, refuses or accepts each command and answers with events
+(``accepted``, then ``done`` or ``failed``; or ``refused``). The heartbeat carries
+``role_epoch`` (the process start time in ms, +1 per switch), ``switchable``,
+``role_since_ms`` and ``switching_to`` (empty unless a switch is under way) as top-level
+fields of ``worker:<id>``; decode and colocated roles add ``step_ms`` to the load. Should the
+new role fail to start, the worker answers ``failed`` and starts its old role again (same
+epoch), and stops only if that fails too.
 The switch control sees the shell as a ``SwitchHost`` (workers/switching.py).
 """
 from __future__ import annotations
@@ -63,19 +64,19 @@ import redis
 
 from pdqueue.engine.llm_engine import kv_layout_for
 from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
-from pdqueue.telemetry.metrics import WorkerMetrics, advertised, serve_metrics, stop_metrics
 from pdqueue.protocol import FinishReason, Request
 from pdqueue.queue import streams
 from pdqueue.queue.connection import connect
 from pdqueue.queue.publisher import Publisher
 from pdqueue.queue.registry import Heartbeat
+from pdqueue.telemetry.metrics import WorkerMetrics, advertised, serve_metrics, stop_metrics
 from pdqueue.transfer.node import node_id
 from workers.answers import Unit, request_ids
 from workers.common import StopFlag, WorkerConfig, new_incarnation, new_worker_id, now_ms
 from workers.compat import own_compat
-from workers.recovery import REDIS_DOWN, Recovery
 from workers.kv_pool import ProcessKV, SegmentSweep, tiers_for
 from workers.outage import EXIT_REDIS_GONE, Outage, RedisGone, StoppedWaiting  # noqa: F401 (re-exported)
+from workers.recovery import REDIS_DOWN, Recovery
 from workers.role import Input, Role, role_for
 from workers.switching import SwitchControl
 

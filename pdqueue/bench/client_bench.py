@@ -389,12 +389,13 @@ def format_table(results: list[ClientResult], load: Load, title: str = "") -> st
                  f"{'ITL p99':>8}  {'wall s':>7}")
     for r in results:
         ok = f"{r.succeeded}/{r.requests}" if r.requests is not None else "-"
-        lines.append(f"{r.client:<22}{r.version:<12}{ok:>9}  {fmt(r.ttft_ms.get('p50')):>9}{fmt(r.ttft_ms.get('p99')):>9}"
+        lines.append(f"{r.client:<22}{r.version:<12}{ok:>9}"
+                     f"  {fmt(r.ttft_ms.get('p50')):>9}{fmt(r.ttft_ms.get('p99')):>9}"
                      f"  {fmt(r.itl_ms.get('p50')):>8}{fmt(r.itl_ms.get('p99')):>8}  {r.seconds:>7.1f}"
                      + (f"  {r.error.splitlines()[0]}" if r.error else ""))
     lines.append("ms; each client's own definitions: ITL is the gap between SSE chunks (vllm, sglang, inference-perf, "
-                 "pdqueue) or a request's (latency - TTFT) / (tokens - 1) (aiperf, guidellm); the gateway may put several "
-                 "tokens in one chunk.")
+                 "pdqueue) or a request's (latency - TTFT) / (tokens - 1) (aiperf, guidellm); the gateway may put "
+                 "several tokens in one chunk.")
     return "\n".join(lines)
 
 

@@ -137,7 +137,8 @@ class Stack:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
                 tail = (self.log_dir / f"{dead[0]}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{dead[0]} exited with {self.procs[dead[0]].returncode} waiting for {what}:\n{tail}")
+                code = self.procs[dead[0]].returncode
+                raise RuntimeError(f"{dead[0]} exited with {code} waiting for {what}:\n{tail}")
             value = predicate()
             if value:
                 return value

@@ -363,7 +363,8 @@ def format_compare(result: dict) -> str:
 
     for name in names:
         sm = cmp["summary"][name]
-        lines.append(f"{name:<{width}}{cell(sm['ttft_p50_added_ms'], '+.2f'):>17}{cell(sm['itl_p50_added_ms'], '+.2f'):>17}"
+        lines.append(f"{name:<{width}}"
+                     f"{cell(sm['ttft_p50_added_ms'], '+.2f'):>17}{cell(sm['itl_p50_added_ms'], '+.2f'):>17}"
                      f"{cell(sm['gateway_req_s'], '.0f')}{cell(sm['req_s_vs_client'], '.2f')}"
                      f"{cell(sm['gateway_cpu_ms_per_request'], '.2f')}")
     return "\n".join(lines)

@@ -164,7 +164,8 @@ def plot_timelines(result: dict, directory: Path) -> list[Path]:
                 states = [p.get("workers", {}).get(wid, {}) for p in timeline]
                 roles = [s.get("role") or p["roles"].get(wid) for s, p in zip(states, timeline)]
                 ax_roles.step(ts, [s.get("running", 0) for s in states], where="post", label=f"{wid} running")
-                changes = [(t, role) for i, (t, role) in enumerate(zip(ts, roles)) if role and (i == 0 or role != roles[i - 1])]
+                changes = [(t, role) for i, (t, role) in enumerate(zip(ts, roles))
+                           if role and (i == 0 or role != roles[i - 1])]
                 for t, role in changes:
                     ax_roles.annotate(role[0].upper(), (t, 0), fontsize=8, xytext=(0, -10), textcoords="offset points")
                 budgets = [s.get("tbt_budget_ms") for s in states]

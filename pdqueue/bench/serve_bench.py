@@ -37,12 +37,30 @@ from pathlib import Path
 from typing import Callable
 
 from pdqueue.bench.serve_batch import BatchBeside
-from pdqueue.bench.serve_client import OpenAIClient, Record, run_requests, send_one
-from pdqueue.bench.serve_load import Planned, Settings, plan_phases, plan_prefix_requests, plan_requests, warmup_requests
-from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
 from pdqueue.bench.serve_chaos import chaos_schedule
-from pdqueue.bench.serve_report import (alternated, chaos_event_line, claim, metrics, phase_claim, phase_metrics,
-                                       pool_rates, rate_key, window_figures, window_split, workload_dict)
+from pdqueue.bench.serve_client import OpenAIClient, Record, run_requests, send_one
+from pdqueue.bench.serve_load import (
+    Planned,
+    Settings,
+    plan_phases,
+    plan_prefix_requests,
+    plan_requests,
+    warmup_requests,
+)
+from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
+from pdqueue.bench.serve_report import (
+    alternated,
+    chaos_event_line,
+    claim,
+    metrics,
+    phase_claim,
+    phase_metrics,
+    pool_rates,
+    rate_key,
+    window_figures,
+    window_split,
+    workload_dict,
+)
 from pdqueue.bench.stats import summary
 from pdqueue.queue.connection import raise_dropped_cancellation
 from pdqueue.queue.streams import request_streams
@@ -58,9 +76,8 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
         return _run_tenants(settings, launcher, progress, log_dir, on_mode)
     import redis
 
-    from pdqueue.queue.redis_server import RedisServer
-
     from pdqueue.bench.serve_chaos import DURABLE_REDIS_ARGS, Chaos, Owner, chaos_text
+    from pdqueue.queue.redis_server import RedisServer
 
     if settings.chaos and (not settings.batch_lines or settings.phases):
         raise BenchError("chaos needs batch lines (what it checks) and rates, not phases")

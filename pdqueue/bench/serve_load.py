@@ -54,7 +54,8 @@ def parse_phases(text: str, phase_s: float) -> tuple[Phase, ...]:
             except ValueError:
                 raise ValueError(f"phase {item!r}: expected name:long_fraction:rate:seconds") from None
         else:
-            raise ValueError(f"phase {item!r}: expected one of {sorted(PHASE_KINDS)} or name:long_fraction:rate:seconds")
+            raise ValueError(f"phase {item!r}: expected one of {sorted(PHASE_KINDS)} "
+                             "or name:long_fraction:rate:seconds")
     for ph in phases:
         if not (0 <= ph.long_fraction <= 1 and ph.rate > 0 and ph.duration_s > 0):
             raise ValueError(f"phase {ph.name!r}: long_fraction in [0, 1], rate and seconds > 0")

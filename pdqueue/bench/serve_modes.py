@@ -121,8 +121,8 @@ MODES: dict[str, Mode] = {
     # The same split with placement and no planner (what the placement does on its own).
     "placement-int4": Mode(_elastic_split("int4")),
     "placement-fp32": Mode(_elastic_split(None)),   # beside disagg and colocated-slo in float32
-    "elastic-fp32": Mode(_elastic_split(None), beside=lambda settings, url, cluster: _start_planner(settings, url,
-                                                                                                  cluster, elastic=True)),
+    "elastic-fp32": Mode(_elastic_split(None),
+                         beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
     # q4_1 (pdqueue's 4-bit x 8-bit kernel, models/q4.py) in every role: it prefills faster than
     # float32 on a CPU with VNNI, and decodes faster than int4.
     "disagg-q4_1": Mode(_fixed(("prefill", ("--weights", "q4_1")), ("decode", ("--weights", "q4_1")))),

@@ -7,8 +7,15 @@ from __future__ import annotations
 import math
 
 from pdqueue.bench.serve_client import Record
-from pdqueue.bench.serve_load import (ASSISTANT_LEN, CONVERSATIONS, MAX_TURNS, SYSTEM_LEN, SYSTEM_PROMPTS,
-                                      USER_LEN, Settings)
+from pdqueue.bench.serve_load import (
+    ASSISTANT_LEN,
+    CONVERSATIONS,
+    MAX_TURNS,
+    SYSTEM_LEN,
+    SYSTEM_PROMPTS,
+    USER_LEN,
+    Settings,
+)
 from pdqueue.bench.serve_modes import PREFIX_MODES
 from pdqueue.bench.stats import gaps, meets_slo, percentile, summary
 

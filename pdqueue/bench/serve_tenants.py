@@ -58,8 +58,8 @@ def tenant_keys(path: str, rates) -> dict[str, str]:
     tenants = {t.name: t for t in load_tenants(path)}
     unknown = [name for name, _ in rates if name not in tenants]
     if unknown:
-        raise ValueError(f"{', '.join(map(repr, unknown))} {'is not a tenant' if len(unknown) == 1 else 'are not tenants'} "
-                         f"of {path} (its tenants: {', '.join(tenants)})")
+        verb = "is not a tenant" if len(unknown) == 1 else "are not tenants"
+        raise ValueError(f"{', '.join(map(repr, unknown))} {verb} of {path} (its tenants: {', '.join(tenants)})")
     return {name: tenants[name].api_keys[0] for name, _ in rates}
 
 

@@ -1,7 +1,8 @@
 """Quantized weights for CPU decoding: linear layers in ``int8`` and ``int4``.
 
-Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``Q80Linear``, ``quantize_model`` (swap a loaded
-``DecoderModel``'s linear layers and LM head for quantized ones, in place),
+Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``Q80Linear``,
+``quantize_model`` (swap a loaded ``DecoderModel``'s linear layers and LM head for quantized
+ones, in place),
 ``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
 ``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
 the layers their tensors and takes the ones they compute).

@@ -15,8 +15,8 @@ it) -> ``wait_ready`` (all registered by heartbeat) -> ``supervise`` (restarts:
 with the drain of the embedded server's queue in ``supervisor.draining``). ``start_gateway``
 adds the OpenAI-compatible gateway (``pdqueue serve``, port 8000 when free), on a listening
 socket `up` binds and keeps, so that a restarted or replacing gateway serves the same one
-(``pdqueue.frontends.runtime``): the first process ``stop`` signals and the last it waits for. Every child gets PDEATHSIG
-(``pdqueue.procs.die_with_parent``), so a SIGKILLed supervisor does not leave workers or the
+(``pdqueue.frontends.runtime``): the first process ``stop`` signals and the last it waits for.
+Every child gets PDEATHSIG (``pdqueue.procs.die_with_parent``), so a SIGKILLed supervisor does not leave workers or the
 server behind.
 
 Imports redis and pdqueue.queue/keys/protocol/discovery (never torch).
@@ -85,7 +85,8 @@ class LocalClusterConfig:
     decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
     prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
     decode_args: tuple[str, ...] = field(default_factory=tuple)   # ... of the decode (and colocated) workers
-    restart_backoff_s: float = RESTART_BACKOFF_S  # the first restart's delay, doubled per restart (up --restart-backoff-s)
+    # The first restart's delay, doubled per restart (up --restart-backoff-s).
+    restart_backoff_s: float = RESTART_BACKOFF_S
     # At the stop, the embedded server waits this long at most for answers no client has read yet
     # (``up --answer-grace-s``, default ``draining.ANSWER_GRACE_S``; 0: it stops at once).
     answer_grace_s: float = 0.0

@@ -118,9 +118,9 @@ def check_port_free(port: int) -> None:
                    "docs/tuning/placement.md. --no-take-prompts: a fixed split.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
-       log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway, print_url, show_password, print_env,
-       weights, prefill_weights, decode_weights, take_prompts, plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s,
-       window_s, elastic):
+       log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway,
+       print_url, show_password, print_env, weights, prefill_weights, decode_weights, take_prompts, plan_mode,
+       ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
     worker id, after 1 s (--restart-backoff-s), doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
@@ -484,7 +484,8 @@ def _demo(lc, out, stop: threading.Event) -> int:
             code = 1
             continue
         except redis.RedisError as exc:  # the server is gone (RedisUnavailable): so are the other answers
-            print_line(out, f"\n[red]error: lost the connection to Redis at {escape(lc.shown_url)} ({escape(str(exc))})[/]")
+            print_line(out, f"\n[red]error: lost the connection to Redis at {escape(lc.shown_url)} "
+                            f"({escape(str(exc))})[/]")
             client.close()
             return 1
         if stop.is_set():

@@ -12,9 +12,18 @@ import click
 from pdqueue.engine.config import EngineConfig
 from pdqueue.protocol import ROLES
 from pdqueue.transfer import registry as transports
+from workers.cli.common import (
+    UserError,
+    check_device,
+    check_engine_config,
+    check_kv_pool,
+    check_model,
+    engine_options,
+    load,
+    model_option,
+    redis_security_options,
+)
 from workers.common import DECODE_HERE, PLACEMENTS, ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
-from workers.cli.common import (UserError, check_device, check_engine_config, check_kv_pool,
-                                check_model, engine_options, load, model_option, redis_security_options)
 
 
 def limit_options(f):
@@ -165,7 +174,8 @@ def limit_options(f):
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs,
            policy, tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port,
            advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s,
-           migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file, metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, limits, log_level):
+           migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file,
+           metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -186,7 +196,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           advertise=advertised_endpoint(bind, advertise_host),
                           lease_s=lease_s, fetch_timeout_s=fetch_timeout_s, heartbeat_ttl_s=heartbeat_ttl_s,
                           reclaim_idle_ms=reclaim_idle_ms, max_step_s=max_step_s,
-                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts, placement=placement, decode_here=decode_here,
+                          redis_gone_exit_s=redis_gone_exit_s, migrate=migrate, take_prompts=take_prompts,
+                          placement=placement, decode_here=decode_here,
                           worker_id=worker_id, burst=burst, switchable=switchable,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
@@ -307,9 +318,8 @@ def check_redis(url: str) -> None:
     """Fail with one clear line when Redis is not reachable."""
     import redis
 
-    from pdqueue.queue.connection import check_mode, connect
-
     from pdqueue.config import redact_url
+    from pdqueue.queue.connection import check_mode, connect
 
     try:
         r = connect(url, purpose="check")

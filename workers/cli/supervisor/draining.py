@@ -183,8 +183,9 @@ class WorkLeft:
         """What changes while the workers make progress on long requests that do not finish
         yet: each one's free KV blocks (a decode sequence takes a block every 16 tokens) and
         running count, from the heartbeats."""
+        workers = list_workers(self.cluster.redis, self.cluster.keys)
         return tuple(sorted((w.get("worker_id", ""), (w.get("load") or {}).get("kv_free"),
-                             (w.get("load") or {}).get("running")) for w in list_workers(self.cluster.redis, self.cluster.keys)))
+                             (w.get("load") or {}).get("running")) for w in workers))
 
     def fail_unanswered(self, reason: str = "the local cluster (pdqueue up) stopped before answering") -> int:
         """Once the workers are gone, before the embedded server is: an ``error`` entry on

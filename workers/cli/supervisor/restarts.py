@@ -1,9 +1,10 @@
 """`up`'s restarts, like compose's ``restart: on-failure`` for every process: one that exits
 while `up` is not stopping starts again under the same worker id (so it takes back the
 entries it held, ``workers/recovery.py`` ``own_pending``) and in the role it ran (its
-heartbeat's, so ``--adapt``'s switches hold), after ``backoff_s`` (the config's ``restart_backoff_s``,
-``up --restart-backoff-s``, default RESTART_BACKOFF_S), doubling per restart up to
-RESTART_BACKOFF_MAX_S; a process that ran HEALTHY_RUN_S starts the doubling over. One that exits again after CRASH_LOOP_RESTARTS restarts within CRASH_LOOP_WINDOW_S is in a crash
+heartbeat's, so ``--adapt``'s switches hold), after ``backoff_s`` (the config's
+``restart_backoff_s``, ``up --restart-backoff-s``, default RESTART_BACKOFF_S), doubling per
+restart up to RESTART_BACKOFF_MAX_S; a process that ran HEALTHY_RUN_S starts the doubling over.
+One that exits again after CRASH_LOOP_RESTARTS restarts within CRASH_LOOP_WINDOW_S is in a crash
 loop: `up` gives up on it, and ``failure`` is set when that leaves a role (or the gateway)
 with nobody. ``events`` records what happened (also in ``up.log``). Never imports torch.
 """
@@ -124,9 +125,9 @@ class Restarts:
 
     def _came_back(self, w: WorkerProcess) -> None:
         w.back = True
-        self.event(f"{w.worker_id} is back (restart {w.restarts}, pid {w.proc.pid}"
-                    f"{'' if w is self.cluster.gateway else ', ' + w.role}; serving {secs(time.monotonic() - w.started)} "
-                    f"after its start)", "info", w)
+        role = "" if w is self.cluster.gateway else ", " + w.role
+        self.event(f"{w.worker_id} is back (restart {w.restarts}, pid {w.proc.pid}{role}; "
+                   f"serving {secs(time.monotonic() - w.started)} after its start)", "info", w)
 
     def _exited(self, w: WorkerProcess, now: float) -> None:
         w.handled_pid = w.proc.pid

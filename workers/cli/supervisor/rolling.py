@@ -243,7 +243,8 @@ class Rolling:
             return
         took = secs(now - self.started)
         self.say(f"rolling restart {self.command.id} done: {len(self.replaced)} process"
-                 f"{'es' * (len(self.replaced) != 1)} replaced in {took} ({', '.join(self.replaced) or 'none'})", "done")
+                 f"{'es' * (len(self.replaced) != 1)} replaced in {took} ({', '.join(self.replaced) or 'none'})",
+                 "done")
         self.command = None
 
     def _start(self, old: WorkerProcess, now: float) -> None:

@@ -108,7 +108,8 @@ class Stopping:
                 deadline = time.monotonic() + grace_s
             roles = self.cluster.current_roles()
             for role in ROLES_IN_STOP_ORDER:
-                group = [w for w in self.cluster.workers + leaving if roles.get(w.worker_id, w.role) == role and w.alive]
+                group = [w for w in self.cluster.workers + leaving
+                         if roles.get(w.worker_id, w.role) == role and w.alive]
                 if not group:
                     continue
                 cold = hurry.is_set()  # already in a hurry: the second SIGTERM follows at once
