@@ -23,8 +23,10 @@ records each token's arrival time on the client. After warm-up requests (not cou
   load it includes waiting for a busy worker; ``idle_overhead_ms`` measures it alone, with
   ``probes`` one-token requests sent one at a time to idle workers before the first rate.
 The parts: ``serve_load`` (settings, workload, request lists), ``serve_modes`` (the mode
-table), ``serve_client`` (sending and recording), ``serve_report`` (figures, claims, table);
-this module runs them. Imports redis (asyncio), rich, pdqueue's client; never torch.
+table), ``serve_client`` (sending and recording), ``serve_report`` (figures, claims, table),
+``serve_batch`` and ``serve_chaos`` (``--batch-lines``; ``--chaos`` and its runs without and
+with the faults by turns, ``--chaos-alternate``: ``_run_rate`` is one run of a rate); this
+module runs them. Imports redis (asyncio), rich, pdqueue's client; never torch.
 """
 
 from __future__ import annotations
