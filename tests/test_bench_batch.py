@@ -15,8 +15,16 @@ from pdqueue.bench.serve_batch import BatchBeside
 from pdqueue.bench.serve_chaos import Event, chaos_schedule, chaos_text, parse_chaos
 from pdqueue.bench.serve_client import HttpCompletion, Record
 from pdqueue.bench.serve_load import Planned, Settings
-from pdqueue.bench.serve_report import (alternated, batch_failures, batch_lines, chaos_event_line, chaos_lines, metrics,
-                                       window_figures, window_split)
+from pdqueue.bench.serve_report import (
+    alternated,
+    batch_failures,
+    batch_lines,
+    chaos_event_line,
+    chaos_lines,
+    metrics,
+    window_figures,
+    window_split,
+)
 from pdqueue.client import AsyncClient
 from pdqueue.keys import Keys
 

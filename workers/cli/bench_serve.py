@@ -382,7 +382,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     rates_by_tenant = _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines,
                                       openai_url)
     settings = Settings.for_model(
-        model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=csv_values(rates, float, "--rates"), duration_s=duration,
+        model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=csv_values(rates, float, "--rates"),
+        duration_s=duration,
         num_requests=num_requests, long_fraction=long_fraction, slo_ttft_ms=slo_ttft_ms,
         slo_tbt_ms=slo_tbt_ms, seed=seed, warmup=warmup, chunk_tokens=chunk_tokens,
         placed_chunk_tokens=placed_chunk_tokens, late_last=late_last, openai_url=openai_url,
