@@ -26,8 +26,9 @@ How a block runs (what differs from a reader's terminal, all of it here):
   HOME of its own.
 - ``pdqueue up`` serving in the foreground ("terminal 1") is not started again: the module's
   cluster serves in its place (its options are parsed, as above). ``--watch`` runs for a few
-  seconds. curl's progress meter, which it shows only when its output is not a terminal, is off. Whatever a block starts in the background is stopped when it ends (its process
-  group: SIGTERM, then SIGKILL).
+  seconds. curl's progress meter, which it shows only when its output is not a terminal, is
+  off. Whatever a block starts in the background is stopped when it ends (its process group:
+  SIGTERM, then SIGKILL).
 - The cluster listens on free ports, not on 6379 and 8000 (the suite's other tests may hold
   them): ``SUBSTITUTIONS`` points the blocks' addresses at it (a ``redis-cli`` without ``-p``
   gets the port), and paths under ``/tmp/`` go to the test's temporary folder.
@@ -63,7 +64,7 @@ FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
 # redis-cli prints an error reply and still exits 0 (outside a terminal too): its error lines fail a block.
 REDIS_ERROR = re.compile(r"^(\(error\) )?(ERR|NOAUTH|WRONGPASS|NOPERM|WRONGTYPE|NOGROUP|BUSYGROUP|LOADING)\b", re.M)
 BLOCK_TIMEOUT_S = 180
-WATCH_S = 3
+WATCH_S = 2
 
 pytestmark = pytest.mark.xdist_group("test_docs_examples")
 
