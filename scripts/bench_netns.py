@@ -231,7 +231,8 @@ def run_serve(args) -> dict:
 
     def med(values):
         values = sorted(values)
-        return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
     out = {"bench": "serve across network namespaces", "model": args.model, "prompt_tokens": args.prompt_tokens,
            "threads": args.threads, "load_avg": os.getloadavg(), "paths": {}}
@@ -290,13 +291,15 @@ def main() -> None:
         for row in result["rows"]:
             ps = row["paths"]
             print(f"{row['tokens']:>7} {row['bytes'] / 2**20:>7.1f} {ps['tcp']['ms']:>8.2f} {ps['zmq']['ms']:>8.2f} "
-                  f"{ps['raw_socket']['ms']:>8.2f} {row['vs_raw_socket']['tcp']:>8.2f} {row['vs_raw_socket']['zmq']:>8.2f}")
+                  f"{ps['raw_socket']['ms']:>8.2f} "
+                  f"{row['vs_raw_socket']['tcp']:>8.2f} {row['vs_raw_socket']['zmq']:>8.2f}")
         print("x/raw: raw socket time / path time (1.0 = as fast as a raw socket)")
     else:
         for path, v in result["paths"].items():
             print(f"{path}: {v['requests']} requests, {v['transfer_mib']} MiB each; transfer {v['transfer_ms']} ms, "
                   f"TTFT {v['ttft_ms']} ms, to token 1 {v['ttst_ms']} ms; transfer / TTFT "
-                  f"{100 * v['transfer_share_of_ttft']:.2f}%, / time to token 1 {100 * v['transfer_share_of_ttst']:.2f}%")
+                  f"{100 * v['transfer_share_of_ttft']:.2f}%, "
+                  f"/ time to token 1 {100 * v['transfer_share_of_ttst']:.2f}%")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ LLAMA3 = (
     "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
     "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' }}{{- system_message }}{{- '<|eot_id|>' }}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 

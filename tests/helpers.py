@@ -124,8 +124,8 @@ def wait_pools_free(cluster, timeout: float = 20.0) -> None:
     def all_free() -> bool:
         loads = {wid: w.get("load", {}) for wid, w in cluster.workers().items()}
         busy.clear()
-        busy.update({wid: l for wid, l in loads.items()
-                     if l.get("kv_free") != l.get("kv_total") or l.get("leases", 0) or l.get("running", 0)})
+        busy.update({wid: load for wid, load in loads.items()
+                     if load.get("kv_free") != load.get("kv_total") or load.get("leases", 0) or load.get("running", 0)})
         return not busy
 
     try:

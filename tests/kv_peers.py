@@ -153,8 +153,8 @@ def own_segments() -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def no_segment_left_behind():
-    """(Autouse in the modules that import it.) After the module: none of this run's KV segments is left (those found are removed,
-    and the module fails)."""
+    """(Autouse in the modules that import it.) After the module: none of this run's KV segments
+    is left (those found are removed, and the module fails)."""
     yield
     left = own_segments()
     for name in left:

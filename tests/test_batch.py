@@ -280,7 +280,8 @@ def test_window_bounds_the_queue_and_a_rerun_reattaches_instead_of_resending(clu
 
     # No workers: exactly `window` requests are queued, and no more while they wait.
     proc = start_batch(*args, env=env, tmp_path=tmp_path)
-    wait_for(lambda: r.xlen(KEYS.request_stream_for(ServiceClass.BATCH)) >= window, timeout=60, what="the window queued")
+    batch_stream = KEYS.request_stream_for(ServiceClass.BATCH)
+    wait_for(lambda: r.xlen(batch_stream) >= window, timeout=60, what="the window queued")
     # Its window full, it waits for answers (blocked in XREAD) and sends nothing more.
     wait_for(lambda: any(c.get("cmd") == "xread" for c in r.client_list()), timeout=60, what="the batch reading")
     assert r.xlen(KEYS.request_stream_for(ServiceClass.BATCH)) == window

@@ -10,8 +10,8 @@ install it) runs as a subprocess on a small load: 8 streamed completions sent at
 
 TTFT over a second, deterministically: ``PrefillStall`` SIGSTOPs the prefill worker until
 all 8 requests are queued in Redis, then 2 s more (3 s against the keep-alive gateway), so
-every first token comes at least that long after its request, on any machine. (The worker's ``--heartbeat-ttl-s 300`` keeps it
-registered meanwhile.)
+every first token comes at least that long after its request, on any machine. (The worker's
+``--heartbeat-ttl-s 300`` keeps it registered meanwhile.)
 
 - On the default gateway every client counts 8 of 8 requests sent and 8 succeeded, with a
   TTFT p50 over a second, and so does pdqueue's own ``bench serve`` client.

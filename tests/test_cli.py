@@ -235,7 +235,8 @@ def test_ctrl_c_in_the_terminal_is_a_warm_stop(tmp_path, env):
     assert waiting and first < waiting[0] and waiting[-1] < answered, err
     assert any(re.search(r", [1-4] in hand", lines[i]) for i in waiting), err
     assert answered < lines.index("stopping 1 prefill worker (warm: work in hand finishes)") \
-        < lines.index("stopping 1 decode worker (warm: work in hand finishes)") < lines.index("stopping the Redis server")
+        < lines.index("stopping 1 decode worker (warm: work in hand finishes)") \
+        < lines.index("stopping the Redis server")
     assert " not answered: " not in err, err
 
 

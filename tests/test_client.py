@@ -389,7 +389,8 @@ def test_lost_check_reads_queued_taken_and_answered_as_known():
     assert check.due(answered=False) and not check.due(answered=True)   # an answer begun: never resent
 
     def group(delivered: str) -> list[dict]:
-        return [{"name": b"other", "last-delivered-id": b"9999-0"}, {"name": b"prefill", "last-delivered-id": delivered.encode()}]
+        return [{"name": b"other", "last-delivered-id": b"9999-0"},
+                {"name": b"prefill", "last-delivered-id": delivered.encode()}]
 
     gone = redis.ResponseError("no such key")
     nogroup = redis.ResponseError("NOGROUP No such key 'x' or consumer group 'prefill'")

@@ -55,6 +55,7 @@ def test_plan_round_trips(r):
 
 @pytest.mark.processes
 def test_control_needs_no_torch():
-    code = "import sys, pdqueue.control.commands, pdqueue.control.planner, pdqueue.control.observe; print('torch' in sys.modules)"
+    code = ("import sys, pdqueue.control.commands, pdqueue.control.planner, pdqueue.control.observe; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

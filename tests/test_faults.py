@@ -355,7 +355,8 @@ def test_delivery_lost_with_the_connection_is_taken_in_again(tmp_path, tiny):
     c = Cluster(server.url, tmp_path)
     try:
         c.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}))
-        prompt_ids, expected, sampling = oracle(tiny, ["lost and found"], [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
+        prompt_ids, expected, sampling = oracle(tiny, ["lost and found"],
+                                                [{"max_tokens": 12, "temperature": 0.0, "seed": 1}])
         r = redis.Redis.from_url(server.url)
         with r.pipeline(transaction=True) as pipe:
             pipe.xadd(Keys().requests, {"id": "lost-1", "prompt": "lost and found", "max_tokens": "12",

@@ -444,7 +444,8 @@ def test_unknown_routes_and_methods_are_openai_errors(gateway):
     status, headers, raw = gateway.get("/nowhere")
     body = json.loads(raw)
     assert status == 404 and headers["content-type"] == "application/json"
-    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["type"] == "invalid_request_error"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
     status, headers, raw = gateway.get("/v1/completions")   # the route, another method
     assert status == 405 and headers["allow"] == "POST", raw
     assert json.loads(raw)["error"]["code"] == "method_not_allowed"
@@ -772,8 +773,8 @@ def test_an_idempotency_key_retry_gets_the_first_answer_and_runs_once(gateway, c
     answers["while"] = gateway.post("/v1/completions", body, headers={"idempotency-key": key})
     first.join(60)
     oa = gateway.openai()
-    later = oa.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True},
-                                  extra_headers={"Idempotency-Key": key})
+    later = oa.completions.create(**{k: v for k, v in body.items() if k != "ignore_eos"},
+                                  extra_body={"ignore_eos": True}, extra_headers={"Idempotency-Key": key})
     text, token_ids, _ = out_answer(cluster, key)
     for status, headers, raw in answers.values():
         assert status == 200 and headers["x-request-id"] == key, raw

@@ -223,8 +223,8 @@ def stack(tmp_path_factory):
 def post(stack, path: str, body: dict, key: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", stack["port"], timeout=120)
     try:
-        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json",
-                                                                    "authorization": f"Bearer {key}", **(headers or {})})
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"content-type": "application/json", "authorization": f"Bearer {key}", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:

@@ -122,7 +122,8 @@ def test_stream_collector_reports_backlog_lag_and_pending_per_group(r):
 @pytest.mark.processes
 def test_the_metrics_module_imports_no_torch():
     """The gateway and `pdqueue metrics-sd` import it: no torch, no model code."""
-    code = "import sys, pdqueue.telemetry.metrics, workers.cli.metrics; print(sorted({'torch', 'pdqueue.models'} & set(sys.modules)))"
+    code = ("import sys, pdqueue.telemetry.metrics, workers.cli.metrics; "
+            "print(sorted({'torch', 'pdqueue.models'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

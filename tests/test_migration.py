@@ -215,7 +215,8 @@ def test_a_sender_killed_mid_move_loses_nothing(cluster, tiny, runs):
     from pdqueue.control import commands
 
     cluster.start_together(("colocated", *FAST, "--switchable", {"worker_id": "c0"}),
-                           ("decode", *FAST, "--heartbeat-ttl-s", "20", {"worker_id": "d0"}))   # alive to c0 while frozen
+                           # (its heartbeat keeps it alive to c0 while it is frozen)
+                           ("decode", *FAST, "--heartbeat-ttl-s", "20", {"worker_id": "d0"}))
     client, handles, runs = submit(cluster, runs)
     wait_for(lambda: all_streaming_on(cluster, handles, "c0"), what="every request decoding on c0")
     cluster.signal("d0", signal.SIGSTOP)

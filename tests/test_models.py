@@ -226,7 +226,8 @@ def test_hf_directory_loads(tmp_path, smollm2):
 @pytest.mark.slow
 def test_smollm2_config(smollm2):
     cfg = smollm2.config
-    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 1536, 9, 3)
+    shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads)
+    assert shape == (30, 576, 1536, 9, 3)
     assert (cfg.head_dim, cfg.rope_theta, cfg.vocab_size, cfg.max_position_embeddings) == (64, 1e5, 49152, 8192)
     assert cfg.tie_word_embeddings and cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
     assert model_config_for("smollm2") == cfg

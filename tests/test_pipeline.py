@@ -64,8 +64,9 @@ def run_and_compare(cluster: Cluster, loaded, n: int = 32, expect_path: str | No
     (2, 2, "zmq", "zmq"),
 ])
 def test_pipeline_matches_colocated_engine(cluster, tiny, num_prefill, num_decode, transfer, path):
-    cluster.start_together(*[("prefill", "--transfer", transfer, {"worker_id": f"prefill{i}"}) for i in range(num_prefill)],
-                           *[("decode", "--transfer", transfer, {"worker_id": f"decode{i}"}) for i in range(num_decode)])
+    prefills = [("prefill", "--transfer", transfer, {"worker_id": f"prefill{i}"}) for i in range(num_prefill)]
+    decodes = [("decode", "--transfer", transfer, {"worker_id": f"decode{i}"}) for i in range(num_decode)]
+    cluster.start_together(*prefills, *decodes)
     results = run_and_compare(cluster, tiny, n=32, expect_path=path)
     if num_decode > 1:
         assert len({r.decode_worker for r in results}) > 1, "work should spread over decode workers"

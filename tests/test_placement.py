@@ -55,7 +55,8 @@ def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(clust
     assert len(placed) == sum(n <= MAX_PROMPT_TOKENS for n in lengths) > 0, (lengths, results)
     assert {res.transfer_path for res in placed} == {"local"}
     assert all(res.ttft_ms > 0 and res.decode_worker == cluster.id("d0") for res in placed)
-    wait_for(lambda: cluster.workers()["p0"]["load"].get("placed_out") == len(placed), what="p0's heartbeat counting them")
+    wait_for(lambda: cluster.workers()["p0"]["load"].get("placed_out") == len(placed),
+             what="p0's heartbeat counting them")
     # ... and their metrics say so: prompts placed (prefill), their tokens prefilled (decode)
     p0, d0 = endpoint(cluster, "p0"), endpoint(cluster, "d0")
     assert total(scrape(p0), "pdqueue:prompts_placed_total") == len(placed)

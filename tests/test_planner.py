@@ -475,8 +475,8 @@ def test_violations():
 
 LONG_ANSWERS = [(o, 250, 240, 400, pt // 4 + 8, 200, pf // 4 + 10) for o, _t, _a, _b, pt, _ot, pf in CHAT]
 
-PHASES = {"long_answers": LONG_ANSWERS, "chat": CHAT, "docs": DOCS, "docs_fast": DOCS_FAST_DECODE, "stalls": COLO_STALLS,
-          "border_ttft": BORDER_TTFT, "border_tbt": BORDER_TBT, "idle": (), "burst": ()}
+PHASES = {"long_answers": LONG_ANSWERS, "chat": CHAT, "docs": DOCS, "docs_fast": DOCS_FAST_DECODE,
+          "stalls": COLO_STALLS, "border_ttft": BORDER_TTFT, "border_tbt": BORDER_TBT, "idle": (), "burst": ()}
 
 
 @pytest.mark.parametrize("mode,n,seed", [(m, n, s) for m in ("reactive", "predictive")

@@ -295,8 +295,10 @@ def test_eviction_in_a_pool_smaller_than_the_prefixes(tiny, policy):
     rng = random.Random(5)
     prefixes = [tokens(rng, 48) for _ in range(8)]
     order = list(range(8)) + list(reversed(range(8)))
-    waves = [[(prefixes[i] + tokens(rng, 5), greedy(4, ignore_eos=True) if i % 2 else sampled(4, seed=i, ignore_eos=True))
-              for i in order[k:k + 2]] for k in range(0, len(order), 2)]
+    def params(i):
+        return greedy(4, ignore_eos=True) if i % 2 else sampled(4, seed=i, ignore_eos=True)
+
+    waves = [[(prefixes[i] + tokens(rng, 5), params(i)) for i in order[k:k + 2]] for k in range(0, len(order), 2)]
     overrides = dict(policy=policy, num_blocks=10, max_num_batched_tokens=32 if policy == "chunked" else 2048)
     on, off = engine(tiny, True, **overrides), engine(tiny, False, **overrides)
     got, expected = run_waves(on, waves), run_waves(off, waves)
@@ -653,7 +655,8 @@ def test_a_prefill_worker_killed_while_its_cached_blocks_are_leased_loses_nothin
     from pdqueue.keys import Keys
     from tests.helpers import oracle, wait_for
 
-    cluster.start_together(("prefill", "--lease-s", "3", {"worker_id": "prefill0"}), ("decode", {"worker_id": "decode0"}))
+    cluster.start_together(("prefill", "--lease-s", "3", {"worker_id": "prefill0"}),
+                           ("decode", {"worker_id": "decode0"}))
     prefix = "A long shared instruction that every request starts with, to be cached. " * 2
     prompts = [prefix + f"Question {i}?" for i in range(4)]
     params = [{"max_tokens": 5, "temperature": 0.0, "seed": 0}, {"max_tokens": 5, "temperature": 0.9, "seed": 7}] * 2

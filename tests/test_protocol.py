@@ -327,7 +327,8 @@ def test_roles_finish_reasons_and_reply_text_have_one_definition():
     assert as_str(b"\xff", "replace") == "\ufffd"
     with pytest.raises(UnicodeDecodeError):
         as_str(b"\xff")
-    assert Request(id="x", prompt="p").max_tokens == 128 == int(request_to_fields(Request(id="x", prompt="p"))["max_tokens"])
+    req = Request(id="x", prompt="p")
+    assert req.max_tokens == 128 == int(request_to_fields(req)["max_tokens"])
 
 
 def test_max_tokens_against_the_context():

@@ -253,7 +253,8 @@ def test_fp32_prefill_int8_decode_end_to_end(cluster, tiny, tiny_int8):
     finishes, the first token is float32's and the rest is what int8 decodes from that
     KV (the same mix run in this process); the outputs are not all-float32's, so the
     decode worker really used its own weights."""
-    cluster.start_together(("prefill", {"worker_id": "prefill0"}), ("decode", "--weights", "int8", {"worker_id": "decode0"}))
+    cluster.start_together(("prefill", {"worker_id": "prefill0"}),
+                           ("decode", "--weights", "int8", {"worker_id": "decode0"}))
     assert {n: w["weights"] for n, w in cluster.workers().items()} == {"prefill0": "fp32", "decode0": "int8"}
     assert "int8" in status_text(cluster) and "fp32" in status_text(cluster)
     prompts = mixed_prompts(8)

@@ -60,7 +60,9 @@ def test_read_group_reads_high_priority_first(r):
         r.xadd(KEYS.request_stream_for(ServiceClass.INTERACTIVE), {"n": f"high{i}"})
     got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=3)
     assert [(s, f[b"n"]) for s, _, f in got] == [
-        (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high0"), (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high1"), (KEYS.requests, b"normal0")]
+        (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high0"),
+        (KEYS.request_stream_for(ServiceClass.INTERACTIVE), b"high1"),
+        (KEYS.requests, b"normal0")]
     got = read_group(r, PREFILL_GROUP, "c1", request_streams(KEYS), count=10)
     assert [f[b"n"] for _, _, f in got] == [b"normal1", b"normal2"]
     # Nothing left after a short block; an entry added while blocked is returned.

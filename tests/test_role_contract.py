@@ -125,7 +125,8 @@ def test_input_flows_one_way():
             accepts += [fn.name for n in ast.walk(fn) if isinstance(n, ast.Call)
                         and isinstance(n.func, ast.Attribute) and n.func.attr == "accept"]
     assert accepts == ["_resume"], accepts
-    take = next(n for n in ast.walk(class_def(shell, "ShellView")) if isinstance(n, ast.FunctionDef) and n.name == "take")
+    take = next(n for n in ast.walk(class_def(shell, "ShellView"))
+                if isinstance(n, ast.FunctionDef) and n.name == "take")
     assert ast.unparse(take.returns) == "Input"
 
 

@@ -198,7 +198,8 @@ def test_a_rolling_restart_under_load_fails_no_request_and_runs_the_new_code(rol
     before = pids(state)
     reference = reference_answers(gateway_url, url)
     with Client(url, config=RedisConfig(unavailable_after_s=30)) as client:
-        long_ref = client.submit(LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True).result(timeout=120)
+        long_ref = client.submit(LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0,
+                                 ignore_eos=True).result(timeout=120)
         (tmp / "gen").write_text("2")   # the "code change": what new interpreters see
         started = time.monotonic()
         with Load(gateway_url, url, reference) as load:

@@ -213,7 +213,7 @@ def test_tbt_budget_cuts_prompt_chunks_only_for_decodes_without_slow_gaps_left()
     assert a.slow_gaps == 1
 
     sch2 = budgeted()
-    b = decoding(sch2, "b", max_tokens=8)          # 7 gaps: none may be slow
+    decoding(sch2, "b", max_tokens=8)          # 7 gaps: none may be slow
     sch2.add(seq("doc", 400))
     batch = dict((s.request_id, n) for s, n in sch2.schedule())
     # within 50 ms x STEP_SHARE: (42.5 ms - 10 - 2 x 1) / 0.1 ms = 305 tokens
@@ -519,13 +519,15 @@ def _workload_decisions(seed: int, yielding: frozenset[int], rank_of) -> list:
     out, now, n = [], 1e6, 0
     for _ in range(rng.randint(20, 60)):
         for _ in range(rng.choice([0, 0, 1, 2])):
-            s = Sequence(f"r{n}", [1] * rng.randint(1, 30), SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)),
+            sp = SamplingParams(temperature=0, max_tokens=rng.randint(1, 12))
+            s = Sequence(f"r{n}", [1] * rng.randint(1, 30), sp,
                          rank=rank_of(rng.choice([0, 1, 2, 2])), deadline_ms=rng.choice([None, rng.uniform(0, 9e3)]))
             s.ttft_due_ms = now + rng.uniform(0, 400)
             sch.add(s)
             n += 1
         if rng.random() < 0.15:   # imported KV (a decode worker's reserve + add_prefilled)
-            s = Sequence(f"r{n}", [1] * rng.randint(1, 20), SamplingParams(temperature=0, max_tokens=rng.randint(2, 12)),
+            sp = SamplingParams(temperature=0, max_tokens=rng.randint(2, 12))
+            s = Sequence(f"r{n}", [1] * rng.randint(1, 20), sp,
                          [7], rank=rank_of(rng.choice([0, 1, 2])))
             n += 1
             if (len(sch.running) < max_seqs and (s.rank not in yielding or sch.can_run_background())

@@ -149,7 +149,8 @@ def test_a_prefill_worker_prefills_batch_only_a_few_ahead_of_the_decode_side(clu
     wait_for(lambda: handed_off() == BATCH_AHEAD, timeout=60)
     time.sleep(1.0)   # the tiny model prefills the other 22 in far less: a worker without the bound would have
     assert handed_off() == BATCH_AHEAD
-    assert cluster.r.xlen(cluster.keys.request_stream_for(ServiceClass.BATCH)) == n - BATCH_AHEAD   # the others never read (a handed-off entry leaves)
+    # The others were never read (a handed-off entry leaves the stream).
+    assert cluster.r.xlen(cluster.keys.request_stream_for(ServiceClass.BATCH)) == n - BATCH_AHEAD
     cluster.start("decode", *FAST, worker_id="d0")
     results = [h.result(timeout=120) for h in handles]
     ids, expected, sampling = oracle(tiny, prompts, params)
@@ -251,7 +252,8 @@ def test_an_interactive_request_is_read_while_standard_ones_wait_in_the_engine_a
     chat_first_ms = entry_id_ms(chat.entry_id) + chat_result.ttft_ms
     before = sum(done_ms[h.request_id] < chat_first_ms for h in standard)
     assert before <= n // 2, (f"{before} of {n} standard requests answered before the interactive one's first token",
-                              entry_id_ms(chat.entry_id), chat_first_ms, sorted(done_ms[h.request_id] for h in standard))
+                              entry_id_ms(chat.entry_id), chat_first_ms,
+                              sorted(done_ms[h.request_id] for h in standard))
     sp = SamplingParams(max_tokens=4, temperature=0.0)
     [expected] = LLMEngine(tiny, EngineConfig(model="tiny", kv_cache_mb=16)).generate([chat_prompt], sp)
     assert_same_tokens(tiny, chat_prompt, expected, list(chat_result.token_ids), sp)

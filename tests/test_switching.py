@@ -339,7 +339,8 @@ def test_stale_and_malformed_commands_are_refused(cluster, tiny):
     before = beat(cluster, "c")
     epoch, stream = before["role_epoch"], cluster.keys.control(cluster.id("c"))
     sent = {
-        "stale": (commands.switch_fields("decode", epoch - 1), f"stale epoch: expected {epoch - 1}, worker is at {epoch}"),
+        "stale": (commands.switch_fields("decode", epoch - 1),
+                  f"stale epoch: expected {epoch - 1}, worker is at {epoch}"),
         "older": (commands.switch_fields("decode", 1700000000000), "stale epoch"),
         "same": (commands.switch_fields("colocated", epoch), "already colocated"),
         "op": ({"op": "flip", "id": "m-op", "role": "decode", "epoch": str(epoch)}, "op must be"),

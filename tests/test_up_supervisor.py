@@ -180,7 +180,8 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
         wait_for(lambda: goes_on in up.err_path.read_text(), CRASH_LOOP_WINDOW_S + 30, "the first crash loop", up)
         # The other decode worker still answers.
         with Client(state_url(state)) as client:
-            assert client.submit("hello", max_tokens=4, temperature=0).result(timeout=60).decode_worker == d0["worker_id"]
+            answer = client.submit("hello", max_tokens=4, temperature=0).result(timeout=60)
+            assert answer.decode_worker == d0["worker_id"]
         crash.write_text(f"{d1['worker_id']}\n{d0['worker_id']}\n")
         os.kill(d0["pid"], signal.SIGKILL)
         assert up.proc.wait(CRASH_LOOP_WINDOW_S + 60) == 1, up.output
@@ -189,8 +190,8 @@ def test_a_worker_that_keeps_dying_is_given_up_on_and_up_stops_when_its_role_has
     err = up.err_path.read_text()
     assert "Traceback" not in up.output, up.output
     for d in (d0, d1):
-        delays = re.findall(rf"^{d['worker_id']} exited \(\S+\) after [\d.]+ s; restarting in ([\d.]+) s \(restart \d\)$",
-                            err, re.M)
+        delays = re.findall(rf"^{d['worker_id']} exited \(\S+\) after [\d.]+ s; "
+                            rf"restarting in ([\d.]+) s \(restart \d\)$", err, re.M)
         assert delays == ["0.1", "0.2", "0.4", "0.8", "1.6"][:CRASH_LOOP_RESTARTS], (d["worker_id"], delays, err)
         assert re.search(rf"^{d['worker_id']} exited \(3\) after [\d.]+ s: a crash loop \({CRASH_LOOP_RESTARTS} "
                          rf"restarts within {CRASH_LOOP_WINDOW_S:g} s\), not restarted again; its log: \S+\.log$",
@@ -256,7 +257,8 @@ def test_a_second_ctrl_c_is_the_gateways_second_sigterm(tmp_path, env):
     try:
         state = up.wait_ready()
         lines, ended = [], threading.Event()
-        threading.Thread(target=_stream_completion, args=(state["gateway_url"], 4000, lines, ended), daemon=True).start()
+        threading.Thread(target=_stream_completion, args=(state["gateway_url"], 4000, lines, ended),
+                         daemon=True).start()
         wait_for(lambda: len(lines) > 20, 60, "streamed chunks", up)
         up.proc.send_signal(signal.SIGINT)
         wait_for(lambda: "answering what is left first" in up.err_path.read_text(), 30, "the drain", up)
@@ -383,8 +385,8 @@ def test_under_adapt_a_restarted_worker_comes_back_in_the_role_it_was_switched_t
             os.kill(d1["pid"], signal.SIGKILL)
             wait_for(lambda: f"{d1['worker_id']} is back" in up.err_path.read_text(), 60, "the restart", up)
             assert r.hget(keys.worker(d1["worker_id"]), "role") == "colocated"
-        assert re.search(rf"^{d1['worker_id']} restarted \(restart 1, pid \d+, as colocated\)$", up.err_path.read_text(),
-                         re.M), up.output
+        assert re.search(rf"^{d1['worker_id']} restarted \(restart 1, pid \d+, as colocated\)$",
+                         up.err_path.read_text(), re.M), up.output
         up.proc.send_signal(signal.SIGINT)
         assert up.proc.wait(60) == 0, up.output
     finally:

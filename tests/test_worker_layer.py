@@ -186,5 +186,6 @@ def test_a_worker_config_refuses_bad_values_and_the_cli_shows_its_defaults():
     shown = CliRunner().invoke(worker, ["--help"], terminal_width=200).output
     defaults = WorkerConfig()
     for option, value in (("--lease-s", defaults.lease_s), ("--reclaim-idle-ms", defaults.reclaim_idle_ms),
-                          ("--heartbeat-ttl-s", defaults.heartbeat_ttl_s), ("--max-num-seqs", defaults.engine.max_num_seqs)):
+                          ("--heartbeat-ttl-s", defaults.heartbeat_ttl_s),
+                          ("--max-num-seqs", defaults.engine.max_num_seqs)):
         assert re.search(rf"{option}\b[^\[]*\[default: {value}[;\]]", shown), (option, shown)
