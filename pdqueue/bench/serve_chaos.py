@@ -1,4 +1,5 @@
-"""`bench serve --batch-lines N --chaos kill-worker,restart-redis`: faults mid-run (issue 27).
+"""`bench serve --batch-lines N --chaos kill-worker,restart-redis,rolling-restart,zero-capacity`:
+faults mid-run (issue 27; the roll and the outage: issue 42).
 
 Each event happens once per rate, at its time after the rate's start (the first online
 arrival): ``EVENT@SECONDS``, or without ``@`` half way through the online load's arrivals.
@@ -14,7 +15,6 @@ Events due at the same second happen in the order given.
   server runs with ``appendonly yes`` and ``appendfsync everysec`` (without ``--chaos`` it
   keeps no persistence, as before), so the streams, consumer groups and pending lists come
   back; a graceful stop loses nothing at any fsync policy.
-
 - ``rolling-restart``: every worker of the mode's cluster replaced one at a time by the
   supervisor's own rolling restart (``workers/cli/supervisor/rolling.py``: the command
   ``pdqueue restart`` sends, taken by the bench's ``LocalCluster`` supervisor): each
@@ -28,7 +28,10 @@ Events due at the same second happen in the order given.
   ``ZERO_CAPACITY_S``) as many started again in their roles under new worker ids (the ids a
   rolling restart's replacements get: the old processes leave the supervisor's care as
   retired ones, so it never restarts them meanwhile). The online requests meanwhile wait in the
-  queue (the Python client does not give up). Recorded: the outage's start and end, when
+  queue (the Python client does not give up). New ids rather than the same ones: a restart under
+  the same id is the supervisor's crash path (an exit counted against its crash loop, its
+  backoff), and a new id never shares a consumer name or heartbeat with a process still
+  finishing its warm stop. Recorded: the outage's start and end, when
   capacity was back (the first new worker registered), the ids stopped and started.
 
 Events run one after another in time order: one due while an earlier one (a roll, an outage)
@@ -40,7 +43,7 @@ figures add the TTFT of the requests that arrived in a window against the others
 With ``--chaos-alternate N`` each rate runs 2N times on the same workers: N times without the
 events (the baseline: the same request list) and N times with them, alternately, the baseline
 first; each run's figures are kept (``runs``) and the report sets the medians side by side
-(``serve_report.versus``).
+(``serve_report.alternated``).
 
 What each event did (when, which worker, its pid, when the supervisor had it back; how long
 Redis was away) goes into the rate's figures under ``chaos``. Imports the standard library.
