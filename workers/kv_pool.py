@@ -32,7 +32,9 @@ class ProcessKV:
     turn of a conversation finds it. When a role gives way to another, its engine's named
     blocks are copied into the tiers first (the next engine starts with an empty index over
     the same pool); at the worker's stop (``close``) they and the host tier's entries are
-    written to the disk tier, which a worker restarted on the same ``--kv-disk-dir`` reads."""
+    written to the disk tier, which a worker restarted on the same ``--kv-disk-dir`` reads.
+    A decode role's engine writes each finished request's answer blocks there at once, for
+    the next turn's prefill worker sharing the directory."""
 
     def __init__(self, layout, device: str, switchable: bool, worker_id: str, incarnation: str,
                  tiers: KVTiers | None = None):
@@ -53,6 +55,7 @@ class ProcessKV:
             return
         self._keep()
         attach(self.tiers, engine)
+        self.tiers.write_finished = getattr(role, "name", "") == "decode"   # answers for the next turn's prefill
         self._engine = engine if engine.block_manager.tier is self.tiers else None
 
     def _keep(self) -> None:

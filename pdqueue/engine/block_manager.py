@@ -43,7 +43,9 @@ sequence (exported to a decode worker under a lease) come back through ``free_bl
   tokens as cached, exactly like a pool hit; only the rest is computed. The payloads are
   fetched once per admission (memoized for the sequence between ``num_hit_tokens``,
   ``can_allocate`` and ``allocate``), so a tier entry lost meanwhile cannot change what the
-  scheduler was told. A tier's failure is a miss.
+  scheduler was told. A tier's failure is a miss. With ``tier.write_finished`` (a decode
+  worker's), a finished sequence's named blocks past its prompt (its answer's) are written
+  to the disk tier at once (``persist``), for the next turn's prefill on this node.
 - *Epochs* (``on_rewrite``, wired by the prefill role to the shared segment's
   ``bump_epochs``): called with the blocks handed out for new content (``allocate``,
   ``append``), before the step that writes them. That is exactly when a block's bytes can
@@ -61,7 +63,7 @@ from array import array
 from collections import OrderedDict, deque
 from typing import Callable
 
-from pdqueue.engine.sequence import Sequence
+from pdqueue.engine.sequence import Sequence, SequenceStatus
 
 _DIGEST = 16   # bytes of blake2b per block hash (collisions: ~2^-64 at 2^32 blocks)
 
@@ -291,6 +293,11 @@ class BlockManager:
 
     # ---- giving blocks back ------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
+        if self.tier is not None and self.tier.write_finished and seq.status == SequenceStatus.FINISHED:
+            # Its answer's named blocks, for the next turn's prefill on this node (kv_tiers.py).
+            first = seq.num_prompt_tokens // self.block_size
+            self.tier.persist([(seq.block_hashes[i], seq.block_table[i])
+                               for i in range(first, min(seq.num_hashed_blocks, len(seq.block_table)))])
         self.free_blocks(seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0

@@ -19,6 +19,11 @@ last one (prompt and generated tokens) after the pool had to give its blocks to 
   another shape is a miss (and removed), never an error. The files outlive the process: a
   worker restarted with the same ``--kv-disk-dir`` serves them (``KVTiers.flush`` writes the
   pool's and the host tier's named blocks there at a clean stop).
+- *Across workers of a node.* Workers may share a disk directory: a file another one wrote
+  is found by its name (``DiskTier.__contains__``). A decode worker writes a finished
+  sequence's answer blocks there at once (``write_finished``, ``persist``), so the next
+  turn's prefill worker on this node, which holds the prompt's blocks, computes only the
+  new tokens.
 - *Hits* (``KVTiers.fetch``): the leading run of a chain's hashes found in a tier; the
   payloads are read (disk hits promoted to the host tier) before any pool block is handed
   out, and the block manager copies each into a fresh block (``load``), names it and counts
@@ -161,7 +166,14 @@ class DiskTier:
         return len(self._names)
 
     def __contains__(self, h: bytes) -> bool:
-        return h in self._names
+        """In this store, or written since by another worker sharing the directory."""
+        if h in self._names:
+            return True
+        if self.path(h).exists():
+            self._names[h] = None
+            self._evict()
+            return h in self._names
+        return False
 
     @property
     def nbytes(self) -> int:
@@ -256,6 +268,9 @@ class KVTiers:
         self.host: HostTier | None = None
         self.disk: DiskTier | None = None
         self.spilled = self.loaded = 0
+        # Write a finished sequence's answer blocks to the disk tier at once (a decode worker:
+        # the next turn's prompt repeats them, and its prefill worker on this node reads them).
+        self.write_finished = False
 
     @property
     def enabled(self) -> bool:
@@ -321,6 +336,14 @@ class KVTiers:
         """Copy a fetched payload into the pool's block ``block_id``."""
         self.pool[:, :, block_id].copy_(payload)
         self.loaded += 1
+
+    def persist(self, named) -> None:
+        """Write the pool's blocks ``named`` ((hash, block id) pairs) to the disk tier now."""
+        if self.disk is None:
+            return
+        for h, block_id in named:
+            if h not in self.disk:
+                self.disk.put(h, self.pool[:, :, block_id].to("cpu", copy=True))
 
     def flush(self, named) -> int:
         """Clean stop: write the host tier's entries, then the pool's named blocks (``named``:
