@@ -120,8 +120,8 @@ class PrefillRole(RequestRole):
     def reads_ahead(self) -> bool:
         """With placement, while a decode worker has room for prompts: the placement decides
         at intake, so a short prompt queued in Redis behind the prompts waiting here would
-        otherwise wait for them before it could be placed (measured under overload: the chats
-        after a burst of documents waited seconds in Redis while the decode worker idled)."""
+        otherwise wait for them before it could be placed (under overload, the chats after a
+        burst of documents would wait in Redis while the decode worker idles)."""
         placer = self.intake.placer
         return (placer is not None and self.engine.scheduler.num_waiting_foreground < self.read_limit()
                 and placer.has_room(time.monotonic()))

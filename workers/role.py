@@ -249,8 +249,8 @@ class RequestRole(Role):
         """Lower classes wait in the engine and no interactive request does: the interactive
         stream is read anyway (the engine's waiting order puts what comes ahead of them,
         engine/scheduler.py), so interactive requests never queue in Redis behind the standard
-        ones this worker already holds (measured: a 2 req/s standard tenant beside a 1 req/s
-        interactive one took the interactive TTFT p50 from 0.3-0.7 s to 4.5-4.8 s)."""
+        ones this worker already holds (read in turn with those, their TTFT would grow
+        several-fold beside a busy standard tenant)."""
         first = next(iter(ServiceClass))   # rank 0: the interactive class
         self._read_only(self.shell.keys.request_stream_for(first), self.read_limit())
 

@@ -35,8 +35,9 @@ class Phase:
     duration_s: float
 
 
-# The two regimes measured on a 2-core machine with SmolLM2: mostly chat favours 1 prefill +
-# 1 decode; half documents saturate one prefill worker, where 2 colocated workers win.
+# The two regimes of the phased load: mostly chat favours 1 prefill + 1 decode; half documents
+# saturate one prefill worker, where 2 colocated workers win (docs/performance-history.md, "a load
+# that changes, fixed splits against the adaptive one").
 PHASE_KINDS = {"chat": (0.1, 2.0), "docs": (0.5, 1.0)}
 
 

@@ -58,7 +58,7 @@ def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> C
     switchable."""
     def workers(settings: Settings) -> Workers:
         # (``--placed-chunk-tokens``, 512 by default: a cap; the TBT budget sizes the chunks by the
-        # TBT SLO, ~64 tokens at 60 ms and ~256 at 250 ms in q4_1: docs/performance.md, session 16)
+        # TBT SLO: docs/performance-history.md, "chunks sized by the TBT target, and the TTFT order")
         decode = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", str(settings.placed_chunk_tokens),
                   "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}", "--switchable")
         if weights:
@@ -130,9 +130,9 @@ MODES: dict[str, Mode] = {
     "placement-q4_1": Mode(_elastic_split("q4_1", "q4_1")),
     "elastic-q4_1": Mode(_elastic_split("q4_1", "q4_1"),
                          beside=lambda settings, url, cluster: _start_planner(settings, url, cluster, elastic=True)),
-    # ``--decode-here`` measured (issue 25): a q4_1 split whose decode worker has 4 slots, so
-    # it fills under load; the prefill worker hands every request over (waiting for a slot),
-    # or decodes it itself when the decode worker is full.
+    # ``--decode-here`` against a fixed split (issue 25): a q4_1 split whose decode worker has 4
+    # slots, so it fills under load; the prefill worker hands every request over (waiting for a
+    # slot), or decodes it itself when the decode worker is full.
     "disagg-q4_1-4slots": Mode(_fixed(("prefill", ("--weights", "q4_1")),
                                       ("decode", ("--weights", "q4_1", "--max-num-seqs", "4")))),
     "disagg-q4_1-4slots-here": Mode(_fixed(("prefill", ("--weights", "q4_1", "--decode-here", "auto")),
@@ -143,8 +143,8 @@ MODES: dict[str, Mode] = {
         ("prefill", ("--weights", "q4_1", "--decode-here", "auto", "--policy", "chunked",
                      "--tbt-slo-ms", f"{settings.slo_tbt_ms:g}")),
         ("decode", ("--weights", "q4_1", "--max-num-seqs", "4"))]),
-    # Session 9's elastic cluster: 2 colocated int4 workers under the TBT budget, switchable,
-    # with the same planner.
+    # An elastic cluster that starts all-colocated: 2 colocated int4 workers under the TBT
+    # budget, switchable, with the same planner.
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
                               beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
                                                                                    elastic=True)),

@@ -193,8 +193,8 @@ class DecoderModel(nn.Module):
         self.attn_specs = [AttnSpec(config.scale, config.window(i), config.attn_softcap)
                            for i in range(config.num_layers)]
         # Given its (uninitialised) weight, the embedding skips its random init: under the
-        # loader's meta device that init cost ~1.5 s of a process's first model load
-        # (tiny: 2.0 -> 0.5 s, measured); the weights are loaded over it anyway.
+        # loader's meta device that init is most of a process's first load of a small model,
+        # and the weights are loaded over it anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))

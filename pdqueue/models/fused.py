@@ -4,8 +4,9 @@ one call per layer. The q4_1 format's forward pass uses them (``quantize_model``
 ``DecoderModel.fused``); other formats, and machines where the library could not be built, run
 the same layer in torch ops.
 
-Why: at batch 1 a q4_1 step was ~8 ms of weights and ~7 ms of ~1,300 small torch ops whose
-fixed costs, not their bytes, made up the rest (docs/performance.md, session 12). Each
+Why: at batch 1 a q4_1 step spent nearly as long in its many small torch ops (their fixed
+costs, not their bytes) as in reading its weights (docs/performance-history.md, "the q4_1
+kernel against llama.cpp in the same sitting"). Each
 sequence's numbers are still its own (no dependence on the batch, the threads or the ISA), so
 disaggregated == colocated holds; against the torch ops they differ in the last bits (RMSNorm,
 SiLU and softmax sum in their own order; RoPE is bit for bit torch's).

@@ -130,9 +130,8 @@ def _allocate(model: torch.nn.Module, device, dtype) -> None:
     """``model.to(dtype).to_empty(device=device)`` for a model built on the meta device, with
     ``torch.empty`` by shape: ``to_empty``'s ``empty_like`` of a meta tensor runs through
     ``torch._refs``, whose first call imports ``torch.fx.experimental.symbolic_shapes`` and
-    sympy: ~1 CPU-second of every worker's start (tiny: a 2.1 s start, 1.0 s of it that
-    import, measured). Floating-point tensors take ``dtype``, others keep theirs, as with
-    ``.to(dtype)``; a tensor shared by two modules stays shared."""
+    sympy, a large share of every worker's start. Floating-point tensors take ``dtype``, others
+    keep theirs, as with ``.to(dtype)``; a tensor shared by two modules stays shared."""
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(meta tensor) -> (it, its allocation)
 
     def allocated(t: torch.Tensor) -> torch.Tensor:

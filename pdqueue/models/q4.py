@@ -8,8 +8,8 @@ Owns: ``quantize_weight`` / ``quantize_weight8`` (float [N, K] -> the blocks), `
 built once per machine and cached, or None with the reason). The layers are
 ``models.quant.Q41Linear`` and ``Q80Linear``.
 
-Why: torch's int4 kernel (``int4``, tinygemm) dequantizes its weights for every row, so a
-decode step at batch 8 costs ~2.7x batch 1 (docs/performance.md, session 10). The kernel in
+Why: torch's int4 kernel (``int4``, tinygemm) dequantizes its weights again for every row, so
+a decode step's cost grows with its batch (docs/performance.md, "The engine"). The kernel in
 ``q4_kernel.c`` quantizes each row's activations to int8 in blocks of 32 and computes each
 block's dot product in integers (exact), 16 outputs per AVX-512 VNNI instruction (8 with AVX2)
 from weights unpacked once per call for all the rows of the step. A row's result does not

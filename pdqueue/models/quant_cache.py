@@ -16,9 +16,8 @@ of plain tensors, read without unpickling anything:
   runs at load (its packed object is no tensor), on the same quantized tensor, so the layer
   is bit-identical to one quantized from float32;
 - int4: torch's packed tinygemm layout as ``_convert_weight_to_int4pack_for_cpu`` returned
-  it, and the bf16 scales/zeros: loading is a read (storing the 4-bit values and packing
-  them at load measured 0.4-1.1 s more for SmolLM2, against ~0.01 s to read the packed
-  ones).
+  it, and the bf16 scales/zeros: loading is a read (storing the 4-bit values instead would
+  pack them again at every load, far slower than reading the packed ones).
 
 The quantized layers are found by the float parameter each was made from (its name in the
 model), through ``quant.tensor_store``: ``quantize_model`` stays the one place that decides

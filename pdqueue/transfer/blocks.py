@@ -2,9 +2,9 @@
 
 A pool ``[L, 2, num_blocks, block_size, kv_heads, head_dim]`` is handled as ``planes``:
 ``[L*2, num_blocks, block_elems]``. Blocks are copied one run of consecutive (source,
-destination) ids at a time across all planes at once: measured on the 2-core box this beats
-advanced indexing (``dst[:, :, ids] = src[:, :, ids]``, 1.8 GB/s, a temporary) and per-layer
-indexing (5.7 GB/s) with 10-18 GB/s, close to a plain contiguous copy.
+destination) ids at a time across all planes at once: several times faster than advanced
+indexing (``dst[:, :, ids] = src[:, :, ids]``, which makes a temporary) or a copy per layer,
+and close to a plain contiguous copy.
 Imports torch only. Owns nothing.
 """
 
@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-# A zmq frame of 32 MiB+ is received at ~0.35x socket speed; 4 MiB frames let staging, the
-# wire and the receiver's copy overlap (measured 5-10% faster than 16 MiB at 22.5 MiB).
+# Large zmq frames are received well below socket speed; 4 MiB frames let staging, the wire and
+# the receiver's copy overlap (docs/performance-history.md, "What changed in transfer version 4").
 MAX_FRAME_BYTES = 4 << 20
 
 

@@ -4,7 +4,8 @@ straight into the receiver's pool.
 Why beside ZeroMQ: a ZeroMQ fetch costs two copies a plain socket does not make (the
 sender gathers blocks into frames; libzmq receives into its own buffers, which the receiver
 then copies into its pool), and sending frames straight from the pool instead costs a
-wakeup of pyzmq's garbage-collector thread per frame (measured slower still). Over this
+wakeup of pyzmq's garbage-collector thread per frame, slower still (docs/performance-history.md,
+"What changed in transfer version 4, and why"). Over this
 wire the sender writes its pool's block runs with gathering ``sendmsg`` and the receiver
 reads them with scattering ``recvmsg_into`` straight into its destination blocks: the same
 work as a raw socket, so a fetch runs at raw-socket speed, scattered blocks included.

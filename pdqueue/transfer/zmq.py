@@ -384,8 +384,9 @@ class RouterServer:
         """Send the header, then each frame as its own message ``[data_tag, bytes]``, staged
         (gathered from the leased blocks) just before it is sent and sent only if the lease
         still held when staging ended. Returns an error reply, or [] once everything is
-        queued on the socket. (Frames sent zero-copy straight from the pool measured 15-20%
-        slower: pyzmq wakes its gc thread for every such frame.)"""
+        queued on the socket. (Frames sent zero-copy straight from the pool are slower: pyzmq
+        wakes its gc thread for every such frame; docs/performance-history.md, "What changed in
+        transfer version 4, and why".)"""
         seq, request_id, block_ids = fetch.seq, fetch.request_id, fetch.block_ids
         num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), self.layout.block_nbytes
         plan = plan_frames(num_planes, num_blocks, block_nbytes, self.max_frame_bytes)
