@@ -2,23 +2,23 @@
 
 Owns: ``WEIGHT_FORMATS``, ``Int8Linear``, ``Int4Linear``, ``Q41Linear``, ``Q80Linear``,
 ``quantize_model`` (swap a loaded ``DecoderModel``'s linear layers and LM head for quantized
-ones, in place),
-``step_weight_bytes`` (the bytes of weights one decode step reads), ``RECIPE_VERSION`` and
-``tensor_store`` (how the cache of quantized weights, ``pdqueue.models.quant_cache``, gives
-the layers their tensors and takes the ones they compute).
+ones, in place), ``step_weight_bytes`` (the bytes of weights one decode step reads),
+``RECIPE_VERSION`` and ``tensor_store`` (how the cache of quantized weights,
+``pdqueue.models.quant_cache``, gives the layers their tensors and takes the ones they compute).
 
-Why these kernels (measured on this machine, one thread, SmolLM2-135M's shapes; see
-docs/architecture.md "Quantized weights"): a decode step reads every weight once, so the bytes
+Why these kernels (SmolLM2-135M's shapes on a CPU; the figures are in docs/performance.md,
+"The engine" and "Quantized weights"): a decode step reads every weight once, so the bytes
 decide its speed. Of torch 2.13's own CPU kernels:
 
 - ``int8``: fbgemm's dynamically quantized linear (``torch.ops.quantized.linear_dynamic``,
   the kernel behind ``torch.ao``'s dynamic quantization): int8 weights, per output channel
-  scales; the activations are quantized to uint8 on the fly. The LM head (49152 x 576) at
-  batch 1: 3.6 ms against float32's 12 ms, and it stays fast at batch 8 and 32 (5.5, 11 ms).
-  ``torch._weight_int8pack_mm`` (weight-only int8) is slower than float32 here.
+  scales; the activations are quantized to uint8 on the fly. It is several times faster than
+  float32 at batch 1 and stays fast at larger batches. ``torch._weight_int8pack_mm``
+  (weight-only int8) is slower than float32 here.
 - ``int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the "tinygemm" layout, bf16
-  activations, asymmetric groups of 32 along the input): 2.8 ms at batch 1, but 9.7 ms at
-  batch 8 and 39 ms at batch 32 (it does not reuse the weights across rows as a GEMM does).
+  activations, asymmetric groups of 32 along the input): the fastest at batch 1, but its cost
+  grows with the batch almost row for row (it does not reuse the weights across rows as a
+  GEMM does).
 
 fbgemm quantizes the activations with one (scale, zero point) for the whole matrix, from its
 min and max: 8 bits for the activations cost more than the int8 weights do (SmolLM2's
@@ -28,8 +28,8 @@ absolute maximum of 127 and adds one anchor row holding -127.5 and 127.5, so the
 range is always the same and fbgemm's grid is the integers, whatever the batch; and (2)
 splits each row into integers (exact on that grid) and the remainder times 255, both as
 rows of the same call: about 16 bits of activation for one read of the weights (a decode
-step has rows to spare: the kernel is memory-bound there). Measured on
-SmolLM2 (KL from float32 per token): 0.096 with plain 8-bit activations, 0.006 with the split.
+step has rows to spare: the kernel is memory-bound there), which brings the divergence from
+float32 (KL per token) down by an order of magnitude from plain 8-bit activations.
 
 - ``q4_1``: the same 4-bit blocks as int4 with float scale and minimum, times activations
   quantized to 8 bits per block of 32 (llama.cpp's Q4_1 x Q8_1), in pdqueue's C kernel
@@ -37,8 +37,8 @@ SmolLM2 (KL from float32 per token): 0.096 with plain 8-bit activations, 0.006 w
 
 ``int4`` keeps the LM head in int8 and ``q4_1`` in q8_0 (GGUF's Q8_0 blocks times 8-bit
 activations, the same kernel's 8-bit twin): SmolLM2's GGUF stores the embedding (its tied head) in
-Q8_0, and 4 bits there cost KL 0.05 against 0.0006 for the 4-bit layers (their Q4_1 blocks
-are recovered up to the bf16 rounding of scale and zero).
+Q8_0, and 4 bits there would cost far more quality than the 4-bit layers do (their Q4_1
+blocks are recovered up to the bf16 rounding of scale and zero).
 
 Imports torch, ``models.q4`` and ``models.fused`` only.
 """

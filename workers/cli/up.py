@@ -43,8 +43,9 @@ DEMO_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea."
                 "Explain in one sentence why the sky is blue.")
 DEMO_MAX_TOKENS = 64
 # A decode worker of `up --take-prompts`: placed prompts in chunks beside its decodes, sized by
-# its TBT target (the engine's TBT budget, scheduler.py: ~64 tokens at 60 ms, ~256 at 250 ms
-# with q4_1 on this machine), at most 512 a step (docs/performance.md, sessions 15-16).
+# its TBT target (the engine's TBT budget, scheduler.py), at most 512 a step: the cap leaves the
+# budget to size the chunks (docs/performance-history.md, "chunks sized by the TBT target, and
+# the TTFT order").
 TAKE_PROMPTS_ARGS = ("--take-prompts", "--policy", "chunked", "--max-batched-tokens", "512")
 
 
