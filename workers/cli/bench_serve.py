@@ -314,7 +314,7 @@ def _write_partial(out: str, partial: dict) -> None:
                    "the TBT budget sizes the chunks by --slo-tbt-ms.")
 @click.option("--late-last/--no-late-last", default=True, show_default=True,
               help="Every worker gets --ttft-slo-ms (the bench's TTFT SLO): prompts that can no longer make it "
-                   "wait behind those that still can. --no-late-last: arrival order, as before session 16.")
+                   "wait behind those that still can. --no-late-last: arrival order (to compare with).")
 @click.option("--batch-lines", type=click.IntRange(min=0), default=0, show_default=True,
               help="Batch-class requests queued at the start of each rate, beside the online load; the figures "
                    "say how many were answered during the online load and what share of the capacity it left "
