@@ -5,8 +5,8 @@ the first of `bench serve`'s seeded request list (for SmolLM2 25 % documents of 
 75 % chats of 16-64: ``serve_load.plan_requests``), once per
 ``--max-batched-tokens`` value, alternating, ``--rounds`` times; each run prints tokens/s and
 the mean time from the start to a prompt's first token. On a CPU the first is flat from 128
-to 2048 tokens a step and the second grows with the step (docs/performance.md, session 17),
-which is why ``EngineConfig.max_num_batched_tokens`` is 512.
+to 2048 tokens a step and the second grows with the step (docs/performance-history.md, "the
+issue's grid again, after the float32 cell was fixed"), which is why ``EngineConfig.max_num_batched_tokens`` is 512.
 
     python scripts/bench_prefill_step.py [--weights fp32|q4_1] [--budgets 128,256,512,1024,2048] [--rounds 2]
 """

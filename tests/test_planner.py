@@ -630,7 +630,8 @@ def test_no_colocated_route_in_bigger_clusters_or_when_disabled():
 
 def test_no_colocated_route_while_the_decode_worker_takes_placed_prompts():
     """Placement already gives the decode worker's spare time to prompts; the all-colocated
-    route beside it lost 0.69-0.82x goodput at 5-6 req/s (docs/performance.md, session 10)."""
+    route beside it lost goodput (docs/performance-history.md, "prompt placement, the elastic
+    split against the fixed ones")."""
     planner = Planner(PlannerConfig(cooldown_s=10, min_dwell_s=30))
     ws = [worker("p", PREFILL, 2, running=1), worker("d", DECODE, 4, running=2, takes_prompts=True)]
     for i in range(4):
