@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from pdqueue.engine.kv_tiers import KVTiers, attach
+from pdqueue.protocol import Role
 from pdqueue.transfer.shm import DEFAULT_PREFIX, SharedKVPool, cleanup_segments
 from workers.common import Every
 
@@ -55,7 +56,7 @@ class ProcessKV:
             return
         self._keep()
         attach(self.tiers, engine)
-        self.tiers.write_finished = getattr(role, "name", "") == "decode"   # answers for the next turn's prefill
+        self.tiers.write_finished = getattr(role, "name", "") == Role.DECODE.value   # for the next turn's prefill
         self._engine = engine if engine.block_manager.tier is self.tiers else None
 
     def _keep(self) -> None:
