@@ -55,7 +55,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import REQUEST_ROLES, Role
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.queue.streams import request_streams_of
+from pdqueue.queue.streams import handoff_streams_of, request_streams_of
 from workers.common import Every
 from workers.recovery import REDIS_DOWN
 
@@ -105,8 +105,7 @@ def backlog_refusal(r, keys: Keys, worker_id: str, node: str, from_role: str, to
         who = "last decode worker" if from_role == Role.DECODE else "no decode worker"
         return f"nobody left to serve it: {who}, prefill worker(s) {', '.join(prefill)} would hand off to nobody"
     if from_role == Role.DECODE and not has_decode:
-        nodes = {w.get("node") for w in others if w.get("node")} | {node}
-        streams = [keys.handoff, *(keys.handoff_node(n) for n in sorted(nodes))]
+        streams = handoff_streams_of(keys, [*others, {"node": node}])
         n = streams_backlog(r, streams, DECODE_GROUP, not_held_by=worker_id).total
         if n:
             return f"nobody left to serve it: last decode worker, {n} handoff(s) queued"

@@ -9,7 +9,8 @@
   (what ``Heartbeat.update(role_epoch=...)`` writes) or as top-level hash fields;
   ``load`` wins;
 - the backlog (``pdqueue.queue.backlog``) of the request streams (group ``prefill``) and
-  of the handoff streams (``handoff`` and ``handoff:<node>`` for every node named by a
+  of the handoff streams (``handoff``, ``handoff:<node>`` for every node and
+  ``handoff:kv:<key>`` for every compatibility kind named by a
   heartbeat; group ``decode``): lag (entries not yet delivered) and pending (delivered,
   not acknowledged);
 - the ``done`` entries of the last ``window_s`` seconds (at most ``done_limit``, newest
@@ -33,7 +34,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import ProtocolError, ResultType, as_str, entry_id_ms, parse_result
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.queue.streams import request_streams_of
+from pdqueue.queue.streams import handoff_streams_of, request_streams_of
 
 DONE_LIMIT = 2000
 
@@ -128,11 +129,11 @@ def observe(r: redis.Redis, keys: Keys, now: float | None = None, window_s: floa
     if now is None:
         now = server_time(r)
     now_ms = int(now * 1000)
-    workers = tuple(worker_obs(w, now_ms) for w in list_workers(r, keys))
+    listed = list_workers(r, keys)
+    workers = tuple(worker_obs(w, now_ms) for w in listed)
 
     requests = streams_backlog(r, request_streams_of(r, keys), PREFILL_GROUP)
-    nodes = sorted({w.node for w in workers if w.node})
-    handoffs = streams_backlog(r, [keys.handoff, *(keys.handoff_node(n) for n in nodes)], DECODE_GROUP)
+    handoffs = streams_backlog(r, handoff_streams_of(keys, listed), DECODE_GROUP)
 
     since_ms = max(0, now_ms - int(window_s * 1000))
     entries = r.xrevrange(keys.done, str(now_ms), f"{since_ms}-0", count=done_limit)

@@ -21,6 +21,7 @@ import redis
 
 from pdqueue.keys import SEEN_TTL_S, Keys
 from pdqueue.protocol import ServiceClass, as_str
+from pdqueue.protocol.compat import compat_of
 
 Entry = tuple[str, str, dict]
 """(stream, entry_id, fields)"""
@@ -37,6 +38,15 @@ def request_streams_of(r: redis.Redis, keys: Keys) -> list[str]:
     worker's own stream (``requests:w:<id>``: routed requests, workers/routing.py)."""
     own = sorted(as_str(m) for m in r.smembers(keys.routed_streams))
     return [*request_streams(keys), *own]
+
+
+def handoff_streams_of(keys: Keys, workers: Iterable[Mapping]) -> list[str]:
+    """Every handoff stream the listed workers (``registry.list_workers``) may leave entries in:
+    the shared one, each node's, and each compatibility kind's (``protocol.compat``: used while
+    the cluster is mixed). For backlogs: a reader of only the first two misses a mixed cluster's."""
+    nodes = sorted({w["node"] for w in workers if w.get("node")})
+    kinds = sorted({c.key for c in (compat_of(w) for w in workers) if c is not None})
+    return [keys.handoff, *(keys.handoff_node(n) for n in nodes), *(keys.handoff_compat(k) for k in kinds)]
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
