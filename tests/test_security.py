@@ -195,7 +195,8 @@ def test_acl_key_patterns_come_from_the_key_layout():
     assert f"~{keys.prefix}*" in worker and user_name("a.b-c", "worker") == "pdq-a.b-c-worker"
     producer = " ".join(role_rules(keys, "producer"))
     assert f"~{keys.requests} " in producer and f"~{keys.request_stream_for(ServiceClass.INTERACTIVE)} " in producer
-    assert f"(+xread ~{keys.out('*')})" in producer and f"(+set ~{keys.cancel('*')})" in producer
+    assert f"(+xread ~{keys.out('*')})" in producer
+    assert f"(+set ~{keys.cancel('*')} ~{keys.read('*')})" in producer   # cancels and read receipts
     assert "~pdq:{a.b-c}:*" not in producer and "@all" not in producer and "+scan" not in producer
     with pytest.raises(ValueError):
         role_rules(keys, "nobody")

@@ -105,7 +105,8 @@ def role_rules(keys: Keys, role: str, setinfo: bool = True) -> list[str]:
     requests = [f"~{stream}" for stream in request_streams(keys)]
     producer = [*connection, "+xadd", *requests,
                 _selector("+xread", f"~{keys.out('*')}"),
-                _selector("+set", f"~{keys.cancel('*')}"),
+                # cancels; and read receipts (the answer of an `up`'s embedded server was read: its stop waits for them)
+                _selector("+set", f"~{keys.cancel('*')}", f"~{keys.read('*')}"),
                 # whether Redis still has a request not answered yet (pdqueue.client_outage.LostCheck):
                 # queue lengths, the group's position and whether an entry is pending, never its fields
                 _selector("+xlen", "+xinfo|groups", "+xpending", *requests),
