@@ -5,9 +5,9 @@ usual once one comes. Only if none comes within ``capacity_wait_s`` (or the requ
 timeout, if shorter) is it cancelled (so a worker that starts later never runs it) and answered
 ``503`` with ``Retry-After``, before anything of the response was sent.
 
-``Waiting`` wraps the handle of a request submitted while the gateway's view saw no capacity:
-its first read races a watch of the view, which ends the race as soon as capacity is back
-(from then on it is a plain read, under the gateway's ordinary timeout). Every answer
+``Waiting`` wraps the handle of every request the gateway sends: its first read races a watch
+of the view, which gives up once no capacity has been seen for the wait (from its first entry
+on it is a plain read, under the gateway's ordinary timeout). Every answer
 (chat, completions, the Responses API) reads through the handle, so all of them ride it out
 the same way, streaming or not. ``NoCapacity`` is a ``RequestFailed``, so the replies answer it
 as they answer a worker's refusal: ``openai_compat.worker_error`` makes it the 503.
@@ -36,27 +36,35 @@ class NoCapacity(RequestFailed):
 
 
 class Waiting:
-    """A request handle whose answer waits for capacity first (see the module). Everything but
-    the reads is the handle's own."""
+    """A request handle whose answer must find capacity first (see the module). Every
+    gateway request's handle is one: until its first entry arrives, a watch gives up on it
+    once the view has shown no capacity for ``limit_s`` since the later of its submit and the
+    last poll that saw some (``ClusterView.capacity_seen_at``), which also covers capacity
+    that leaves after the request was sent. Everything but the reads is the handle's own."""
 
-    def __init__(self, handle, view, cancel, limit_s: float, poll_s: float = 0.1):
+    def __init__(self, handle, view, cancel, limit_s: float):
         self._handle, self._view, self._cancel = handle, view, cancel
-        self._limit_s, self._poll_s = limit_s, poll_s
+        self._limit_s = limit_s
+        # The watch looks this often: a tenth of the wait (a 503 comes at most that late), no
+        # more than the view's polls: one wakeup per request and period, cheap at any load.
+        self._poll_s = min(max(view.poll_s, limit_s / 10), 5.0)
         self._since = time.monotonic()
-        self._watching = True   # until capacity is seen, or the first entry arrives
+        self._watching = True   # until its first entry
 
     def __getattr__(self, name):
         return getattr(self._handle, name)
 
     async def _capacity_back(self) -> None:
-        """Returns once the view shows capacity; raises ``NoCapacity`` (the request cancelled)
-        when the wait runs out first."""
-        while not (self._view.ok and self._view.serving()):
-            if time.monotonic() - self._since >= self._limit_s:
-                await self._cancel(self._handle.request_id)
-                raise NoCapacity(self._limit_s, self._handle.request_id)
+        """Raises ``NoCapacity`` (the request cancelled) once the view has shown no capacity
+        for the wait; never returns otherwise (the read it races ends the race)."""
+        while True:
+            view = self._view
+            if not (view.ok and view.serving()):
+                gone_s = time.monotonic() - max(self._since, view.capacity_seen_at)
+                if gone_s >= self._limit_s:
+                    await self._cancel(self._handle.request_id)
+                    raise NoCapacity(self._limit_s, self._handle.request_id)
             await asyncio.sleep(self._poll_s)
-        self._watching = False
 
     async def _first(self, read):
         """``read`` (an awaitable's factory) raced against the watch, while watching."""
@@ -69,8 +77,8 @@ class Waiting:
             if task.done():
                 self._watching = False
                 return task.result()
-            watch.result()   # NoCapacity, or capacity is back: read on, unwatched
-            return await task
+            watch.result()   # NoCapacity
+            raise AssertionError("the capacity watch ended without a reason")
         finally:
             for t in (task, watch):
                 if not t.done():
@@ -108,8 +116,8 @@ def models_meanwhile(view, model: str | None, wait_s: float) -> dict[str, dict]:
 
 
 def waiting_for_capacity(handle, view, cancel, config):
-    """``handle``, or (no capacity now) a ``Waiting`` one, for ``config.capacity_wait_s`` or the
-    request's timeout, whichever is shorter."""
-    if view.serving():
+    """``handle`` as a ``Waiting`` one (for ``config.capacity_wait_s`` or the request's timeout,
+    whichever is shorter); ``handle`` itself when the gateway does not wait (0)."""
+    if not config.capacity_wait_s:
         return handle
     return Waiting(handle, view, cancel, min(config.capacity_wait_s, config.timeout_s or float("inf")))

@@ -43,6 +43,7 @@ class ClusterView:
         self.polled_at = 0.0
         self.served_key = keys.prefix + "gwmodels"
         self.served: dict[str, dict] | None = None   # the models last seen served (None: not read yet)
+        self.capacity_seen_at = time.monotonic()      # the last poll that saw capacity (capacity.py)
 
     def poll(self) -> None:
         """One refresh (blocking: call it in a thread)."""
@@ -54,6 +55,8 @@ class ClusterView:
         backlog = streams_backlog(self._r, online, PREFILL_GROUP).total
         self._remember(workers)
         self.workers, self.backlog, self.ok, self.polled_at = workers, backlog, True, time.monotonic()
+        if self.serving():
+            self.capacity_seen_at = self.polled_at
 
     def _remember(self, workers: list[dict]) -> None:
         """Keep ``served`` up to date: written (to Redis too) when the live workers' models
