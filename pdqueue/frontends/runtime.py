@@ -178,8 +178,12 @@ class Handover:
             let_go()
             for connection in list(server.server_state.connections):
                 cycle = getattr(connection, "cycle", None)
-                if cycle is not None and not cycle.response_complete:
-                    cycle.keep_alive = False   # the answer under way closes its connection
+                # An answer whose headers are not out yet says "Connection: close" and closes it.
+                # One already streaming keeps its connection: closing it after the last byte,
+                # unannounced, races the client's next request on it (a broken pipe); that
+                # request gets "Connection: close" from ``wrapped`` instead.
+                if cycle is not None and not cycle.response_complete and not cycle.response_started:
+                    cycle.keep_alive = False
             log.warning("handing over (pid %d): not accepting; %d connections open are served to their end",
                         os.getpid(), len(server.server_state.connections))
         return not answering and not server.server_state.connections
