@@ -195,3 +195,13 @@ def assert_ledger_is(r, keys, handles, results) -> None:
              res.finish_reason.value), (rec, res)
     ours = [by_id[h.request_id] for h in handles]   # and so the totals
     assert ledger.totals(ours, ())[0]["output_tokens"] == sum(len(res.token_ids) for res in results)
+
+
+def wait_takes_prompts(cluster, name: str = "d0") -> None:
+    """Until the decode worker ``name`` advertises that it takes prompts, and a prefill
+    worker's view of the decode workers (read at most every ``decode_peers.EVERY_S``, maybe
+    just before that heartbeat) has been read since."""
+    from workers.decode_peers import EVERY_S
+
+    wait_for(lambda: cluster.workers()[name]["load"].get("takes_prompts"), what=f"{name} advertising")
+    time.sleep(EVERY_S + 0.1)

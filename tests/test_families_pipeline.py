@@ -13,7 +13,7 @@ import pytest
 from pdqueue.client import Client
 from pdqueue.protocol.compat import compat_of
 from tests import hf_models
-from tests.helpers import FAST, wait_for, wait_pools_free
+from tests.helpers import FAST, wait_for, wait_pools_free, wait_takes_prompts
 
 pytest.importorskip("transformers")
 
@@ -84,7 +84,7 @@ def test_a_colocated_worker_and_placed_prompts_answer_as_transformers(cluster, c
     cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
                            ("decode", *FAST, "--take-prompts", "--policy", "chunked", "--tbt-slo-ms", "200",
                             {"worker_id": "d0"}))
-    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    wait_takes_prompts(cluster)
     results = answers(cluster)
     assert [list(r.token_ids) for r in results] == expected[case]
     assert any(r.prefill_worker == cluster.id("d0") for r in results)   # placed, and prefilled there

@@ -19,7 +19,7 @@ from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import as_str
 from pdqueue.queue.registry import Heartbeat, list_workers
 from tests.cluster import Cluster
-from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_pools_free, wait_takes_prompts
 from tests.test_metrics import endpoint, scrape, total
 from tests.test_migration import check_answers
 from workers.placement import MAX_PROMPT_TOKENS, MIN_WAIT_S, Placement, SpareTime, local_wait_s
@@ -45,7 +45,7 @@ def load(tiny, n: int, max_tokens: int, seed: int):
 def test_placed_prompts_are_prefilled_on_the_decode_worker_token_for_token(cluster, tiny):
     cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
                            ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
-    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    wait_takes_prompts(cluster)
     prompts, params, runs = load(tiny, N, 24, seed=3)
     client = Client(cluster.redis_url)
     handles = client.submit_many([dict(prompt=p, **kw) for p, kw in zip(prompts, params)])
@@ -72,7 +72,7 @@ def test_a_prefill_worker_with_prompts_waiting_reads_on_and_places_the_short_one
     cluster.start_together(("prefill", *FAST, "--placement", "always", "--max-num-seqs", "1", "--policy", "chunked",
                             "--max-batched-tokens", "8", {"worker_id": "p0"}),
                            ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
-    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    wait_takes_prompts(cluster)
     client = Client(cluster.redis_url)
     text = "the quick brown fox " * 60   # 1200 tokens: past MAX_PROMPT_TOKENS, never placed
     longs = client.submit_many([dict(prompt=f"{i} {text}", max_tokens=2, temperature=0.0) for i in range(12)])
@@ -111,7 +111,7 @@ def test_a_decode_worker_killed_holding_placed_prompts_loses_nothing(cluster, ti
     there, the others go on from what out:<id> shows (recompute). Each answer once, exact."""
     cluster.start_together(("prefill", *FAST, "--placement", "always", {"worker_id": "p0"}),
                            ("decode", *FAST, *TAKES, {"worker_id": "d0"}))
-    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    wait_takes_prompts(cluster)
     # 400 tokens (~3 s of decoding alone, more under load): the kill comes as soon as d0's
     # heartbeat shows the placed prompts running, and d1 starts only after it (1500 before:
     # the oracle and d1's recompute decoded 4x as much for the same check).

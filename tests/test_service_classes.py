@@ -25,7 +25,7 @@ from pdqueue.protocol import (
 )
 from pdqueue.queue.streams import request_streams
 from tests.cluster import Cluster
-from tests.helpers import FAST, mixed_prompts, oracle, wait_for
+from tests.helpers import FAST, mixed_prompts, oracle, wait_for, wait_takes_prompts
 from tests.oracle import assert_same_tokens
 from workers.admission import STARVE_TAKE, BatchGate
 from workers.routing import _load_of, online_load
@@ -377,7 +377,7 @@ def test_a_placed_prompt_whose_deadline_passes_on_the_decode_worker_is_refused_t
     cluster.start("prefill", *FAST, "--placement", "always", "--decode-here", "off", worker_id="p0")
     cluster.start("decode", *FAST, "--kv-cache-mb", "2", "--take-prompts", "--policy", "chunked",
                   "--tbt-slo-ms", "200", worker_id="d0")
-    wait_for(lambda: cluster.workers()["d0"]["load"].get("takes_prompts"), what="d0 advertising")
+    wait_takes_prompts(cluster)
     deadline_ms = 1000
     long, late = long_then_late(cluster, 3100, 990, 1000, deadline_ms)
     with pytest.raises(RequestFailed) as failed:
