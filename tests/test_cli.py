@@ -618,7 +618,8 @@ def test_an_unusable_model_is_refused_before_anything_starts(tmp_path, env, comm
     (["worker", "prefill", "--model", "tiny", "--kv-cache-mb", "0"], "'--kv-cache-mb': 0 is not in the range x>=1"),
     (["worker", "decode", "--model", "tiny", "--threads", "0"], "'--threads': 0 is not in the range x>=1"),
     (["generate", "hi", "--model", "tiny", "--kv-cache-mb", "-5"], "'--kv-cache-mb': -5 is not in the range"),
-    (["generate", "hi", "--model", "tiny", "--seed", "-1"], "'--seed': --seed must be an integer in [0, 2**63), got -1"),
+    (["generate", "hi", "--model", "tiny", "--seed", "-1"],
+     "'--seed': --seed must be an integer in [0, 2**63), got -1"),
     (["bench", "engine", "--model", "tiny", "--batch-sizes", "1,0"], "--batch-sizes: every value must be >= 1"),
 ])
 def test_numeric_options_have_ranges(env, args, needle):
