@@ -39,7 +39,9 @@ pytestmark = [pytest.mark.processes, pytest.mark.xdist_group("test_rolling_resta
 
 PROMPTS = ("The capital of France is", "Once upon a time", "1, 2, 3, 4,", "Hello there")
 MAX_TOKENS = 8
-LONG_TOKENS = 2500   # ~7 s of decoding on an idle machine: longer than a replacement takes to serve
+# ~11 s of decoding on an idle machine (the context is 4096): longer than a replacement takes to
+# serve, under the full suite's load too (2500 tokens once ended before its worker left)
+LONG_TOKENS = 4000
 # sitecustomize of every process `up` starts: records each interpreter's pid and the "code
 # generation" (the file gen) it saw; exits at once while the file fail exists.
 SITECUSTOMIZE = '''
