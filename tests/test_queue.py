@@ -250,11 +250,15 @@ def test_publisher_survives_a_redis_restart(tmp_path):
         for seq in range(total):
             pub.submit([XAdd("seq", {"seq": str(seq)})])
             if seq == restart_at:
-                server.kill()  # a crash: the publisher sees connection errors
-                time.sleep(0.3)
-                server.start()
+                # A crash, and the submits go on meanwhile: the publisher has writes to make
+                # while the server is down, so it sees connection errors and retries (idle
+                # through the outage, it would only find its connection reopened).
+                server.kill()
+                restart = threading.Timer(0.3, server.start)
+                restart.start()
             elif seq % 200 == 0:
                 time.sleep(0.01)
+        restart.join()
         assert pub.close(timeout=20)
         seqs = [int(f[b"seq"]) for _, f in redis.Redis.from_url(server.url).xrange("seq")]
     # What survived the crash is a prefix (AOF everysec may lose the last moments); all
