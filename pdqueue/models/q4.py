@@ -19,7 +19,7 @@ where no C compiler is found (much slower, with a log line saying so).
 
 The library is compiled at first use with the system's C compiler (``$CC``, else ``cc``,
 ``gcc`` or ``clang``) into ``<cache_root>/kernels/q4-<hash of source, flags and compiler>.so``:
-a worker's second start loads it (milliseconds). docs/architecture.md, "The q4_1 kernel",
+a worker's second start loads it (milliseconds). docs/architecture/quantized-weights.md, "The q4_1 kernel",
 has the layout and the measurements.
 
 Imports torch and ``pdqueue.models.cache`` only.
