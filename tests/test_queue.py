@@ -250,15 +250,16 @@ def test_publisher_survives_a_redis_restart(tmp_path):
         for seq in range(total):
             pub.submit([XAdd("seq", {"seq": str(seq)})])
             if seq == restart_at:
-                # A crash, and the submits go on meanwhile: the publisher has writes to make
-                # while the server is down, so it sees connection errors and retries (idle
-                # through the outage, it would only find its connection reopened).
+                # A crash, and 100 submits while it is down: the publisher has writes to make
+                # then, so it sees connection errors and retries (idle through the outage, it
+                # would only find its connection reopened).
                 server.kill()
-                restart = threading.Timer(0.3, server.start)
-                restart.start()
+                killed_at = time.monotonic()
+            elif seq == restart_at + 100:
+                time.sleep(max(0.0, 0.3 - (time.monotonic() - killed_at)))
+                server.start()
             elif seq % 200 == 0:
                 time.sleep(0.01)
-        restart.join()
         assert pub.close(timeout=20)
         seqs = [int(f[b"seq"]) for _, f in redis.Redis.from_url(server.url).xrange("seq")]
     # What survived the crash is a prefix (AOF everysec may lose the last moments); all
