@@ -109,9 +109,8 @@ def models_meanwhile(view, model: str | None, wait_s: float) -> dict[str, dict]:
     if models:
         return models
     if model is None or not wait_s:
-        have = ", ".join(f"{n} {r}" for r, n in sorted(view.roles().items())) or "none"
-        raise errs.unavailable(f"no workers to serve the request (live workers: {have}; needed: prefill and "
-                               f"decode, or colocated)")
+        raise errs.unavailable(f"no workers to serve the request (live workers: {view.live_roles()}; needed: "
+                               f"prefill and decode, or colocated)")
     return {model: {"max_model_len": 0, "created": None}}
 
 

@@ -95,6 +95,10 @@ class ClusterView:
             counts[role] = counts.get(role, 0) + 1
         return counts
 
+    def live_roles(self) -> str:
+        """The live workers by role, for a message: ``"1 decode, 1 prefill"`` (``"none"``)."""
+        return ", ".join(f"{n} {r}" for r, n in sorted(self.roles().items())) or "none"
+
     def serving(self) -> bool:
         """Some worker of each needed role lives: prefill and decode, or colocated."""
         roles = self.roles()

@@ -206,7 +206,7 @@ class Gateway:
             await self.view.refresh()
             if self.view.ok and self.view.serving():
                 return Response(status_code=200)
-        live = ", ".join(f"{n} {r}" for r, n in sorted(self.view.roles().items())) or "none"
+        live = self.view.live_roles()
         why = "cannot reach Redis" if not self.view.ok else f"no workers to serve requests (live: {live})"
         return errs.error(errs.unavailable(why))
 
