@@ -49,6 +49,15 @@ def handoff_streams_of(keys: Keys, workers: Iterable[Mapping]) -> list[str]:
     return [keys.handoff, *(keys.handoff_node(n) for n in nodes), *(keys.handoff_compat(k) for k in kinds)]
 
 
+def handoff_streams_found(r: redis.Redis, keys: Keys) -> list[str]:
+    """Every handoff stream Redis holds now, found by SCAN: the shared one, then each node's and
+    each compatibility kind's, sorted. Unlike ``handoff_streams_of`` it also finds the stream of
+    a node or kind whose workers are gone, with entries still in it: for what must see every
+    entry (metrics, ``status``, ``up``'s stop), where the other is for a live cluster's backlog."""
+    found = {as_str(k, "replace") for k in r.scan_iter(match=keys.handoff_node("*"), count=500, _type="stream")}
+    return [keys.handoff, *sorted(found - {keys.handoff})]
+
+
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
     """Create ``group`` on ``stream`` (and the stream itself); True if created, False if it
     existed. Starts at "0" so entries added before the first worker came up are served."""

@@ -61,7 +61,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP, Keys
 from pdqueue.protocol import ROLES, as_str
 from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.queue.streams import request_streams_of
+from pdqueue.queue.streams import handoff_streams_found, request_streams_of
 
 log = logging.getLogger("pdqueue.telemetry.metrics")
 
@@ -271,11 +271,9 @@ class WorkerMetrics:
 def stream_groups(r: redis.Redis, keys: Keys) -> list[tuple[str, str, int, int, int]]:
     """(stream key, group, length, lag, pending) of the request streams (group ``prefill``)
     and of ``handoff`` and every ``handoff:<node>`` (group ``decode``). Raises redis errors."""
-    nodes = sorted({as_str(k, "replace")
-                    for k in r.scan_iter(match=keys.handoff_node("*"), count=500, _type="stream")})
     out = []
-    for stream, group in [*((s, PREFILL_GROUP) for s in request_streams_of(r, keys)), (keys.handoff, DECODE_GROUP),
-                          *((n, DECODE_GROUP) for n in nodes)]:
+    for stream, group in [*((s, PREFILL_GROUP) for s in request_streams_of(r, keys)),
+                          *((h, DECODE_GROUP) for h in handoff_streams_found(r, keys))]:
         lag, pending = group_backlog(r, stream, group)
         out.append((stream, group, int(r.xlen(stream)), lag, pending))
     return out

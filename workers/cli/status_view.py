@@ -32,7 +32,7 @@ from pdqueue.keys import PREFILL_GROUP, Keys
 from pdqueue.protocol import as_str, entry_id_ms
 from pdqueue.queue.backlog import group_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.queue.streams import request_streams_of
+from pdqueue.queue.streams import handoff_streams_found, request_streams_of
 
 DONE_SCAN_LIMIT = 2000
 """At most this many of the newest ``done`` entries are read for the ``recent`` numbers."""
@@ -93,11 +93,6 @@ def _stream_info(r: redis.Redis, keys: Keys, key: str) -> dict:
     return {"key": key, "length": int(length), "groups": [_group_row(r, key, g) for g in groups]}
 
 
-def _handoff_node_streams(r: redis.Redis, keys: Keys) -> list[str]:
-    pattern = keys.handoff_node("*")
-    return sorted({as_str(k, "replace") for k in r.scan_iter(match=pattern, count=500, _type="stream")})
-
-
 def _recent(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> dict:
     since_ms = now_ms - int(window_s * 1000)
     entries = r.xrevrange(keys.done, "+", f"{since_ms}-0", count=DONE_SCAN_LIMIT)
@@ -138,7 +133,7 @@ def collect(r: redis.Redis, keys: Keys, window_s: float = 60.0) -> dict:
     now_ms = _server_ms(r)
     workers = [_worker_row(w, now_ms) for w in list_workers(r, keys)]
     # the classes' streams in class order, then the workers' own streams (routing)
-    names = [*request_streams_of(r, keys), keys.handoff, *_handoff_node_streams(r, keys)]
+    names = [*request_streams_of(r, keys), *handoff_streams_found(r, keys)]
     streams = {n[len(keys.prefix):]: _stream_info(r, keys, n) for n in names}
     return {"cluster": keys.cluster, "time_ms": now_ms, "workers": workers, "streams": streams,
             "done_length": int(r.xlen(keys.done)), "dead_length": int(r.xlen(keys.dead)),

@@ -20,7 +20,7 @@ from pdqueue.keys import DECODE_GROUP, PREFILL_GROUP
 from pdqueue.protocol import REQUEST_ROLES, UP_FIELD, ErrorCode, Role, entry_request_id, error_entry
 from pdqueue.queue.backlog import streams_backlog
 from pdqueue.queue.registry import list_workers
-from pdqueue.queue.streams import request_streams_of
+from pdqueue.queue.streams import handoff_streams_found, request_streams_of
 from workers.cli.supervisor.processes import Progress, WorkerProcess, count_of
 from workers.cli.supervisor.supervised import Supervised
 
@@ -49,9 +49,8 @@ class WorkLeft:
         answered entry is deleted (acknowledged and XDELed), so what a stream holds is what is
         still to be answered: waiting to be read, or in a worker's hands."""
         streams = [(s, PREFILL_GROUP) for s in request_streams_of(self.cluster.redis, self.cluster.keys)]
-        handoffs = {k.decode() if isinstance(k, bytes) else k
-                    for k in self.cluster.redis.scan_iter(match=self.cluster.keys.handoff_node("*"), count=200)}
-        return streams + [(s, DECODE_GROUP) for s in sorted({self.cluster.keys.handoff, *handoffs})]
+        handoffs = handoff_streams_found(self.cluster.redis, self.cluster.keys)
+        return streams + [(s, DECODE_GROUP) for s in handoffs]
 
     def backlog(self) -> tuple[int, int]:
         """(requests waiting to be read, requests in a worker's hands) in this cluster's
