@@ -16,7 +16,6 @@ import uuid
 from email.parser import BytesParser
 from email.policy import HTTP
 
-import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -66,20 +65,7 @@ class BatchAPI:
         return lambda handler: self._handler(endpoint, handler)
 
     def _handler(self, endpoint: str, handler):
-        async def call(request: Request) -> Response:
-            try:
-                tenant = self.gw.tenant_of(request)
-                response = await handler(request, tenant.name)
-            except OpenAIError as exc:
-                response = errs.error(exc)
-            except redis.ResponseError as exc:   # NOPERM: an ACL user made before the Batch API had its keys
-                response = errs.error(errs.unavailable(f"Redis refused the Batch API's command ({exc}): give the "
-                                                       f"gateway the `gateway` user of a current `pdqueue acl` (or "
-                                                       f"the admin user)"))
-            except (redis.RedisError, OSError) as exc:
-                response = errs.error(errs.unavailable(f"cannot reach the cluster's Redis: {exc}"))
-            return self.gw.count(endpoint, response)
-        return call
+        return errs.tenant_route(self.gw, endpoint, "Batch API", handler)
 
     @property
     def r(self):

@@ -53,6 +53,7 @@ log = logging.getLogger("pdqueue.frontends.gateway")
 __all__ = ["ResponseStream", "ResponseWhole", "ResponsesAPI"]
 
 ENDPOINT = "responses"
+API = "Responses API"   # how its Redis failures name it
 SWEEP_S = 1.0   # how often a gateway looks at the active responses (responses_store.sweep)
 _KEEPALIVE = b": keep-alive\n\n"
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -75,14 +76,6 @@ def _starting_after(request: Request) -> int:
         raise bad_request(f"starting_after must be the sequence_number of an event (an integer >= 0), got "
                           f"{raw[:40]!r}", "starting_after")
     return value
-
-
-def redis_failure(exc: Exception) -> OpenAIError:
-    """A Redis error of the Responses API as the HTTP error it answers."""
-    if isinstance(exc, redis.ResponseError):   # NOPERM: an ACL user made before the Responses API had its keys
-        return errs.unavailable(f"Redis refused the Responses API's command ({exc}): give the gateway the `gateway` "
-                                f"user of a current `pdqueue acl` (or the admin user)")
-    return errs.unavailable(f"cannot reach the cluster's Redis: {exc}")
 
 
 class ResponseReply(Reply):
@@ -329,19 +322,10 @@ class ResponsesAPI:
         try:
             return await handler(request, headers)
         except (redis.RedisError, OSError) as exc:
-            raise redis_failure(exc) from None
+            raise errs.redis_failure(exc, API) from None
 
     def _plain(self, handler):
-        async def call(request: Request) -> Response:
-            try:
-                tenant = self.gw.tenant_of(request)
-                response = await handler(request, tenant.name)
-            except OpenAIError as exc:
-                response = errs.error(exc)
-            except (redis.RedisError, OSError) as exc:
-                response = errs.error(redis_failure(exc))
-            return self.gw.count(ENDPOINT, response)
-        return call
+        return errs.tenant_route(self.gw, ENDPOINT, API, handler)
 
     # ---- create ---------------------------------------------------------------------------------
     async def create(self, request: Request, headers: dict) -> Response:
