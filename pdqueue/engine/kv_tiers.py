@@ -13,7 +13,8 @@ last one (prompt and generated tokens) after the pool had to give its blocks to 
 - *Disk tier* (``DiskTier``): one file per block, named by the hash, under a directory per
   prefix root (``<dir>/<root hex>/``): another model, weights, dtype or block size reads
   another directory, so it never matches. A file holds a header (magic, the hash, the
-  payload's shape and dtype, a blake2b of the payload) then the payload; it is written to a
+  pool's dtype, the payload's format, the block's shape, a blake2b of the payload) then the
+  payload; it is written to a
   temporary name and renamed (a reader sees a whole file or none). Bounded in bytes, least
   recently used first by mtime (a hit touches its file). A file that is short, corrupt or of
   another shape is a miss (and removed), never an error. The files outlive the process: a
@@ -28,6 +29,15 @@ last one (prompt and generated tokens) after the pool had to give its blocks to 
   payloads are read (disk hits promoted to the host tier) before any pool block is handed
   out, and the block manager copies each into a fresh block (``load``), names it and counts
   its tokens as cached: the sequence computes only the rest.
+- *Formats* (``--kv-tier-format``: ``KVTiers(kv_format=)``, engine.kv_codec). Payloads are
+  stored ``native`` (the pool's dtype, bit for bit), ``fp16`` (float16 of a float32 pool:
+  half the bytes) or ``int8`` (a scale per block, layer, K/V and head: about a quarter),
+  encoded when a block is spilled or written and decoded when it is loaded. A payload says
+  its own format (its dtype: ``payload_format``), and a disk file's header names its format:
+  a file of another format than this tier's (written by another worker on the directory, or
+  before a restart with another ``--kv-tier-format``) is decoded as what it is, the KV that
+  worker kept; a header of a format this build does not know, or whose size does not match
+  its format, is a miss. Files of the first version (no format in the header) are native.
 - *Leases.* An entry being read or copied is held (``HostTier.lease``): eviction passes over
   held entries, so nothing in use goes. A payload, once fetched, is the caller's object:
   the store never writes into a payload, it only drops its reference.
@@ -49,11 +59,23 @@ from pathlib import Path
 
 import torch
 
+from pdqueue.engine.kv_codec import FORMATS, FP16, INT8, NATIVE, KVCodec
+
 log = logging.getLogger("pdqueue.engine")
 
-_MAGIC = b"PDQKV1\0\0"
-_HEADER = struct.Struct("<8s16s16s6Q16s")   # magic, hash, dtype name, shape (5 dims + 0), payload blake2b
+_MAGIC_V1 = b"PDQKV1\0\0"   # files without a format (native): still read
+_HEADER_V1 = struct.Struct("<8s16s16s6Q16s")   # magic, hash, dtype name, shape (5 dims + 0), payload blake2b
+_MAGIC = b"PDQKV2\0\0"
+_HEADER = struct.Struct("<8s16s16s16s6Q16s")   # magic, hash, pool dtype, format, shape (5 dims + 0), blake2b
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def payload_format(payload: torch.Tensor, pool_dtype: torch.dtype) -> str:
+    """The format of a block payload (engine.kv_codec's ``encode_block``): int8 payloads are
+    bytes, fp16 ones float16 (of a float32 or bfloat16 pool), native ones the pool's dtype."""
+    if payload.dtype == torch.uint8:
+        return INT8
+    return NATIVE if payload.dtype == pool_dtype else FP16
 
 
 def _payload_bytes(payload: torch.Tensor) -> bytes:
@@ -136,16 +158,19 @@ class DiskTier:
     """Block payloads in files under ``directory / root.hex()``, at most ``capacity_bytes``
     of them (see the module docstring). ``shape``/``dtype``: a payload's."""
 
-    def __init__(self, directory: str | Path, root: bytes, capacity_bytes: int, shape, dtype: str):
+    def __init__(self, directory: str | Path, root: bytes, capacity_bytes: int, shape, dtype: str,
+                 kv_format: str = NATIVE):
         self.dir = Path(directory) / root.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity_bytes
         self.shape = tuple(shape)
         self.dtype = dtype
-        self.payload_nbytes = torch.empty((), dtype=_DTYPES[dtype]).element_size()
-        for n in self.shape:
-            self.payload_nbytes *= n
-        self.file_nbytes = _HEADER.size + self.payload_nbytes
+        # One codec per format: a file is read in the format its header names, whatever this tier writes.
+        self.codecs = {name: KVCodec(name, _DTYPES[dtype], *self.shape[2:]) for name in FORMATS}
+        self.format = self.codecs[kv_format].format
+        self.payload_nbytes = self._payload_nbytes(self.format)
+        self.file_nbytes = _HEADER.size + self.payload_nbytes   # this tier's files (the bound counts these)
+        self._max_file_nbytes = _HEADER.size + max(self._payload_nbytes(name) for name in FORMATS)
         self._names: OrderedDict[bytes, None] = OrderedDict()   # by mtime, oldest first
         self.misses = self.corrupt = self.written = self.evicted = 0
         self._warned = False
@@ -182,12 +207,20 @@ class DiskTier:
     def path(self, h: bytes) -> Path:
         return self.dir / h.hex()
 
+    def _payload_nbytes(self, name: str) -> int:
+        return 2 * self.shape[0] * self.codecs[name].unit_nbytes
+
+    def _payload_shape(self, name: str) -> tuple[int, ...]:
+        return (2 * self.shape[0], self.codecs[name].unit_nbytes) if name == INT8 else self.shape
+
     def put(self, h: bytes, payload: torch.Tensor) -> None:
-        if h in self._names or tuple(payload.shape) != self.shape or self.file_nbytes > self.capacity:
+        fmt = payload_format(payload, _DTYPES[self.dtype])
+        if h in self._names or tuple(payload.shape) != self._payload_shape(fmt) or self.file_nbytes > self.capacity:
             return
         data = _payload_bytes(payload)
         dims = list(self.shape) + [0] * (6 - len(self.shape))
-        header = _HEADER.pack(_MAGIC, h, self.dtype.encode(), *dims, hashlib.blake2b(data, digest_size=16).digest())
+        header = _HEADER.pack(_MAGIC, h, self.dtype.encode(), fmt.encode(), *dims,
+                              hashlib.blake2b(data, digest_size=16).digest())
         final = self.path(h)
         tmp = final.with_name(final.name + f".{os.getpid()}.tmp")
         try:
@@ -213,7 +246,7 @@ class DiskTier:
         path = self.path(h)
         try:
             with open(path, "rb") as f:
-                raw = f.read(self.file_nbytes + 1)
+                raw = f.read(self._max_file_nbytes + 1)
         except OSError:
             self._drop(h)
             self.misses += 1
@@ -231,15 +264,25 @@ class DiskTier:
         return payload
 
     def _parse(self, h: bytes, raw: bytes) -> torch.Tensor | None:
-        if len(raw) != self.file_nbytes:
+        """A file's payload in the format its header names (a version-1 file: native), or
+        None: short, corrupt, of another block or dtype, or of a format this build does not know."""
+        if raw[:len(_MAGIC)] == _MAGIC_V1 and len(raw) >= _HEADER_V1.size:
+            header, (_magic, name, dtype, *rest) = _HEADER_V1, _HEADER_V1.unpack_from(raw)
+            fmt = NATIVE
+        elif raw[:len(_MAGIC)] == _MAGIC and len(raw) >= _HEADER.size:
+            header, (_magic, name, dtype, fmt, *rest) = _HEADER, _HEADER.unpack_from(raw)
+            fmt = fmt.rstrip(b"\0").decode(errors="replace")
+        else:
             return None
-        magic, name, dtype, *rest = _HEADER.unpack_from(raw)
         dims, digest = tuple(d for d in rest[:6] if d), rest[6]
-        data = raw[_HEADER.size:]
-        if (magic != _MAGIC or name != h or dtype.rstrip(b"\0").decode(errors="replace") != self.dtype
-                or dims != self.shape or hashlib.blake2b(data, digest_size=16).digest() != digest):
+        data = raw[header.size:]
+        if (fmt not in FORMATS or self.codecs[fmt].format != fmt or name != h
+                or dtype.rstrip(b"\0").decode(errors="replace") != self.dtype
+                or dims != self.shape or len(data) != self._payload_nbytes(fmt)
+                or hashlib.blake2b(data, digest_size=16).digest() != digest):
             return None
-        return torch.frombuffer(bytearray(data), dtype=_DTYPES[self.dtype]).view(self.shape)
+        stored = torch.uint8 if fmt == INT8 else torch.float16 if fmt == FP16 else _DTYPES[self.dtype]
+        return torch.frombuffer(bytearray(data), dtype=stored).view(self._payload_shape(fmt))
 
     def _drop(self, h: bytes) -> None:
         self._names.pop(h, None)
@@ -259,7 +302,10 @@ class KVTiers:
     worker binds the tiers to each role's engine in turn: the host tier's entries stay valid
     across roles when the root is the same, and are dropped when it is not)."""
 
-    def __init__(self, host_bytes: int = 0, disk_dir: str | Path | None = None, disk_bytes: int = 0):
+    def __init__(self, host_bytes: int = 0, disk_dir: str | Path | None = None, disk_bytes: int = 0,
+                 kv_format: str = NATIVE):
+        self.kv_format = kv_format   # how payloads are stored (engine.kv_codec): native, fp16, int8
+        self.codec: KVCodec | None = None
         self.host_bytes = host_bytes
         self.disk_dir = disk_dir
         self.disk_bytes = disk_bytes if disk_dir else 0
@@ -285,7 +331,9 @@ class KVTiers:
         if same:
             return
         self.root = root
-        self.disk = DiskTier(self.disk_dir, root, self.disk_bytes, shape, dtype) if self.disk_bytes else None
+        self.codec = KVCodec(self.kv_format, pool.dtype, *pool.shape[3:])
+        self.disk = (DiskTier(self.disk_dir, root, self.disk_bytes, shape, dtype, self.kv_format)
+                     if self.disk_bytes else None)
         overflow = self.disk.put if self.disk is not None else None
         self.host = HostTier(self.host_bytes, overflow=overflow) if self.host_bytes else None
 
@@ -307,7 +355,7 @@ class KVTiers:
             if self.host is not None:
                 self.host.get(h)   # most recently used again
             return
-        payload = self.pool[:, :, block_id].to("cpu", copy=True)
+        payload = self.codec.encode_block(self.pool, block_id)
         self.spilled += 1
         if self.host is not None:
             self.host.put(h, payload)
@@ -333,8 +381,9 @@ class KVTiers:
         return out
 
     def load(self, block_id: int, payload: torch.Tensor) -> None:
-        """Copy a fetched payload into the pool's block ``block_id``."""
-        self.pool[:, :, block_id].copy_(payload)
+        """Copy a fetched payload (of any format: it decodes as what it is) into the pool's
+        block ``block_id``."""
+        self.codec.decode_block(payload, self.pool, block_id)
         self.loaded += 1
 
     def persist(self, named) -> None:
@@ -343,7 +392,7 @@ class KVTiers:
             return
         for h, block_id in named:
             if h not in self.disk:
-                self.disk.put(h, self.pool[:, :, block_id].to("cpu", copy=True))
+                self.disk.put(h, self.codec.encode_block(self.pool, block_id))
 
     def flush(self, named) -> int:
         """Clean stop: write the host tier's entries, then the pool's named blocks (``named``:
@@ -360,7 +409,7 @@ class KVTiers:
                     self.disk.put(h, payload)
         for h, block_id in named:
             if h not in self.disk:
-                self.disk.put(h, self.pool[:, :, block_id].to("cpu", copy=True))
+                self.disk.put(h, self.codec.encode_block(self.pool, block_id))
         return self.disk.written - before
 
     def stats(self) -> dict:

@@ -65,6 +65,12 @@ if TYPE_CHECKING:
 #      and the receiver recomputes.
 #      Later, without a bump: error replies no longer carry ``retryable`` (no receiver read
 #      it; a version-6 receiver that still parses it reads it as false).
+#      Later, without a bump: a ``fetch`` request may carry ``kv_format`` (``fp16``, ``int8``:
+#      engine.kv_codec; absent: ``native``), and the sender of the TCP data wire or ZeroMQ may
+#      answer in it: its reply header then says ``kv_format`` and the data is the codec's
+#      units (``unit_nbytes`` each, in place of ``block_nbytes``), cut as before. A sender
+#      that does not know the field (or the format) ignores it and sends native without the
+#      header field, which the receiver reads as native: nothing to bump.
 TRANSFER_VERSION = 6
 
 
@@ -154,7 +160,7 @@ class ControlChannel(Protocol):
     """What the backends ask of the receiver's requests to senders (``transfer.zmq.ControlClient``
     is the one there is; it imports this module, never the other way round)."""
 
-    def fetch(self, ticket: Ticket, first_block: int = 0) -> tuple[dict, Iterator]: ...
+    def fetch(self, ticket: Ticket, first_block: int = 0, **extra) -> tuple[dict, Iterator]: ...
 
     def release_nowait(self, ticket: Ticket) -> None: ...
 
@@ -174,6 +180,7 @@ class ReceiveContext:
     control: ControlChannel      # fetch and release to the sender's endpoint
     extra: dict = field(default_factory=dict)
     auth: "KVAuth | None" = None   # the cluster secret: channels are authenticated (transfer.auth)
+    kv_format: str = "native"    # the format the network wires ask for (engine.kv_codec; shm, nixl: native)
 
 
 class Transport(ABC):

@@ -9,7 +9,11 @@ names a data endpoint and a connection can be made, else zmq; or the one named b
 ``mode``) and copies. On a sender-side failure (timeout, stale incarnation, nonce) the
 cached mapping, connection or socket of that sender is dropped. With ``auth`` the tcp and
 zmq channels are authenticated both ways (transfer.auth); ``auth_failures`` counts the
-fetches refused for authentication (a ticket's MAC, a sender's proof or refusal).
+fetches refused for authentication (a ticket's MAC, a sender's proof or refusal). With a
+``kv_format`` (fp16, int8: engine.kv_codec) the tcp and zmq paths ask the sender for it and
+decode what comes (a sender that does not know formats sends native, which is read as
+such); ``FetchResult.nbytes`` is then the encoded bytes that moved. The shm path stays a
+copy (on one node encoding costs more than the bytes it saves), nixl reads native.
 
 Ownership: the caller allocates ``dst_block_ids`` and owns them throughout; it must not let
 the engine read or write them before ``fetch`` returns, and must free them (and recompute)
@@ -27,6 +31,7 @@ import time
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.kv_codec import NATIVE, effective
 from pdqueue.transfer import registry
 from pdqueue.transfer.auth import KVAuth
 from pdqueue.transfer.base import TRANSFER_VERSION, FetchResult, ReceiveContext, Ticket, Transport
@@ -43,13 +48,16 @@ _FORGET_ON = {FailureCode.PEER_TIMEOUT, FailureCode.STALE_INCARNATION, FailureCo
 class KVReceiver:
     def __init__(self, pool_tensor: torch.Tensor, layout: KVCacheLayout, node: str, mode: str = "auto",
                  timeout_s: float = 5.0, *, shm_dir: str = DEFAULT_SHM_DIR, is_current=None,
-                 auth: KVAuth | None = None):
+                 auth: KVAuth | None = None, kv_format: str = NATIVE):
         """``is_current(worker_id, incarnation) -> bool``, if given (e.g. a registry lookup),
         rejects tickets of replaced senders without any I/O. ``auth``: the cluster's secret
-        and name; tickets must carry its MAC and senders must prove it (None: no checks)."""
+        and name; tickets must carry its MAC and senders must prove it (None: no checks).
+        ``kv_format``: what the tcp and zmq paths ask senders to send (engine.kv_codec:
+        native, fp16, int8; shm and nixl copy native); ValueError for another."""
         for name in registry.candidates(mode):   # ValueError naming the transports for an unknown mode
             registry.spec(name).receiver_class()   # imported now rather than during a first fetch
         layout.check_pool(pool_tensor)
+        self.kv_format = effective(kv_format, layout.torch_dtype)
         self.layout = layout
         self.node = node
         self.mode = mode
@@ -57,7 +65,7 @@ class KVReceiver:
         self.auth = auth
         self.auth_failures = 0
         self._ctx = ReceiveContext(pool_tensor, layout, node, timeout_s, ControlClient(timeout_s, auth),
-                                   extra={"shm_dir": shm_dir}, auth=auth)
+                                   extra={"shm_dir": shm_dir}, auth=auth, kv_format=self.kv_format)
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
         self._closed = False

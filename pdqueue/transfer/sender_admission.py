@@ -9,7 +9,10 @@ sender's proof) or opens a ``sealed`` request (the client's proof against the ch
 was issued, the tag, the growing ``seq``); ``answer`` checks the version, authentication,
 incarnation, nonce, the ticket's MAC against the lease's and the op, releases, or acquires
 the fetch's lease and describes its reply header (``Fetch``); the wire then only does its
-own I/O (staged frames on the ROUTER, ``sendmsg`` on a data connection).
+own I/O (staged frames on the ROUTER, ``sendmsg`` on a data connection). A fetch that asks
+for a KV format (``kv_format``: engine.kv_codec) is answered in it when this sender knows it
+(``Fetch.kv_format``, named in the reply header), else in native; ``codec`` gives the wires
+the encoder.
 
 Authentication (``auth``: the cluster's ``KVAuth``; None: off): before a peer has proved
 the cluster secret it gets nothing but a challenge, or a refusal; a release needs no
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.kv_codec import FORMATS, NATIVE, KVCodec, effective
 from pdqueue.transfer import registry, wire
 from pdqueue.transfer.auth import NONCE_BYTES, PENDING_TTL_S, KVAuth, Peer, constant_time_equal
 from pdqueue.transfer.base import TRANSFER_VERSION
@@ -51,9 +55,14 @@ class Fetch:
     block_ids: tuple[int, ...]
     shape: list[int]   # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     dtype: str
+    kv_format: str = NATIVE   # the data's format (engine.kv_codec): the one asked, if this sender knows it
 
     def header(self, **wire_fields) -> bytes:
-        """The reply header; each wire adds its own fields (the frame plan, or nbytes)."""
+        """The reply header; each wire adds its own fields (the frame plan, or nbytes). A
+        format other than native is named (``kv_format``); native stays unnamed, as before
+        formats."""
+        if self.kv_format != NATIVE:
+            wire_fields["kv_format"] = self.kv_format
         return wire.ok_reply(self.seq, request_id=self.request_id, block_ids=list(self.block_ids),
                              shape=self.shape, dtype=self.dtype, **wire_fields)
 
@@ -91,6 +100,14 @@ class Admission:
         self.auth_failures = 0   # refused messages and connections
         self._lock = threading.Lock()
         self._logged_peers: set[str] = set()
+        self._codecs: dict[str, KVCodec] = {}
+
+    def codec(self, name: str) -> KVCodec:
+        """The codec of this sender's pool in format ``name`` (a ``Fetch``'s)."""
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = KVCodec.for_layout(name, self.layout)
+        return codec
 
     def admit(self, raw: bytes, peer: Peer) -> tuple[dict | None, bool, bytes | None]:
         """A message's bytes from ``peer``: ``(request, authenticated, None)`` for ``answer``,
@@ -197,9 +214,11 @@ class Admission:
             return lease_lost(seq, request_id)
         layout, block_ids = self.layout, lease.block_ids[first:]
         num_blocks = len(block_ids)
+        asked = msg.get("kv_format", NATIVE)   # a format this sender does not know: native, said so
+        kv_format = effective(asked, layout.torch_dtype) if asked in FORMATS else NATIVE
         return Fetch(seq, request_id, block_ids,
                      [layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim],
-                     layout.dtype)
+                     layout.dtype, kv_format)
 
     def _mac_matches(self, request_id, msg: dict) -> bool:
         """The request presents the MAC of the ticket issued for its lease (a request for

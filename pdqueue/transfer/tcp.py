@@ -21,7 +21,12 @@ Messages on one connection (one request at a time, the receiver asks, the sender
   first one carrying the receiver's proof, as on the ZeroMQ wire; a connection that fails
   authentication, or is not authenticated within ``auth.HANDSHAKE_TIMEOUT_S``, is closed;
 - after a successful fetch reply, exactly ``nbytes`` raw bytes: for each plane of the pool,
-  the ticket's blocks in sequence order (``stream_pieces``).
+  the ticket's blocks in sequence order (``stream_pieces``). A fetch may ask for a KV format
+  (``kv_format``: fp16, int8; engine.kv_codec): the reply then names it and the bytes are
+  the codec's units in the same order (``[planes, blocks, unit_nbytes]``), encoded by the
+  sender from its pool into a staging buffer of the connection's thread and decoded by the
+  receiver from one into its pool, a group of planes (~MAX_FRAME_BYTES) at a time so that
+  encoding, the wire and decoding overlap. Native replies stay zero-copy, as described here.
 A sender that fails after its reply closes the connection: the receiver sees the stream end
 early and fails the fetch. Anything unexpected closes the connection on either side.
 
@@ -59,12 +64,22 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.kv_codec import NATIVE, KVCodec
 from pdqueue.transfer.auth import ClientHandshake, KVAuth, Peer, Session
 from pdqueue.transfer.base import ReceiveContext, Source, SourceContext, Ticket, Transport
-from pdqueue.transfer.blocks import block_runs, position_runs
+from pdqueue.transfer.blocks import MAX_FRAME_BYTES, block_runs, planes, position_runs
 from pdqueue.transfer.errors import FailureCode, TransferError
 from pdqueue.transfer.sender_admission import Admission, Fetch
-from pdqueue.transfer.wire import check_reply, check_reply_describes, hello, pack, request, seal, unpack
+from pdqueue.transfer.wire import (
+    check_reply,
+    check_reply_describes,
+    hello,
+    pack,
+    reply_format,
+    request,
+    seal,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +97,14 @@ def stream_pieces(num_planes: int, src_ids: Sequence[int],
     for p in range(num_planes):
         for s, d, n in runs:
             yield p, s, d, n
+
+
+def plane_groups(num_planes: int, plane_nbytes: int) -> Iterator[tuple[int, int]]:
+    """[p0, p1) groups of planes of about MAX_FRAME_BYTES (one plane at least): the pieces
+    an encoded reply is staged, sent and decoded in, so that the three overlap."""
+    step = max(1, MAX_FRAME_BYTES // max(1, plane_nbytes))
+    for p0 in range(0, num_planes, step):
+        yield p0, min(p0 + step, num_planes)
 
 
 def source_pieces(num_planes: int, src_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -366,6 +389,8 @@ class TcpTransport(Transport):
         self._seq = itertools.count(1)
         on_host = ctx.pool.device.type == "cpu"
         self._pool_bytes = memoryview(ctx.pool.view(-1).view(torch.uint8).numpy()) if on_host else None
+        self._codecs: dict[str, KVCodec] = {}
+        self._staging: torch.Tensor | None = None   # encoded replies land here (flat uint8, reused)
 
     def can_fetch(self, ticket: Ticket) -> bool:
         return bool(ticket.data_endpoint) and self._pool_bytes is not None
@@ -378,17 +403,21 @@ class TcpTransport(Transport):
         num_planes, block_nbytes = 2 * layout.num_layers, layout.block_nbytes
         plane_nbytes = layout.num_blocks * block_nbytes
         src_ids = ticket.block_ids[first_block:]
-        expected = num_planes * len(src_ids) * block_nbytes
         try:
             conn, header = self._ask(endpoint, ticket, first_block)
             check_reply(endpoint, "fetch", header)   # an error reply raises here
             check_reply_describes(ticket, header, layout, first_block)
+            codec = self._codec(reply_format(endpoint, header, self.ctx.kv_format))
+            expected = codec.nbytes(num_planes, len(src_ids))
             if header.get("nbytes") != expected:
                 raise TransferError(f"fetch reply announces {header.get('nbytes')} bytes, expected {expected}",
                                     FailureCode.BAD_REPLY)
-            recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
-                              for p, _s, d, n in stream_pieces(num_planes, src_ids, dst_block_ids)
-                              for start in (p * plane_nbytes + d * block_nbytes,)])
+            if codec.native:
+                recv_views(conn, [self._pool_bytes[start:start + n * block_nbytes]
+                                  for p, _s, d, n in stream_pieces(num_planes, src_ids, dst_block_ids)
+                                  for start in (p * plane_nbytes + d * block_nbytes,)])
+            else:
+                self._recv_encoded(conn, codec, num_planes, dst_block_ids)
         except TransferError:
             self.client.forget(endpoint)   # data may still be on its way: start afresh
             raise
@@ -405,6 +434,24 @@ class TcpTransport(Transport):
             self.client.forget(endpoint)   # the lease runs to its deadline instead
         return expected
 
+    def _codec(self, name: str) -> KVCodec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = self._codecs[name] = KVCodec.for_layout(name, self.ctx.layout)
+        return codec
+
+    def _recv_encoded(self, conn: socket.socket, codec: KVCodec, num_planes: int, dst_block_ids: list[int]) -> None:
+        """Receive a reply's encoded units into a staging buffer, a group of planes at a time,
+        each group decoded into the destination blocks while the next is on the wire."""
+        n, unit = len(dst_block_ids), codec.unit_nbytes
+        if self._staging is None or self._staging.numel() < codec.nbytes(num_planes, n):
+            self._staging = torch.empty(codec.nbytes(num_planes, n), dtype=torch.uint8)
+        dst = planes(self.ctx.pool)
+        for p0, p1 in plane_groups(num_planes, n * unit):
+            chunk = self._staging[:(p1 - p0) * n * unit]
+            recv_views(conn, [memoryview(chunk.numpy())])
+            codec.decode(chunk.view(p1 - p0, n, unit), dst, dst_block_ids, plane_start=p0)
+
     def _ask(self, endpoint: str, ticket: Ticket, first_block: int = 0):
         """Send the fetch request and read the reply header: (connection, header). A kept
         connection that turns out dead before any reply (the sender restarted on a pinned
@@ -413,7 +460,10 @@ class TcpTransport(Transport):
             conn, reused = self.client.connect(endpoint)
             try:
                 seq = next(self._seq)
-                raw = request("fetch", seq, ticket, **({"first_block": first_block} if first_block else {}))
+                extra = {"first_block": first_block} if first_block else {}
+                if self.ctx.kv_format != NATIVE:
+                    extra["kv_format"] = self.ctx.kv_format
+                raw = request("fetch", seq, ticket, **extra)
                 session = self.client.sessions.get(endpoint)
                 if session is not None:
                     raw = seal(session, raw, seq)
@@ -452,6 +502,7 @@ class DataSource(Source):
         self.admission, self.layout = admission, layout
         self._planes = pool_planes
         self._pool_bytes = memoryview(pool_tensor.view(-1).view(torch.uint8).numpy())
+        self._local = threading.local()   # each connection thread's staging buffer (encoded replies)
         self.server = DataServer(host, port, self.serve, timeout_s, name=name,
                                  handshake_timeout_s=handshake_timeout_s,
                                  on_refused=lambda peer, reason: admission.refuse(peer, None, reason))
@@ -491,6 +542,9 @@ class DataSource(Source):
                     send_control(conn, answer)
                 return authenticated or answer is None
             num_planes, block_nbytes = self._planes.shape[0], self.layout.block_nbytes
+            if answer.kv_format != NATIVE:
+                self._send_encoded(conn, answer, self.admission.codec(answer.kv_format))
+                return True
             plane_nbytes = self._planes.shape[1] * block_nbytes
             send_control(conn, answer.header(nbytes=num_planes * len(answer.block_ids) * block_nbytes))
             send_views(conn, [self._pool_bytes[start:start + n * block_nbytes]   # from the pool, no copy
@@ -499,3 +553,18 @@ class DataSource(Source):
             return True
         finally:
             sending.clear()   # sent: the kernel holds copies, the blocks may go back
+
+    def _send_encoded(self, conn, answer: Fetch, codec: KVCodec) -> None:
+        """The reply in ``codec``'s format: encoded under the lease into this connection
+        thread's staging buffer, a group of planes at a time, each group sent while the
+        next is encoded (the pool is read, never written)."""
+        num_planes, n, unit = self._planes.shape[0], len(answer.block_ids), codec.unit_nbytes
+        total = codec.nbytes(num_planes, n)
+        send_control(conn, answer.header(nbytes=total))
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.numel() < total:
+            staging = self._local.staging = torch.empty(total, dtype=torch.uint8)
+        for p0, p1 in plane_groups(num_planes, n * unit):
+            chunk = staging[:(p1 - p0) * n * unit]
+            codec.encode(self._planes, answer.block_ids, chunk.view(p1 - p0, n, unit), plane_start=p0)
+            send_views(conn, [memoryview(chunk.numpy())])

@@ -3,7 +3,8 @@ data wire, transfer.tcp; the NIXL path's ops, transfer.nixl): msgpack maps, the 
 ``base.TRANSFER_VERSION`` (its bump rules beside it): every message carries it as ``v``, a reply of
 another version is refused (``check_reply``: ``version_mismatch``), and workers show it in their
 heartbeat's compatibility record so that KV never travels between two versions. The message
-formats are described in transfer.zmq's docstring.
+formats are described in transfer.zmq's docstring; a fetch may ask for a KV format
+(``kv_format``, engine.kv_codec) and its reply says the one it sends (``reply_format``).
 Imports msgpack; never zmq (so the TCP wire runs without it).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import msgpack
 
+from pdqueue.engine.kv_codec import NATIVE
 from pdqueue.transfer.auth import ClientHandshake, Session
 from pdqueue.transfer.base import TRANSFER_VERSION, Ticket
 from pdqueue.transfer.errors import FailureCode, TransferError
@@ -69,6 +71,16 @@ def check_reply(endpoint: str, op: str, header: dict) -> None:
         except ValueError:
             code = FailureCode.BAD_REPLY
         raise TransferError(f"{endpoint}: {header.get('reason')}", code)
+
+
+def reply_format(endpoint: str, header: dict, asked: str) -> str:
+    """The format of a fetch reply's data (engine.kv_codec): its header's ``kv_format``,
+    absent meaning ``native`` (a sender that did not know the ask); anything but native or
+    the format asked is refused."""
+    fmt = header.get("kv_format", NATIVE)
+    if fmt not in (NATIVE, asked):
+        raise TransferError(f"{endpoint} answered in KV format {fmt!r}, asked for {asked!r}", FailureCode.BAD_REPLY)
+    return fmt
 
 
 def check_reply_describes(ticket: Ticket, header: dict, layout, first_block: int = 0) -> None:

@@ -14,7 +14,10 @@ gets no answer), so the shm path's fire-and-forget release never waits for a han
 header frame ``{v, seq, ok, ...}`` (on error: ``code, reason``); a ``fetch`` reply
 adds ``request_id, block_ids, shape, dtype, num_frames, max_frame_bytes, frames``
 (``"staged"``) and is followed by ``num_frames`` messages
-``[data_tag {v, seq, i}, raw bytes]`` cut by ``blocks.plan_frames``. Separate messages rather
+``[data_tag {v, seq, i}, raw bytes]`` cut by ``blocks.plan_frames`` (a fetch that asks for a
+KV format, ``kv_format``, gets its reply in it when the sender knows it: the header names it
+and the frames cut the codec's units, ``unit_nbytes`` each, engine.kv_codec; the sender
+encodes each frame as it stages it, the receiver decodes each as it copies). Separate messages rather
 than one multipart message: the sender stages frame i+1 while frame i is on the wire, the
 receiver copies frame i meanwhile and frees its buffer (a multipart message keeps all of them alive, so a
 big transfer lands in freshly mapped memory). A sender that fails midway sends an error
@@ -61,6 +64,7 @@ import torch
 import zmq
 
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.kv_codec import NATIVE, KVCodec
 from pdqueue.transfer.auth import CLIENT_REFRESH_S, MAX_PEERS, SESSION_IDLE_S, ClientHandshake, KVAuth, Peer, Session
 from pdqueue.transfer.base import Ticket, Transport
 from pdqueue.transfer.blocks import copy_blocks, plan_frames, planes
@@ -72,6 +76,7 @@ from pdqueue.transfer.wire import (
     data_tag,
     error_reply,
     hello,
+    reply_format,
     request,
     seal,
     unpack,
@@ -112,12 +117,15 @@ class ControlClient:
         else:
             self._socket(endpoint)
 
-    def fetch(self, ticket: Ticket, first_block: int = 0) -> tuple[dict, Iterator[zmq.Frame]]:
-        """Send a fetch (of ``ticket.block_ids[first_block:]``); return the reply header and
-        an iterator over the ``num_frames`` data frames that follow it (zero-copy), each
-        awaited at most ``timeout_s``. The iterator raises TransferError on a timeout, an
-        error reply or a message out of order, and then drops the socket."""
-        header, _, seq = self._call(ticket, "fetch", **({"first_block": first_block} if first_block else {}))
+    def fetch(self, ticket: Ticket, first_block: int = 0, **extra) -> tuple[dict, Iterator[zmq.Frame]]:
+        """Send a fetch (of ``ticket.block_ids[first_block:]``; ``extra``: more request
+        fields, e.g. ``kv_format``); return the reply header and an iterator over the
+        ``num_frames`` data frames that follow it (zero-copy), each awaited at most
+        ``timeout_s``. The iterator raises TransferError on a timeout, an error reply or a
+        message out of order, and then drops the socket."""
+        if first_block:
+            extra["first_block"] = first_block
+        header, _, seq = self._call(ticket, "fetch", **extra)
         count = header.get("num_frames")
         if not isinstance(count, int) or count < 0:
             raise TransferError(f"bad num_frames {count!r}", FailureCode.BAD_REPLY)
@@ -257,17 +265,21 @@ class ZmqTransport(Transport):
         return bool(ticket.endpoint)
 
     def fetch(self, ticket: Ticket, dst_block_ids: list[int], first_block: int = 0) -> int:
-        header, frames = self.ctx.control.fetch(ticket, first_block)
+        asked = self.ctx.kv_format
+        header, frames = self.ctx.control.fetch(ticket, first_block,
+                                                **({"kv_format": asked} if asked != NATIVE else {}))
         layout = self.ctx.layout
         num_planes = 2 * layout.num_layers
         check_reply_describes(ticket, header, layout, first_block)
+        codec = KVCodec.for_layout(reply_format(ticket.endpoint, header, asked), layout)
+        unit = codec.unit_nbytes
         max_frame_bytes = header.get("max_frame_bytes")
         if not isinstance(max_frame_bytes, int) or max_frame_bytes <= 0:
             raise TransferError(f"bad max_frame_bytes {max_frame_bytes!r}", FailureCode.BAD_REPLY)
         if header.get("frames") != "staged":
             raise TransferError(f"unknown frame plan {header.get('frames')!r}", FailureCode.BAD_REPLY)
         num_blocks = len(ticket.block_ids) - first_block
-        plan = plan_frames(num_planes, num_blocks, layout.block_nbytes, max_frame_bytes)
+        plan = plan_frames(num_planes, num_blocks, unit, max_frame_bytes)
         if header.get("num_frames") != len(plan):
             raise TransferError(f"expected {len(plan)} data frames, header says {header.get('num_frames')}",
                                 FailureCode.BAD_REPLY)
@@ -275,14 +287,18 @@ class ZmqTransport(Transport):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for (p0, p1, b0, b1), frame in zip(plan, frames):
-                if len(frame) != (p1 - p0) * (b1 - b0) * layout.block_nbytes:
+                if len(frame) != (p1 - p0) * (b1 - b0) * unit:
                     self.ctx.control.forget(ticket.endpoint)   # the rest of the reply is still queued
                     raise TransferError(f"data frame of {len(frame)} bytes, expected "
-                                        f"{(p1 - p0) * (b1 - b0) * layout.block_nbytes}", FailureCode.BAD_REPLY)
-                src = torch.frombuffer(frame.buffer, dtype=layout.torch_dtype).view(p1 - p0, b1 - b0, -1)
-                copy_blocks(src, range(b1 - b0), dst[p0:p1], dst_block_ids[b0:b1])
+                                        f"{(p1 - p0) * (b1 - b0) * unit}", FailureCode.BAD_REPLY)
+                if codec.native:
+                    src = torch.frombuffer(frame.buffer, dtype=layout.torch_dtype).view(p1 - p0, b1 - b0, -1)
+                    copy_blocks(src, range(b1 - b0), dst[p0:p1], dst_block_ids[b0:b1])
+                else:
+                    src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(p1 - p0, b1 - b0, unit)
+                    codec.decode(src, dst, dst_block_ids[b0:b1], plane_start=p0)
         self.ctx.control.release_nowait(ticket)
-        return num_planes * num_blocks * layout.block_nbytes
+        return codec.nbytes(num_planes, num_blocks)
 
     def forget(self, ticket: Ticket) -> None:
         self.ctx.control.forget(ticket.endpoint)
@@ -388,18 +404,22 @@ class RouterServer:
         wakes its gc thread for every such frame; docs/performance-history.md, "What changed in
         transfer version 4, and why".)"""
         seq, request_id, block_ids = fetch.seq, fetch.request_id, fetch.block_ids
-        num_planes, num_blocks, block_nbytes = self._planes.shape[0], len(block_ids), self.layout.block_nbytes
-        plan = plan_frames(num_planes, num_blocks, block_nbytes, self.max_frame_bytes)
-        staging = self._staging_buffer(num_planes * num_blocks * block_nbytes)
-        staged_bytes = staging.view(num_planes, num_blocks, block_nbytes)
-        staged = staging.view(self.layout.torch_dtype).view(num_planes, num_blocks, -1)
+        codec = self.admission.codec(fetch.kv_format)   # native: the blocks as they are
+        num_planes, num_blocks, unit = self._planes.shape[0], len(block_ids), codec.unit_nbytes
+        plan = plan_frames(num_planes, num_blocks, unit, self.max_frame_bytes)
+        staging = self._staging_buffer(num_planes * num_blocks * unit)
+        staged_bytes = staging.view(num_planes, num_blocks, unit)
+        staged = staging.view(self.layout.torch_dtype).view(num_planes, num_blocks, -1) if codec.native else None
         self._sock.send_multipart([identity, fetch.header(num_frames=len(plan), max_frame_bytes=self.max_frame_bytes,
                                                           frames="staged")])
         last, tracker = len(plan) - 1, None
         leases = self.admission.leases
         try:
             for index, (p0, p1, b0, b1) in enumerate(plan):
-                copy_blocks(self._planes[p0:p1], block_ids[b0:b1], staged[p0:p1], range(b0, b1))
+                if staged is not None:
+                    copy_blocks(self._planes[p0:p1], block_ids[b0:b1], staged[p0:p1], range(b0, b1))
+                else:
+                    codec.encode(self._planes, block_ids[b0:b1], staged_bytes[p0:p1, b0:b1], plane_start=p0)
                 if not leases.is_held(request_id):
                     return [lease_lost(seq, request_id)]
                 # Only the last frame is tracked: ZeroMQ frees a peer's messages in order, so
