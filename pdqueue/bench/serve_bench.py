@@ -22,8 +22,14 @@ records each token's arrival time on the client. After warm-up requests (not cou
   taking the request to its first token), i.e. the time spent in Redis and in queues. Under
   load it includes waiting for a busy worker; ``idle_overhead_ms`` measures it alone, with
   ``probes`` one-token requests sent one at a time to idle workers before the first rate.
+With ``--workload multiturn`` the load is sessions instead (``serve_turns``: each turn sent
+when the last answer arrived, its prompt the whole history), and the figures are per turn,
+over every turn and over turns 2 and later. With ``--runs N`` every mode is measured N times,
+the modes by turns, each time on fresh workers (``serve_runs``: the runs pooled, and their
+spread).
 The parts: ``serve_load`` (settings, workload, request lists), ``serve_modes`` (the mode
 table), ``serve_client`` (sending and recording), ``serve_report`` (figures, claims, table),
+``serve_turns`` (the multi-turn sessions), ``serve_runs`` (repeated runs),
 ``serve_batch`` and ``serve_chaos`` (``--batch-lines``; ``--chaos`` and its runs without and
 with the faults by turns, ``--chaos-alternate``: ``_run_rate`` is one run of a rate); this
 module runs them. Imports redis (asyncio), rich, pdqueue's client; never torch.
@@ -33,8 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +55,7 @@ from pdqueue.bench.serve_load import (
     plan_phases,
     plan_prefix_requests,
     plan_requests,
+    plan_sessions,
     warmup_requests,
 )
 from pdqueue.bench.serve_modes import MODES, BenchError, Launcher, mode_workers
@@ -63,6 +72,8 @@ from pdqueue.bench.serve_report import (
     window_split,
     workload_dict,
 )
+from pdqueue.bench.serve_runs import combined
+from pdqueue.bench.serve_turns import run_sessions, turn_metrics
 from pdqueue.bench.stats import summary
 from pdqueue.queue.connection import raise_dropped_cancellation
 from pdqueue.queue.streams import request_streams
@@ -98,21 +109,30 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
         result["chaos"] = {"events": chaos_text(settings.chaos),
                            "redis": "appendonly yes, " + " ".join(DURABLE_REDIS_ARGS).lstrip("-"),
                            "supervised": True}
+    runs: dict[str, list] = {mode: [] for mode in settings.modes}   # with --runs: each mode's runs so far
+    figures_of = turn_metrics if settings.workload_kind == "multiturn" else metrics
     try:
-        for index, mode in enumerate(settings.modes):
+        for run_index, index, mode in ((n, i, m) for n in range(settings.runs) for i, m in enumerate(settings.modes)):
             with redis.Redis.from_url(server.url) as r:
                 r.flushall()
-            progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model})"
+            label = mode if settings.runs == 1 else f"{mode} (run {run_index + 1} of {settings.runs})"
+            cluster = f"bench{index}" if run_index == 0 else f"bench{index}r{run_index + 1}"
+            progress(f"{label}: starting {len(mode_workers(mode, settings))} workers ({settings.model})"
                      + (" under a supervisor (--chaos)" if settings.chaos else ""))
-            running = launcher(mode_workers(mode, settings), model=settings.model, redis_url=server.url,
-                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode,
-                               **({"supervise": True} if settings.chaos else {}))
-            chaos = Chaos(settings.chaos, server, running, owner) if settings.chaos else None
-            try:
-                by_rate, raw = asyncio.run(_run_mode(settings, mode, server.url, f"bench{index}", progress, chaos))
-            finally:
-                progress(f"{mode}: stopping workers")
-                running.stop()
+            with _scratch() as scratch:
+                running = launcher(mode_workers(mode, settings, scratch), model=settings.model, redis_url=server.url,
+                                   cluster=cluster, kv_cache_mb=settings.kv_cache_mb,
+                                   log_dir=log_dir / mode / (f"run{run_index + 1}" if settings.runs > 1 else ""),
+                                   **({"supervise": True} if settings.chaos else {}))
+                chaos = Chaos(settings.chaos, server, running, owner) if settings.chaos else None
+                try:
+                    by_rate, raw = asyncio.run(_run_mode(settings, mode, server.url, cluster, progress, chaos))
+                finally:
+                    progress(f"{label}: stopping workers")
+                    running.stop()
+            if settings.runs > 1:   # every run so far pooled (the runs' own figures kept for the next time)
+                runs[mode].append((by_rate, raw))
+                by_rate, raw = combined(runs[mode], settings, figures_of)
             result["modes"][mode] = pool_rates(by_rate, raw, settings)
             result["raw"][mode] = raw
             if on_mode is not None:
@@ -129,6 +149,16 @@ def run(settings: Settings, launcher: Launcher, progress: Callable[[str], None] 
     else:
         result["claim"] = claim(result)
     return result
+
+
+@contextmanager
+def _scratch():
+    """A fresh directory for one start of a mode (``serve_modes.SCRATCH``), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="pdq-bench-scratch-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_tenants(settings: Settings, launcher: Launcher, progress, log_dir: Path | None, on_mode) -> dict:
@@ -159,15 +189,16 @@ def _run_tenants(settings: Settings, launcher: Launcher, progress, log_dir: Path
                 r.flushall()
             progress(f"{mode}: starting {len(mode_workers(mode, settings))} workers ({settings.model}) "
                      f"and a gateway with {settings.tenants_path}")
-            running = launcher(mode_workers(mode, settings), model=settings.model, redis_url=server.url,
-                               cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode,
-                               tenants=settings.tenants_path)
-            try:
-                records = asyncio.run(_measure_tenants(settings, mode, server.url, f"bench{index}",
-                                                       running.gateway_url, keys, progress))
-            finally:
-                progress(f"{mode}: stopping the gateway and the workers")
-                running.stop()
+            with _scratch() as scratch:
+                running = launcher(mode_workers(mode, settings, scratch), model=settings.model, redis_url=server.url,
+                                   cluster=f"bench{index}", kv_cache_mb=settings.kv_cache_mb, log_dir=log_dir / mode,
+                                   tenants=settings.tenants_path)
+                try:
+                    records = asyncio.run(_measure_tenants(settings, mode, server.url, f"bench{index}",
+                                                           running.gateway_url, keys, progress))
+                finally:
+                    progress(f"{mode}: stopping the gateway and the workers")
+                    running.stop()
             result["modes"][mode] = {"gateway": running.gateway_url, "tenants": tenant_figures(records, settings)}
             if on_mode is not None:
                 on_mode(result)
@@ -267,6 +298,10 @@ async def _measure_mode(settings: Settings, mode: str, url: str, cluster: str, p
                 by_rate["phases"]["records"] = records
                 return by_rate, raw
             for rate in settings.rates:
+                if settings.workload_kind == "multiturn":
+                    by_rate[rate_key(rate)], raw[rate_key(rate)] = await _run_sessions(client, rate, settings, url,
+                                                                                       cluster, mode, bar, progress)
+                    continue
                 planner = plan_prefix_requests if settings.workload_kind == "prefix" else plan_requests
                 plan = planner(settings, rate, settings.requests_at(rate))
                 runs = []
@@ -325,13 +360,30 @@ async def _run_rate(client, plan, rate: float, settings: Settings, url: str, clu
     return figures, raw
 
 
-async def _run_sampled(client, plan, settings: Settings, url: str, cluster: str, on_done, progress):
-    """Send ``plan`` and wait for its answers while the timeline is sampled (none without a
-    Redis URL: the openai mode); returns (records, timeline)."""
+async def _run_sessions(client, rate: float, settings: Settings, url: str, cluster: str, mode: str, bar,
+                        progress) -> tuple[dict, dict]:
+    """One run of the multi-turn sessions at ``rate`` (sessions/s): (figures, raw values)."""
+    sessions = plan_sessions(settings, rate, settings.requests_at(rate))
+    turns = sum(s.turns for s in sessions)
+    task = bar.add_task(f"{mode} @ {rate:g} sessions/s ({len(sessions)} sessions, {turns} turns)", total=turns)
+    sending = run_sessions(client, sessions, settings, on_done=lambda: bar.advance(task))
+    records, timeline = await _run_sampled(client, None, settings, url, cluster, None, progress, sending)
+    figures, raw = turn_metrics(records, rate, settings)
+    raw["timeline"] = timeline
+    figures["records"] = records
+    return figures, raw
+
+
+async def _run_sampled(client, plan, settings: Settings, url: str, cluster: str, on_done, progress,
+                       sending=None):
+    """Send ``plan`` (or await ``sending``, a coroutine that sends and returns the records)
+    and wait for its answers while the timeline is sampled (none without a Redis URL: the
+    openai mode); returns (records, timeline)."""
     timeline: list[dict] = []
     sampler = asyncio.create_task(_sample_timeline(url, cluster, timeline) if url else asyncio.sleep(0))
     try:
-        records = await run_requests(client, plan, settings.drain_timeout_s, on_done=on_done, log=progress)
+        records = await (sending if sending is not None else
+                         run_requests(client, plan, settings.drain_timeout_s, on_done=on_done, log=progress))
     finally:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)

@@ -1,6 +1,7 @@
 """`pdqueue bench serve`'s load: the settings of a run, the workload (short chat prompts and
-long documents, or the prefix workload's conversations, or phases of a load that changes)
-and the seeded request lists, the same for every mode. Imports the standard library only."""
+long documents, or the prefix workload's conversations, or phases of a load that changes, or
+the multi-turn workload's sessions) and the seeded request lists, the same for every mode.
+Imports the standard library only."""
 
 from __future__ import annotations
 
@@ -87,7 +88,12 @@ class Settings:
     plan_cooldown_s: float = 8.0
     plan_window_s: float = 20.0
     workload_kind: str = "mixed"       # mixed: short chat and long documents; prefix: shared system prompts
-                                       # and multi-turn conversations (plan_prefix_requests)
+                                       # and multi-turn conversations (plan_prefix_requests); multiturn:
+                                       # sessions whose next turn waits for the last answer (plan_sessions)
+    think_s: float = 0.0               # multiturn: from an answer to the session's next turn
+    runs: int = 1                      # each mode run this many times, the modes by turns (serve_runs.py)
+    kv_host_tier_mb: int = 256         # the tiers modes: each worker's host tier (--kv-host-tier-mb)
+    kv_disk_gb: float = 2.0            # ... and their shared disk tier's bound (--kv-disk-gb)
     openai_url: str | None = None      # drive this OpenAI-compatible server instead of starting workers
     openai_model: str | None = None    # its model (default: the first of GET /v1/models)
     api_key: str | None = None
@@ -132,6 +138,8 @@ class Planned:
     max_tokens: int
     phase: int = -1        # index into Settings.phases, in a phased run
     tenant: str = ""       # whose API key sends it, in a tenants run (serve_tenants.py)
+    session: int = -1      # a multiturn run: its session's index (Session.index)
+    turn: int = 0          # ... and which turn of it, from 1
 
 
 def plan_requests(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Planned]:
@@ -178,6 +186,41 @@ def plan_prefix_requests(settings: Settings, rate: float, count: int, salt: int 
         out.append(Planned(at, "long" if turns[c] else "short", tuple(history[c]), rng.randint(*w.short_output)))
         history[c] += toks(ASSISTANT_LEN)
         turns[c] += 1
+        at += rng.expovariate(rate)
+    return out
+
+
+# The multi-turn workload: sessions arrive by Poisson at the rate (sessions/s); each has
+# ``TURNS`` turns (uniform) and each turn adds ``USER_TOKENS`` tokens of user text (uniform) to
+# the history and asks for an answer of the workload's short output length. Unlike the prefix
+# workload, the history holds the real answers: a turn is sent once the last answer arrived
+# (serve_turns.py), so only the new user text is planned here.
+TURNS, USER_TOKENS = (3, 6), (32, 256)
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    index: int
+    at_s: float                          # arrival of its first turn, seconds after the rate's start
+    user: tuple[tuple[int, ...], ...]    # each turn's new user tokens
+    max_tokens: tuple[int, ...]          # each turn's answer length
+
+    @property
+    def turns(self) -> int:
+        return len(self.user)
+
+
+def plan_sessions(settings: Settings, rate: float, count: int, salt: int = 0) -> list[Session]:
+    """The seeded session list of the multi-turn workload at one rate (sessions/s): the same
+    for every mode and every run."""
+    w = settings.workload
+    rng = random.Random(f"{settings.seed}/multiturn/{rate}/{salt}")
+    at, out = 0.0, []
+    for index in range(count):
+        turns = rng.randint(*TURNS)
+        user = tuple(tuple(rng.randrange(3, w.vocab_size) for _ in range(rng.randint(*USER_TOKENS)))
+                     for _ in range(turns))
+        out.append(Session(index, at, user, tuple(rng.randint(*w.short_output) for _ in range(turns))))
         at += rng.expovariate(rate)
     return out
 

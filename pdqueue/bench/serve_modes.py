@@ -2,8 +2,12 @@
 ``pdqueue worker`` options), and what runs beside the load (the adaptive mode's planner).
 
 Adding a mode is one entry in ``MODES``: a ``Mode`` whose ``workers`` lists the processes
-and, where the mode needs it, a ``beside`` that starts a loop in this process for the length
-of the mode's measurement and returns the function that stops it. The workers are started
+and their ``pdqueue worker`` options (a worker option that lands later is one more entry
+with it), and, where the mode needs it, a ``beside`` that starts a loop in this process for
+the length of the mode's measurement and returns the function that stops it. An option may
+name ``SCRATCH``: each start of the mode replaces it with a fresh directory of its own (the
+tiers modes' shared ``--kv-disk-dir``, so that no run starts with another's KV files),
+removed after the mode's workers stopped. The workers are started
 through a ``Launcher`` the CLI provides (so that pdqueue never imports workers), each with
 one torch thread. Imports the standard library; the planner only when the adaptive mode runs.
 """
@@ -17,6 +21,7 @@ from typing import Callable, Protocol
 from pdqueue.bench.serve_load import Settings
 
 Workers = list[tuple[str, tuple[str, ...]]]   # (role, extra worker options) of each process
+SCRATCH = "{scratch}"   # in a worker option: the directory of this start of the mode (mode_workers)
 
 
 class BenchError(RuntimeError):
@@ -73,6 +78,18 @@ def _elastic_split(weights: str | None, prefill_weights: str | None = None) -> C
 def _prefix(*extra: str) -> Callable[[Settings], Workers]:
     """2 prefill + 1 decode workers (decode workers take --routing and ignore it)."""
     return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
+
+
+def _with_tiers(workers: Callable[[Settings], Workers]) -> Callable[[Settings], Workers]:
+    """``workers`` with the KV tiers (issue 41): each worker a host tier of the bench's
+    ``kv_host_tier_mb``, and all of them one disk tier (the workers of a node share it: a
+    decode worker's finished answer is there for the next turn's prefill worker) bounded by
+    ``kv_disk_gb``, in the start's own directory."""
+    def tiered(settings: Settings) -> Workers:
+        tiers = ("--kv-host-tier-mb", str(settings.kv_host_tier_mb), "--kv-disk-dir", f"{SCRATCH}/kv",
+                 "--kv-disk-gb", f"{settings.kv_disk_gb:g}")
+        return [(role, (*extra, *tiers)) for role, extra in workers(settings)]
+    return tiered
 
 
 def _start_planner(settings: Settings, url: str, cluster: str, elastic: bool = False) -> Callable[[], None]:
@@ -148,15 +165,26 @@ MODES: dict[str, Mode] = {
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
                               beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
                                                                                    elastic=True)),
+    # The KV tiers (``--workload multiturn``): the split and two chunked colocated workers with
+    # a host tier each and a disk tier they share, against ``disagg`` and ``colocated-chunked``
+    # (the same workers without). The next turn's history is the last turn's prompt, held by
+    # the prefill worker, and its answer, held by the decode worker: with the tiers, the
+    # prefill worker reads the answer's blocks the decode worker wrote at its finish.
+    "disagg-tiers": Mode(_with_tiers(_fixed(("prefill", ()), ("decode", ())))),
+    "colocated-chunked-tiers": Mode(_with_tiers(_colocated_chunked())),
 }
 PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")
+TIERS_MODES = ("disagg", "disagg-tiers")   # --workload multiturn's default: the same split without and with
 
 
-def mode_workers(mode: str, settings: Settings) -> Workers:
-    """(role, extra worker options) of each process of ``mode``."""
+def mode_workers(mode: str, settings: Settings, scratch: Path | None = None) -> Workers:
+    """(role, extra worker options) of each process of ``mode``; ``SCRATCH`` in an option
+    becomes ``scratch`` (a mode that names it needs one to start)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
     workers = MODES[mode].workers(settings)
+    if scratch is not None:
+        workers = [(role, tuple(x.replace(SCRATCH, str(scratch)) for x in extra)) for role, extra in workers]
     if settings.late_last:   # the same TTFT order in every mode (engine/scheduler.py, mark_late)
         workers = [(role, (*extra, "--ttft-slo-ms", f"{settings.slo_ttft_ms:g}")) for role, extra in workers]
     return workers

@@ -13,7 +13,9 @@ from pdqueue.bench.serve_load import (
     MAX_TURNS,
     SYSTEM_LEN,
     SYSTEM_PROMPTS,
+    TURNS,
     USER_LEN,
+    USER_TOKENS,
     Settings,
 )
 from pdqueue.bench.serve_modes import PREFIX_MODES
@@ -150,7 +152,14 @@ def workload_dict(settings: Settings) -> dict:
             "sampling": "greedy, ignore_eos", "kind": settings.workload_kind,
             **({"system_prompts": SYSTEM_PROMPTS, "system_len": SYSTEM_LEN, "conversations": CONVERSATIONS,
                 "user_len": USER_LEN, "assistant_len": ASSISTANT_LEN, "max_turns": MAX_TURNS}
-               if settings.workload_kind == "prefix" else {})}
+               if settings.workload_kind == "prefix" else {}),
+            **({"rate_unit": "sessions/s", "sessions_per_rate": {rate_key(r): settings.requests_at(r)
+                                                                 for r in settings.rates},
+                "turns": TURNS, "user_tokens": USER_TOKENS, "answer_tokens": w.short_output,
+                "think_s": settings.think_s, "kv_host_tier_mb": settings.kv_host_tier_mb,
+                "kv_disk_gb": settings.kv_disk_gb} if settings.workload_kind == "multiturn" else {}),
+            **({"runs": settings.runs, "order": "the modes by turns, fresh workers each run"}
+               if settings.runs > 1 else {})}
 
 
 def phase_claim(result: dict) -> dict:

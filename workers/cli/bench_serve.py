@@ -275,15 +275,17 @@ def _write_partial(out: str, partial: dict) -> None:
                    "migrations), elastic-colocated, disagg-q4_1-4slots, disagg-q4_1-4slots-here, -here-slo (a decode "
                    "worker of 4 slots; -here: the prefill worker decodes when it is full; -slo: under the TBT "
                    "budget), prefix-off, prefix-blind, "
-                   "prefix-aware "
+                   "prefix-aware, disagg-tiers, colocated-chunked-tiers (disagg and colocated-chunked with the KV "
+                   "tiers: a host tier per worker, --kv-host-tier-mb, and a disk tier they share) "
                    "(pdqueue/bench/serve_modes.py says what each starts).")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
               help="The adaptive mode's planner.")
-@click.option("--rates", default="0.5,1,2", show_default=True, help="Request arrival rates (req/s).")
+@click.option("--rates", default="0.5,1,2", show_default=True,
+              help="Request arrival rates (req/s; sessions/s with --workload multiturn).")
 @click.option("--duration", type=click.FloatRange(min=1), default=None,
               help="Seconds of arrivals per rate (instead of --num-requests).")
 @click.option("--num-requests", type=click.IntRange(min=1), default=None,
-              help="Requests per rate (default 24, or what --duration gives).")
+              help="Requests per rate (sessions with --workload multiturn; default 24, or what --duration gives).")
 @click.option("--long-fraction", type=click.FloatRange(0, 1), default=0.25, show_default=True,
               help="Share of long-document prompts in the mix.")
 @click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -296,11 +298,25 @@ def _write_partial(out: str, partial: dict) -> None:
                    "e.g. chat,docs,chat.")
 @click.option("--phase-s", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds of each phase given by kind.")
-@click.option("--workload", type=click.Choice(["mixed", "prefix"]), default="mixed", show_default=True,
+@click.option("--workload", type=click.Choice(["mixed", "prefix", "multiturn"]), default="mixed", show_default=True,
               help="mixed: short chat and long documents (--long-fraction); prefix: 8 shared system prompts of "
                    "400-600 tokens and multi-turn conversations that resend their history (default modes then: "
                    "prefix-off, prefix-blind, prefix-aware: 2 prefill + 1 decode workers with caching off, caching "
-                   "with cache-blind routing, caching with cache-aware routing).")
+                   "with cache-blind routing, caching with cache-aware routing); multiturn: sessions of 3-6 turns "
+                   "arriving at --rates sessions/s, each turn 32-256 new tokens after the whole history (the "
+                   "earlier prompts and the answers as the workers gave them), sent when the last answer arrived "
+                   "(and --think-s); figures for every turn and for turns 2 and later (default modes then: disagg, "
+                   "disagg-tiers: without and with the KV tiers).")
+@click.option("--think-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="--workload multiturn: seconds from an answer to its session's next turn.")
+@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Measure each mode this many times, the modes by turns (each time on fresh workers); the "
+                   "figures pool the runs, and the report gives each run and the spread (min, median, max).")
+@click.option("--kv-host-tier-mb", type=click.IntRange(min=1), default=256, show_default=True,
+              help="The -tiers modes: each worker's host-memory KV tier (pdqueue worker --kv-host-tier-mb).")
+@click.option("--kv-disk-gb", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="The -tiers modes: the bound of the disk tier the workers share (in a fresh temporary "
+                   "directory per start of the mode, removed after).")
 @click.option("--kv-cache-mb", type=click.IntRange(min=1), default=None,
               help="Each worker's KV pool [default: 256; 512 with --workload prefix].")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -350,8 +366,8 @@ def _write_partial(out: str, partial: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--out", default=None, help="Directory for serve.json, the PNG plots and worker logs.")
 def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fraction, slo_ttft_ms, slo_tbt_ms,
-                phases, phase_s, workload, kv_cache_mb, seed, warmup, chunk_tokens, placed_chunk_tokens,
-                late_last, batch_lines, batch_max_tokens,
+                phases, phase_s, workload, think_s, runs, kv_host_tier_mb, kv_disk_gb, kv_cache_mb, seed, warmup,
+                chunk_tokens, placed_chunk_tokens, late_last, batch_lines, batch_max_tokens,
                 chaos, chaos_alternate, tenants_path, tenant_rates, openai_url, openai_model, api_key, as_json, out):
     """Poisson load from the Python client against 1 prefill + 1 decode worker and 2
     colocated workers (prefill-first and chunked), one thread each, on the same cores; or,
@@ -361,13 +377,16 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
     answered exactly once."""
     from pdqueue.bench import plots, serve_bench
     from pdqueue.bench.serve_load import Settings, parse_phases
-    from pdqueue.bench.serve_modes import MODES, PREFIX_MODES, BenchError
+    from pdqueue.bench.serve_modes import MODES, PREFIX_MODES, TIERS_MODES, BenchError
     from pdqueue.bench.serve_report import batch_failures, format_table
+    from pdqueue.bench.serve_runs import runs_lines
+    from pdqueue.bench.serve_turns import turn_lines
     from pdqueue.bench.stats import round_floats
 
     _end_on_term()
-    if workload == "prefix" and click.get_current_context().get_parameter_source("modes").name == "DEFAULT":
-        modes = ",".join(PREFIX_MODES)
+    if workload in ("prefix", "multiturn") and \
+            click.get_current_context().get_parameter_source("modes").name == "DEFAULT":
+        modes = ",".join(PREFIX_MODES if workload == "prefix" else TIERS_MODES)
     mode_list = csv_values(modes, str, "--modes")
     unknown = [m for m in mode_list if m not in MODES]
     if unknown:
@@ -381,6 +400,7 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         raise UserError("--chaos-alternate goes with --chaos (the runs alternate without and with its events)")
     rates_by_tenant = _tenant_options(tenants_path, tenant_rates, duration, num_requests, phases, batch_lines,
                                       openai_url)
+    _alone_options(workload, runs, phases, chaos, batch_lines, tenants_path, openai_url)
     settings = Settings.for_model(
         model, modes=mode_list, phases=phase_list, plan_mode=plan_mode, rates=csv_values(rates, float, "--rates"),
         duration_s=duration,
@@ -389,7 +409,8 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         placed_chunk_tokens=placed_chunk_tokens, late_last=late_last, openai_url=openai_url,
         openai_model=openai_model, api_key=api_key, workload_kind=workload, batch_lines=batch_lines,
         batch_max_tokens=batch_max_tokens, chaos=chaos_events, chaos_alternate=chaos_alternate if chaos_events else 0,
-        tenants_path=tenants_path, tenant_rates=rates_by_tenant,
+        tenants_path=tenants_path, tenant_rates=rates_by_tenant, think_s=think_s, runs=runs,
+        kv_host_tier_mb=kv_host_tier_mb, kv_disk_gb=kv_disk_gb,
         kv_cache_mb=kv_cache_mb or (512 if workload == "prefix" else 256))
     try:
         result = serve_bench.run(settings, launch_workers, progress=progress,
@@ -405,13 +426,26 @@ def bench_serve(model, modes, plan_mode, rates, duration, num_requests, long_fra
         click.echo(json.dumps(result, indent=2) if as_json else format_tenants_table(result))
         return
     write_out(out, "serve", result, plots.plot_serve)
-    click.echo(json.dumps(result, indent=2) if as_json else format_table(result))
+    click.echo(json.dumps(result, indent=2) if as_json
+               else "\n".join([format_table(result), *turn_lines(result), *runs_lines(result)]))
     failed = batch_failures(result)
     if failed:   # the exactly-once check: loud, and the exit status
         click.secho(f"FAILED: batch lines not answered exactly once in {', '.join(failed)} "
                     f"(missing, duplicated, or not ending in one done on out:<id>; see the batch figures)",
                     fg="red", bold=True, err=True)
         sys.exit(1)
+
+
+def _alone_options(workload, runs, phases, chaos, batch_lines, tenants_path, openai_url) -> None:
+    """``--workload multiturn`` and ``--runs`` against what they do not combine with: the
+    sessions are sent through pdqueue's client (they read each answer's token ids back) at
+    rates; repeated runs pool the runs of one rate."""
+    given = [name for name, value in (("--phases", phases), ("--chaos", chaos), ("--batch-lines", batch_lines),
+                                      ("--tenants", tenants_path), ("--openai-url", openai_url)) if value]
+    if workload == "multiturn" and given:
+        raise UserError(f"--workload multiturn cannot be combined with {', '.join(given)}")
+    if runs > 1 and given:
+        raise UserError(f"--runs cannot be combined with {', '.join(given)}")
 
 
 def _chaos_option(chaos, batch_lines, phases, tenants_path, openai_url) -> tuple:
