@@ -77,7 +77,7 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
             ax.set_ylabel("fraction of requests" if ax is ax_ttft else "fraction of gaps")
             ax.grid(True, alpha=0.3)
             ax.legend()
-        fig.suptitle(f"{result['model']}, {rate} req/s")
+        fig.suptitle(f"{result['model']}, {rate} {result.get('workload', {}).get('rate_unit', 'req/s')}")
         path = Path(directory) / f"serve_cdf_rate{rate:g}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
@@ -86,9 +86,13 @@ def plot_serve(result: dict, directory: Path) -> list[Path]:
     for mode, pooled in result["modes"].items():
         points = [(float(r), f["goodput_rps"]) for r, f in pooled["by_rate"].items()]
         ax.plot(*zip(*sorted(points)), marker="o", label=mode)
-    ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
-    ax.set_xlabel("arrival rate (req/s)")
-    ax.set_ylabel("goodput (req/s meeting both SLOs)")
+    if result.get("workload", {}).get("rate_unit") == "sessions/s":   # --workload multiturn (serve_turns.py)
+        ax.set_xlabel("session arrival rate (sessions/s)")
+        ax.set_ylabel("goodput (turns/s meeting both SLOs)")
+    else:
+        ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel("goodput (req/s meeting both SLOs)")
     ax.set_title(f"goodput, TTFT <= {result['slo']['ttft_ms']} ms and p90 TBT <= {result['slo']['tbt_ms']} ms")
     ax.grid(True, alpha=0.3)
     ax.legend()
