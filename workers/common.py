@@ -27,6 +27,7 @@ TRANSFERS = transports.modes()                       # --transfer: auto or a tra
 ROUTING_MODES = ("cache", "off")                      # --routing (workers/routing.py)
 PLACEMENTS = ("auto", "always", "off")                # --placement (workers/placement.py)
 DECODE_HERE = ("auto", "off")                         # --decode-here (workers/prefill.py)
+KV_FORMATS = ("native", "fp16", "int8")               # --kv-wire-format, --kv-tier-format (engine/kv_codec.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,10 @@ class WorkerConfig:
     kv_host_tier_mb: int = 0
     kv_disk_dir: str | None = None
     kv_disk_gb: float = 10.0
+    # How KV is encoded (pdqueue/engine/kv_codec.py: native, fp16, int8) in those tiers, and on the
+    # network wires when this worker fetches (the TCP data wire, ZeroMQ; shm and NIXL copy native).
+    kv_tier_format: str = "native"
+    kv_wire_format: str = "native"
 
     def __post_init__(self) -> None:
         """A bad value is a ValueError naming the field, here rather than deep in a role."""
@@ -101,6 +106,9 @@ class WorkerConfig:
             bad("kv_host_tier_mb", "must be an integer >= 0")
         if not self.kv_disk_gb >= 0:
             bad("kv_disk_gb", "must be >= 0")
+        for name in ("kv_tier_format", "kv_wire_format"):
+            if getattr(self, name) not in KV_FORMATS:
+                bad(name, f"must be one of {', '.join(KV_FORMATS)}")
         for name in ("max_batch_requests", "max_attempts"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 bad(name, "must be an integer >= 1")

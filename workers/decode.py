@@ -106,8 +106,8 @@ class DecodeRole(Role):
     def start(self, shell: RoleHost) -> None:
         self.shell = shell
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
-        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node,
-                                   mode=shell.config.transfer, timeout_s=shell.config.fetch_timeout_s,
+        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node, mode=shell.config.transfer,
+                                   timeout_s=shell.config.fetch_timeout_s, kv_format=shell.config.kv_wire_format,
                                    auth=kv_auth_for(shell.config, shell.r, shell.keys))
         self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
         self.rerouter = Rerouter(shell.r, shell.keys, engine_compat(self.engine), shell.metrics)

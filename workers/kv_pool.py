@@ -132,4 +132,5 @@ def tiers_for(config) -> KVTiers | None:
     """The KV tiers a WorkerConfig asks for (None: none)."""
     host = config.kv_host_tier_mb * 2**20
     disk = int(config.kv_disk_gb * 2**30) if config.kv_disk_dir else 0
-    return KVTiers(host_bytes=host, disk_dir=config.kv_disk_dir, disk_bytes=disk) if host or disk else None
+    return (KVTiers(host_bytes=host, disk_dir=config.kv_disk_dir, disk_bytes=disk, kv_format=config.kv_tier_format)
+            if host or disk else None)

@@ -105,23 +105,35 @@ def bench_engine(model, device, dtype, threads, kv_cache_mb, prefix_caching, wei
 @bench.command("quality")
 @model_option
 @click.option("--formats", default="fp32,int8,int4,q4_1", show_default=True,
-              help="Weights formats to compare with float32 (pdqueue.models.quant).")
+              help="Weights formats to compare with float32 (pdqueue.models.quant); none: no weights formats.")
+@click.option("--kv-formats", default="native,fp16,int8", show_default=True,
+              help="KV formats to compare with native (--kv-wire-format, --kv-tier-format: the prompt's KV "
+                   "round-tripped after a full-precision prefill, float32 weights); none: no KV formats.")
+@click.option("--kv-contexts", type=click.IntRange(min=0), default=4, show_default=True,
+              help="KV formats: long prompts (windows of the text, besides the short prompts).")
+@click.option("--kv-context-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="KV formats: tokens of each long prompt.")
 @click.option("--window", type=click.IntRange(min=2), default=512, show_default=True,
               help="Perplexity: tokens per disjoint window.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy agreement: tokens per prompt.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads [default: torch's choice].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench_quality(model, formats, window, max_tokens, threads, as_json):
+def bench_quality(model, formats, kv_formats, kv_contexts, kv_context_tokens, window, max_tokens, threads, as_json):
     """Perplexity of a fixed public-domain text and greedy agreement with float32, per
-    weights format."""
+    weights format; greedy agreement and KL to native, per KV format."""
     from pdqueue.engine.config import WEIGHT_FORMATS
+    from workers.common import KV_FORMATS
 
     check_model(model)
-    names = csv_values(formats, str, "--formats")
+    names = [] if formats == "none" else csv_values(formats, str, "--formats")
     unknown = [f for f in names if f not in WEIGHT_FORMATS]
     if unknown:
-        raise UserError(f"--formats: unknown {unknown}; expected some of {list(WEIGHT_FORMATS)}")
+        raise UserError(f"--formats: unknown {unknown}; expected some of {list(WEIGHT_FORMATS)} or none")
+    kv_names = [] if kv_formats == "none" else csv_values(kv_formats, str, "--kv-formats")
+    unknown = [f for f in kv_names if f not in KV_FORMATS]
+    if unknown:
+        raise UserError(f"--kv-formats: unknown {unknown}; expected some of {list(KV_FORMATS)} or none")
     import torch
 
     from pdqueue.bench import quality
@@ -135,9 +147,18 @@ def bench_quality(model, formats, window, max_tokens, threads, as_json):
         names = ["fp32"]
     if threads:
         torch.set_num_threads(threads)
+    result, tables = {}, []
     with model_errors():
-        result = quality.run(model, names, window, max_tokens, progress=progress)
-    click.echo(json.dumps(result, indent=2) if as_json else quality.format_table(result))
+        if names:
+            result = quality.run(model, names, window, max_tokens, progress=progress)
+            tables.append(quality.format_table(result))
+        if kv_names:
+            from pdqueue.bench import kv_quality
+
+            result["kv"] = kv_quality.run(model, kv_names, max_tokens, kv_contexts, kv_context_tokens,
+                                          progress=progress)
+            tables.append(kv_quality.format_table(result["kv"]))
+    click.echo(json.dumps(result, indent=2) if as_json else "\n\n".join(tables))
 
 
 def _compare_table(result: dict) -> str:

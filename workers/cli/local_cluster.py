@@ -85,6 +85,7 @@ class LocalClusterConfig:
     decode_weights: str = "fp32"      # --weights of the decode (and colocated) workers
     prefill_args: tuple[str, ...] = field(default_factory=tuple)  # more options of the prefill workers
     decode_args: tuple[str, ...] = field(default_factory=tuple)   # ... of the decode (and colocated) workers
+    kv_wire_format: str = "native"    # the workers' --kv-wire-format (engine/kv_codec.py; network paths only)
     # The first restart's delay, doubled per restart (up --restart-backoff-s).
     restart_backoff_s: float = RESTART_BACKOFF_S
     # At the stop, the embedded server waits this long at most for answers no client has read yet
@@ -217,6 +218,8 @@ class LocalCluster:
                *(c.prefill_args if role == Role.PREFILL else c.decode_args)]
         if c.switchable:
             cmd.append("--switchable")
+        if c.kv_wire_format != "native":
+            cmd += ["--kv-wire-format", c.kv_wire_format]
         weights = self.weights_of(role)
         if weights != "fp32":   # a worker keeps its weights across role switches
             cmd += ["--weights", weights]

@@ -117,11 +117,16 @@ def check_port_free(port: int) -> None:
               help="The decode workers also prefill the prompts a prefill worker places there when their first "
                    "token comes sooner so (in the time their decodes leave, chunks under --tbt-slo-ms); see "
                    "docs/tuning/placement.md. --no-take-prompts: a fixed split.")
+@click.option("--kv-wire-format", type=click.Choice(("native", "fp16", "int8")), envvar="PDQ_KV_WIRE_FORMAT",
+              show_envvar=True, default="native", show_default=True,
+              help="The workers' --kv-wire-format: the format a decode worker asks KV in over the network paths "
+                   "(fp16: half the bytes of float32, int8: about a quarter). up's workers share one node, where "
+                   "KV is copied through shared memory as it is; it applies to workers that fetch over TCP.")
 @planner_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway,
-       print_url, show_password, print_env, weights, prefill_weights, decode_weights, take_prompts, plan_mode,
-       ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic):
+       print_url, show_password, print_env, weights, prefill_weights, decode_weights, take_prompts, kv_wire_format,
+       plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
     worker id, after 1 s (--restart-backoff-s), doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
@@ -185,7 +190,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 decode_weights=decode_weights or weights,
                                 decode_args=TAKE_PROMPTS_ARGS + ("--tbt-slo-ms", f"{tbt_slo_ms:g}")
                                 if take_prompts else (), restart_backoff_s=restart_backoff_s,
-                                answer_grace_s=answer_grace_s,
+                                answer_grace_s=answer_grace_s, kv_wire_format=kv_wire_format,
                                 # prompts that can no longer make --ttft-slo-ms wait behind those that can
                                 worker_args=("--ttft-slo-ms", f"{ttft_slo_ms:g}"))
     stop, hurry = threading.Event(), threading.Event()

@@ -23,7 +23,15 @@ from workers.cli.common import (
     model_option,
     redis_security_options,
 )
-from workers.common import DECODE_HERE, PLACEMENTS, ROUTING_MODES, TRANSFERS, WorkerConfig, config_default
+from workers.common import (
+    DECODE_HERE,
+    KV_FORMATS,
+    PLACEMENTS,
+    ROUTING_MODES,
+    TRANSFERS,
+    WorkerConfig,
+    config_default,
+)
 
 
 def limit_options(f):
@@ -169,13 +177,26 @@ def limit_options(f):
                    "blocks there). Another model, weights, dtype or block size never matches. Default: none.")
 @click.option("--kv-disk-gb", type=click.FloatRange(min=0), default=config_default("kv_disk_gb"), show_default=True,
               help="With --kv-disk-dir: the disk tier's bound (least recently used files go first).")
+@click.option("--kv-tier-format", type=click.Choice(KV_FORMATS), envvar="PDQ_KV_TIER_FORMAT", show_envvar=True,
+              default=config_default("kv_tier_format"), show_default=True,
+              help="How the KV tiers store blocks: native (the pool's dtype, exact), fp16 (half the bytes of a "
+                   "float32 pool), int8 (a scale per block, layer, K/V and head: about a quarter). A disk file "
+                   "records its format; one of another format is read as what it is. What each costs in tokens: "
+                   "pdqueue bench quality.")
+@click.option("--kv-wire-format", type=click.Choice(KV_FORMATS), envvar="PDQ_KV_WIRE_FORMAT", show_envvar=True,
+              default=config_default("kv_wire_format"), show_default=True,
+              help="Decode: the format this worker asks KV in over the network paths (the TCP data wire, "
+                   "ZeroMQ): native, fp16 (half the bytes of a float32 pool), int8 (about a quarter). Senders "
+                   "encode what is asked (an older one sends native, read as such); shm on one node copies "
+                   "native (encoding costs more than it saves there), nixl reads native.")
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs,
            policy, tbt_slo_ms, ttft_slo_ms, max_num_seqs, max_batched_tokens, transfer, routing, bind, data_port,
            advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s,
            migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file,
-           metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, limits, log_level):
+           metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, kv_tier_format,
+           kv_wire_format, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -188,6 +209,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                                  ttft_slo_ms=ttft_slo_ms)
     check_device(device)
     check_transfer(transfer)
+    check_kv_formats(engine, transfer, kv_tier_format, kv_wire_format, bool(kv_host_tier_mb or kv_disk_dir))
     check_redis(redis_url)
     check_kv_pool(model, engine)
     config = WorkerConfig(redis_url=redis_url, cluster=cluster, engine=engine, transfer=transfer, routing=routing,
@@ -202,7 +224,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
                           limits=limits, kv_host_tier_mb=kv_host_tier_mb, kv_disk_dir=kv_disk_dir,
-                          kv_disk_gb=kv_disk_gb)
+                          kv_disk_gb=kv_disk_gb, kv_tier_format=kv_tier_format, kv_wire_format=kv_wire_format)
     if config.metrics_port:
         check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
     config = with_kv_auth(config, kv_auth, kv_secret_file)
@@ -312,6 +334,22 @@ def check_transfer(transfer: str) -> None:
     missing = transports.missing(transfer)
     if missing:
         raise UserError(f"--transfer {transfer}: {missing}")
+
+
+def check_kv_formats(engine, transfer: str, tier_format: str, wire_format: str, has_tier: bool) -> None:
+    """KV formats that cannot apply here, refused at start with one line: fp16 of a pool
+    that is 16-bit already (it would stay as it is), a wire format with a transport that
+    moves native KV only, a tier format without a tier."""
+    for option, fmt in (("--kv-tier-format", tier_format), ("--kv-wire-format", wire_format)):
+        if fmt == "fp16" and engine.dtype in ("float16", "bfloat16"):
+            raise UserError(f"{option} fp16: the KV pool is {engine.dtype} already (16 bits): it would stay as it "
+                            "is; use native or int8")
+    if wire_format != "native" and transfer in ("shm", "nixl"):
+        raise UserError(f"--kv-wire-format {wire_format}: --transfer {transfer} moves native KV only (formats apply "
+                        "to the tcp and zmq paths; auto uses them off this node)")
+    if tier_format != "native" and not has_tier:
+        raise UserError(f"--kv-tier-format {tier_format}: there is no KV tier to store in (--kv-host-tier-mb, "
+                        "--kv-disk-dir)")
 
 
 def check_redis(url: str) -> None:
