@@ -201,6 +201,7 @@ def test_the_tiers_modes_give_their_workers_one_fresh_directory_per_start(tmp_pa
 
 # ---- end to end (processes) ---------------------------------------------------------------
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_serve_multiturn_smoke_without_and_with_the_tiers(tmp_path):
     """Three sessions on tiny workers, the split without and with the KV tiers: every turn
