@@ -233,11 +233,11 @@ def test_tiny_online_work_takes_the_room_of_running_batch_sequences(tiny):
     for _ in range(3):
         for out in eng.step():
             results[out.request_id].append(out.token_id)
-    assert len(eng.scheduler.running) == 3 and not eng.can_reserve(40)
-    assert eng.make_room(40) and eng.can_reserve(40)
+    assert len(eng.scheduler.running) == 3 and not eng.kv_import.can_reserve(40)
+    assert eng.kv_import.make_room(40) and eng.kv_import.can_reserve(40)
     preempted = [s for s in eng.scheduler.waiting if eng.scheduler.share.yields(s)]
     assert [s.request_id for s in preempted] == ["b2"] and preempted[0].num_preemptions == 1
-    assert not engine(tiny, max_num_seqs=1).make_room(10 ** 6)   # no batch to take from: False
+    assert not engine(tiny, max_num_seqs=1).kv_import.make_room(10 ** 6)   # no batch to take from: False
     while eng.has_unfinished:
         for out in eng.step():
             results[out.request_id].append(out.token_id)
@@ -476,11 +476,11 @@ def disaggregated(loaded, prompts, params, prefill_blocks: int = 96, decode_bloc
     held = sum(len(out.detached_blocks) for out in handoff)
     assert pre_engine.block_manager.num_free_blocks == prefill_blocks - held  # detached, not freed
     for out in handoff:
-        seq = dec.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id])
+        seq = dec.kv_import.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id])
         src = torch.tensor(out.detached_blocks, dtype=torch.long)
         dst = torch.tensor(seq.block_table[: len(src)], dtype=torch.long)
         dec.kv_cache[:, :, dst] = pre_engine.kv_cache[:, :, src]
-        dec.add_prefilled(seq)
+        dec.kv_import.add_prefilled(seq)
         pre_engine.free_blocks(out.detached_blocks)  # the lease ends once the KV is copied
     assert pre_engine.block_manager.num_free_blocks == prefill_blocks
     while dec.has_unfinished:

@@ -232,11 +232,11 @@ def test_a_decode_engine_takes_tier_blocks_as_hits(tiny):
     bm = eng.block_manager
     hashes = list(bm.block_hashes(eng.add_request("probe", turn1, greedy(1)), len(turn1) // BS))
     eng.abort("probe")
-    seq = eng.reserve("d1", turn1, greedy(4), [7], block_hashes=hashes, hash_root=bm.root)
+    seq = eng.kv_import.reserve("d1", turn1, greedy(4), [7], block_hashes=hashes, hash_root=bm.root)
     assert seq.num_cached_tokens == len(hashes) * BS and tiers.loaded == len(hashes)
     for i, block in enumerate(seq.block_table[:len(hashes)]):
         assert bm.is_cached(block) and bm.ref_count(block) == 1, i
-    eng.unreserve(seq)
+    eng.kv_import.unreserve(seq)
 
 
 # --- real worker processes ---------------------------------------------------------------------

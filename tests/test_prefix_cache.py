@@ -459,10 +459,10 @@ def test_disaggregated_with_shared_prefixes_matches_colocated(tiny):
     assert pre.prefix_cache_hits > 0
     assert any(pre.block_manager.ref_count(b) > 1 for b in range(pre.block_manager.num_blocks))
     for out in held:
-        seq = dec.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id])
+        seq = dec.kv_import.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id])
         src = torch.tensor(out.detached_blocks, dtype=torch.long)
         dec.kv_cache[:, :, torch.tensor(seq.block_table[: len(src)])] = pre.kv_cache[:, :, src]
-        dec.add_prefilled(seq)
+        dec.kv_import.add_prefilled(seq)
         pre.free_blocks(out.detached_blocks)
     assert_all_released(pre)
     while dec.has_unfinished:
@@ -493,7 +493,7 @@ def test_a_decode_engine_copies_only_the_blocks_it_lacks(tiny):
             outs += pre.step()
         for out in outs:
             got[out.request_id] = [out.token_id]
-            seq = dec.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id],
+            seq = dec.kv_import.reserve(out.request_id, out.seq.prompt_ids, out.seq.params, [out.token_id],
                               block_hashes=out.seq.block_hashes, hash_root=pre.prefix_root)
             held = seq.num_cached_tokens // BS
             reused.append(held)
@@ -501,7 +501,7 @@ def test_a_decode_engine_copies_only_the_blocks_it_lacks(tiny):
             src = torch.tensor(out.detached_blocks[held:], dtype=torch.long)
             dst = torch.tensor(seq.block_table[held:len(out.detached_blocks)], dtype=torch.long)
             dec.kv_cache[:, :, dst] = pre.kv_cache[:, :, src]   # only the blocks it lacks
-            dec.add_prefilled(seq)
+            dec.kv_import.add_prefilled(seq)
             pre.free_blocks(out.detached_blocks)
         while dec.has_unfinished:
             for out in dec.step():

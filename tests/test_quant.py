@@ -224,11 +224,11 @@ def mixed_oracle(prefill_loaded, decode_loaded, prompt_ids: list[list[int]], par
         rid = f"m{i}"
         prefill.add_request(rid, ids, params)
         (first,) = [o for o in prefill.step() if o.request_id == rid]
-        seq = decode.reserve(rid, ids, params, [first.token_id])
+        seq = decode.kv_import.reserve(rid, ids, params, [first.token_id])
         src, dst = first.detached_blocks, seq.block_table[:len(first.detached_blocks)]
         decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
         prefill.free_blocks(src)
-        decode.add_prefilled(seq)
+        decode.kv_import.add_prefilled(seq)
         outputs[rid] = [first.token_id]
     while decode.has_unfinished:
         for out in decode.step():

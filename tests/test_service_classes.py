@@ -422,11 +422,12 @@ def test_an_imported_sequence_is_told_its_class(tiny):
     background once reserved, as one the engine prefilled itself would be."""
     engine = LLMEngine(tiny, EngineConfig(kv_cache_mb=8, max_num_seqs=4, max_background_seqs=1))
     batch = ServiceClass.BATCH.rank
-    assert engine.can_reserve(10, rank=batch)
-    seq = engine.reserve("imported", [3] * 9, SamplingParams(max_tokens=4), [5], rank=batch)
-    engine.add_prefilled(seq)
+    assert engine.kv_import.can_reserve(10, rank=batch)
+    seq = engine.kv_import.reserve("imported", [3] * 9, SamplingParams(max_tokens=4), [5], rank=batch)
+    engine.kv_import.add_prefilled(seq)
     assert seq.rank == batch and engine.scheduler.share.yields(seq) and engine.scheduler.num_background == 1
-    assert not engine.can_reserve(10, rank=batch) and engine.can_reserve(10, rank=ServiceClass.INTERACTIVE.rank)
+    kv = engine.kv_import
+    assert not kv.can_reserve(10, rank=batch) and kv.can_reserve(10, rank=ServiceClass.INTERACTIVE.rank)
     assert engine.scheduler.preempt_background() and engine.scheduler.waiting[0] is seq   # it yields its room
 
 

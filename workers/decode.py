@@ -224,7 +224,8 @@ class DecodeRole(Role):
             if background and not self.engine.scheduler.can_run_background():
                 continue   # batch waits for one of its own slots; the online jobs behind it go on
             need = len(h.prompt_ids) + len(h.output_ids) + 1
-            if not self.engine.can_reserve(need, h.request.rank) and (background or not self.engine.make_room(need)):
+            kv = self.engine.kv_import
+            if not kv.can_reserve(need, h.request.rank) and (background or not kv.make_room(need)):
                 break   # (online work takes the room of running batch sequences: make_room)
             if h.request.expired(now_ms()):
                 self.answer_expired(job, h.output_ids)
@@ -235,7 +236,7 @@ class DecodeRole(Role):
             elif h.ticket is None:
                 self.recompute(job, "no KV ticket")
             else:
-                job.seq = self.engine.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
+                job.seq = self.engine.kv_import.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
                                               block_hashes=h.ticket.get("block_hashes") or (),
                                               hash_root=h.ticket.get("hash_root") or b"",
                                               rank=h.request.rank)
@@ -244,9 +245,9 @@ class DecodeRole(Role):
                 # prompt) stay; only the rest travel, and of those only what a sliding window
                 # still reads when every layer slides (the older ones are left unfilled).
                 held = job.seq.num_cached_tokens // self.engine.config.block_size
-                first = max(held, self.engine.first_needed_block(len(h.prompt_ids) + len(h.output_ids) - 1))
+                first = max(held, self.engine.kv_import.first_needed_block(len(h.prompt_ids) + len(h.output_ids) - 1))
                 if first > held:
-                    self.engine.leave_unfilled(job.seq, held, first)
+                    self.engine.kv_import.leave_unfilled(job.seq, held, first)
                 self.fetcher.submit(job, h.ticket, job.seq.block_table[first:len(h.ticket["block_ids"])], first,
                                     reused_blocks=held)
                 fetches += 1
@@ -275,16 +276,16 @@ class DecodeRole(Role):
         ``wait_s``, wait up to that long for the fetches still running."""
         for job, kv in self.fetcher.collect(wait_s):
             if self.jobs.get(job.request_id) is not job:   # dropped meanwhile
-                self.engine.unreserve(job.seq)
+                self.engine.kv_import.unreserve(job.seq)
                 continue
             seq, job.seq = job.seq, None
             if kv.error:
                 log.warning("KV fetch for %s failed (%s): recomputing", job.request_id, kv.error)
-                self.engine.unreserve(seq)
+                self.engine.kv_import.unreserve(seq)
                 self.recompute(job, kv.error)
                 continue
             job.kv, job.admitted_ms, job.state = kv, now_ms(), JobState.RUNNING
-            self.engine.add_prefilled(seq)
+            self.engine.kv_import.add_prefilled(seq)
 
     # ---- a prompt handoff: -> RUNNING ---------------------------------------------------------
     def prefill_here(self, job: Job) -> None:

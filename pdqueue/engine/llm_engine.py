@@ -8,8 +8,9 @@ disaggregated workers use the same engine in two roles:
   exports them under a lease and returns them with ``free_blocks`` when the lease ends;
   one marked ``decode_here`` (``keep_decoding``: no decode worker has room) stays and
   decodes like a colocated engine's.
-- decode: ``add_prefilled`` admits a sequence whose prompt KV was copied into blocks that
-  ``reserve`` allocated for it; from then on it decodes like any other.
+- decode: ``kv_import`` (kv_import.py's ``KVImport``) reserves blocks for a sequence whose
+  prompt KV the caller copies in, then admits it as running; from then on it decodes like
+  any other.
 
 Lifecycle of a sequence: ``add_request`` -> waiting -> running (prefill, then decode;
 preempted back to waiting by recompute if blocks run out) -> finished (blocks freed).
@@ -22,8 +23,8 @@ filled. Blocks a finished sequence or an ended lease gives back stay cached unti
 chain starts from the model's identity, config and weights' fingerprint (a GGUF file's
 SHA-256), its weights' dtype and format (``fp32``, ``int8``, ``int4``: models/quant.py), the
 KV dtype and the block size, so blocks are never shared across anything that changes the KV.
-In the decode role ``reserve`` takes the blocks a ticket names that this engine caches (the
-sender's chain), so only the others are copied in.
+In the decode role ``kv_import.reserve`` takes the blocks a ticket names that this engine
+caches (the sender's chain), so only the others are copied in.
 
 Imports torch, models, the engine modules and pdqueue.protocol (``FinishReason``); never redis or zmq.
 """
@@ -41,6 +42,7 @@ from pdqueue.engine.block_manager import BlockManager, prefix_root
 from pdqueue.engine.config import EngineConfig, PrefillPolicy
 from pdqueue.engine.cuda_graphs import GraphedDecode
 from pdqueue.engine.kv_cache import KVCacheLayout
+from pdqueue.engine.kv_import import KVImport
 from pdqueue.engine.model_runner import ModelRunner
 from pdqueue.engine.output import OutputText
 from pdqueue.engine.sampling import SamplingParams, sample
@@ -129,6 +131,8 @@ class LLMEngine:
                                           enable_caching=config.prefix_caching,
                                           root=engine_prefix_root(loaded, config, self.layout), on_rewrite=on_rewrite)
         self.scheduler = Scheduler(config, self.block_manager)
+        # The decode role's way in: a sequence whose KV is copied into blocks it reserves.
+        self.kv_import = KVImport(config, self.scheduler, self.block_manager, kv_cache, loaded.config, self._track)
         graphs = None
         if config.cuda_graphs and GraphedDecode.usable(self.model, kv_cache.device):
             graphs = GraphedDecode(self.model, kv_cache, config.block_size, config.max_num_seqs, self.max_model_len)
@@ -194,69 +198,10 @@ class LLMEngine:
             if seq.num_output_tokens == 0 and not self.scheduler.share.yields(seq):
                 seq.decode_here = keep
 
-    def can_reserve(self, num_tokens: int, rank: int = 0) -> bool:
-        """Whether ``reserve`` has a slot and the blocks for a sequence of class ``rank`` (one
-        whose class yields, one of the background slots: policies.ClassShare)."""
-        return (len(self.scheduler.running) < self.config.max_num_seqs
-                and (rank not in self.scheduler.share.yielding or self.scheduler.can_run_background())
-                and self.block_manager.blocks_for(num_tokens) <= self.block_manager.num_free_blocks)
-
-    def make_room(self, num_tokens: int) -> bool:
-        """Foreground work of ``num_tokens`` to ``reserve``: preempt running background
-        sequences, newest first (they recompute later), until it fits; whether it does.
-        Batch gives its room back when online work needs it (policies.ClassShare)."""
-        while not self.can_reserve(num_tokens):
-            if not self.scheduler.preempt_background():
-                return False
-        return True
-
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                output_ids: list[int], block_hashes=(), hash_root: bytes = b"", rank: int = 0) -> Sequence:
-        """Decode role: allocate blocks for a sequence whose KV (all tokens but the last)
-        will be copied in by the caller; then ``add_prefilled`` (or ``unreserve``). With
-        the sender's prefix-cache names of its full blocks (``block_hashes``, chained from
-        ``hash_root``), blocks this engine holds under those names are taken from its cache
-        and ``seq.num_cached_tokens`` says how many leading tokens' KV is in place already:
-        the caller copies KV into the blocks after those only (fresh ones; a cached block
-        is never rewritten). ``rank``: its service class's, as for ``add_request`` (whether it
-        yields; where it waits again if it is preempted)."""
-        seq = Sequence(request_id, prompt_ids, params, output_ids, rank=rank)
-        if not self.can_reserve(seq.num_tokens, rank):
-            raise RuntimeError("reserve without can_reserve")
-        hits = self.block_manager.allocate_known(seq, list(block_hashes),
-                                                 same_root=bool(hash_root) and hash_root == self.block_manager.root)
-        seq.num_cached_tokens = hits * self.config.block_size
-        return seq
-
-    def first_needed_block(self, num_context: int) -> int:
-        """The first block a sequence of ``num_context`` computed tokens still reads: 0, or
-        for a model whose every layer slides (Mistral, Phi-3), the block of the oldest position
-        its window still covers. A decode worker copies no KV before it."""
-        window = self.model_config.max_window
-        return 0 if window is None else max(0, (num_context - window) // self.config.block_size)
-
-    def leave_unfilled(self, seq: Sequence, first_block: int, end_block: int) -> None:
-        """``seq``'s blocks ``first_block .. end_block - 1`` get no KV (older than every
-        layer's window): zeroed, never named in the prefix cache (another request could read
-        them), and not counted as reused."""
-        for block in seq.block_table[first_block:end_block]:
-            self.kv_cache[:, :, block].zero_()
-        seq.max_hashed_blocks = min(first_block, seq.max_hashed_blocks if seq.max_hashed_blocks is not None
-                                    else first_block)
-
     @property
     def prefix_root(self) -> bytes:
         """The prefix cache's chain start (what besides the tokens decides the KV)."""
         return self.block_manager.root
-
-    def unreserve(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-
-    def add_prefilled(self, seq: Sequence) -> None:
-        seq.num_cached_tokens = seq.num_tokens - 1
-        self.block_manager.cache_computed(seq)   # the copied full blocks join the prefix cache
-        self._track(seq, seq.output_ids)
-        self.scheduler.add_running(seq)
 
     def detach_running(self, request_id: str) -> tuple[Sequence, list[int]] | None:
         """Take a decoding sequence out of the engine with its KV, to resume it elsewhere

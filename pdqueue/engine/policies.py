@@ -8,19 +8,28 @@ mini-sglang's scheduler asks its ``PrefillAdder``.
   batch class) may take: slots, prompt tokens, decode rows; which is preempted first, where a
   preempted one waits again. Keyed by the class's rank (``Sequence.rank``): the ranks that
   yield come from the protocol's class table (``pdqueue.protocol.YIELDING_RANKS``);
-- ``TtftLateness``: which waiting prompts can no longer make their TTFT target.
+- ``TtftLateness``: which waiting prompts can no longer make their TTFT target;
+- ``PrefillFirst``, ``Chunked`` (``PREFILL_POLICIES``, by ``EngineConfig.policy``): the
+  prefill policies, which compose a step of the scheduler's operations (``admit``,
+  ``decode_all``) and these objects' decisions.
 
 Each is state plus decisions; none holds a queue. The step cost model (step_cost.py) is the
 scheduler's, shared with them.
 
-Imports sequence, step_cost and pdqueue.protocol (the class table).
+Imports config, sequence, step_cost and pdqueue.protocol (the class table).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from pdqueue.engine.config import PrefillPolicy
 from pdqueue.engine.sequence import Sequence, SequenceStatus
 from pdqueue.engine.step_cost import StepCostModel
 from pdqueue.protocol import YIELDING_RANKS
+
+if TYPE_CHECKING:
+    from pdqueue.engine.scheduler import ScheduledBatch, Scheduler
 
 MIN_CHUNK = 16        # prompt tokens a step takes at least, whatever the TBT budget leaves
 STEP_SHARE = 0.85     # of a TBT target, what the step may take (publishing and intake take the rest)
@@ -312,3 +321,59 @@ class TtftLateness:
             if now_ms + cost_ms > seq.ttft_due_ms:
                 seq.late = changed = True
         return changed
+
+
+class PrefillFirst:
+    """``prefill_first``: admit waiting prompts whole (up to the token budget) and run them as a
+    prefill step; only when none can be admitted, one decode token for every running sequence
+    (the classic colocated server, whose decodes stall behind each prefill). Background prompts
+    ride along a step of foreground prompts (``ClassShare.ride_along``)."""
+
+    def step(self, sched: Scheduler) -> ScheduledBatch:
+        batch = sched.admit(sched.max_num_batched_tokens, whole_prompts=True)
+        if sched.share.ride_along(batch, sched.waiting, whole_prompts=True):
+            batch += sched.admit(sched.max_num_batched_tokens - sum(n for _, n in batch), whole_prompts=True)
+        return batch or sched.decode_all()
+
+
+class Chunked:
+    """``chunked``: every step decodes all running sequences first, then spends what is left of
+    the token budget (with a TBT target, what ``TbtBudget`` allows beside the decodes) on prompt
+    chunks: those already being prefilled first, then new prompts (Sarathi-style), so a long
+    prompt never stalls decodes by more than one budget's worth of compute. Background prompts
+    ride along a step that computes foreground prompt tokens (``ClassShare.ride_along``)."""
+
+    def step(self, sched: Scheduler) -> ScheduledBatch:
+        batch = sched.decode_all()
+        prompts_pending = bool(sched.waiting) or any(s.num_uncomputed_tokens > 1 for s in sched.running)
+        budget = sched.tbt.budget([seq for seq, _ in batch], sched.max_num_batched_tokens - len(batch),
+                                  prompts_pending)
+        budget = self.continue_prompts(sched, batch, budget)
+        admitted = sched.admit(budget, whole_prompts=False)
+        batch += admitted
+        budget -= sum(n for _, n in admitted)
+        if budget > 0 and sched.share.ride_along(batch, sched.waiting, whole_prompts=False):
+            stepping = {id(s) for s, _ in batch}
+            extra: ScheduledBatch = []
+            budget = self.continue_prompts(sched, extra, budget,
+                                           only=[s for s in sched.running if id(s) not in stepping])
+            batch += extra + sched.admit(budget, whole_prompts=False)
+        return batch
+
+    @staticmethod
+    def continue_prompts(sched: Scheduler, batch: ScheduledBatch, budget: int, only=None) -> int:
+        """Continue prompts already being prefilled in chunks (of ``only``, else every running
+        sequence), adding them to ``batch``; returns the budget left."""
+        for seq in sched.running if only is None else only:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                num_new = sched.share.chunk(seq, min(seq.num_uncomputed_tokens, budget))
+                if num_new <= 0:
+                    continue
+                batch.append((seq, num_new))
+                budget -= num_new
+        return budget
+
+
+PREFILL_POLICIES = {PrefillPolicy.PREFILL_FIRST: PrefillFirst, PrefillPolicy.CHUNKED: Chunked}

@@ -1,20 +1,14 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-A step is a list of ``(sequence, num_new_tokens)``. Two policies:
-
-- ``prefill_first``: admit waiting prompts whole (up to the token budget) and run them as a
-  prefill step; only when none can be admitted, one decode token for every running sequence
-  (the classic colocated server, whose decodes stall behind each prefill).
-- ``chunked``: every step decodes all running sequences first, then spends what is left of
-  the token budget on prompt chunks (Sarathi-style), so a long prompt never stalls decodes
-  by more than one budget's worth of compute.
-
-The scheduler keeps the queues (``waiting``, ``running``) and asks the policy objects of
-policies.py: ``tbt`` (``TbtBudget``: the prompt tokens that fit beside the decodes under a
-TBT target), ``share`` (``ClassShare``: which sequences are background, by their class's rank,
-and the slots, prompt tokens and decode rows those may take) and ``lateness``
-(``TtftLateness``: the prompts past their TTFT target); ``waiting_key`` is the waiting order.
-They share the step cost model ``cost``, which ``observe_step`` feeds.
+A step is a list of ``(sequence, num_new_tokens)``. The scheduler keeps the queues
+(``waiting``, ``running``) and the two operations on them a step is made of: ``admit``
+(waiting prompts start) and ``decode_all`` (a token for each running sequence that decodes).
+The policies are objects of policies.py: ``prefill`` (``PrefillFirst`` or ``Chunked``, by
+``EngineConfig.policy``) composes each step of those; ``tbt`` (``TbtBudget``: the prompt
+tokens that fit beside the decodes under a TBT target), ``share`` (``ClassShare``: which
+sequences are background, and the slots, prompt tokens and decode rows they may take) and
+``lateness`` (``TtftLateness``: the prompts past their TTFT target) decide within a step;
+``waiting_key`` is the waiting order. They share the step cost model ``cost``, which ``observe_step`` feeds.
 
 When the pool runs out of blocks the newest running sequence (the newest background one
 first) is preempted by recompute: its blocks are freed and it goes back to the front of its
@@ -30,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 
 from pdqueue.engine.block_manager import BlockManager
-from pdqueue.engine.config import EngineConfig, PrefillPolicy
-from pdqueue.engine.policies import ClassShare, TbtBudget, TtftLateness, waiting_key
+from pdqueue.engine.config import EngineConfig
+from pdqueue.engine.policies import PREFILL_POLICIES, ClassShare, TbtBudget, TtftLateness, waiting_key
 from pdqueue.engine.sequence import Sequence, SequenceStatus
 from pdqueue.engine.step_cost import StepCostModel
 
@@ -40,7 +34,7 @@ ScheduledBatch = list[tuple[Sequence, int]]
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
-        self.policy = config.policy
+        self.prefill = PREFILL_POLICIES[config.policy]()   # which operations a step takes
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -118,38 +112,7 @@ class Scheduler:
         if now_ms is not None:
             self.mark_late(now_ms)
         self.share.begin_step(self.running, self.waiting)
-        if self.policy == PrefillPolicy.PREFILL_FIRST:
-            batch = self._admit(self.max_num_batched_tokens, whole_prompts=True)
-            if self.share.ride_along(batch, self.waiting, whole_prompts=True):
-                batch += self._admit(self.max_num_batched_tokens - sum(n for _, n in batch), whole_prompts=True)
-            return batch or self._decode_all()
-        batch = self._decode_all()
-        prompts_pending = bool(self.waiting) or any(s.num_uncomputed_tokens > 1 for s in self.running)
-        budget = self.tbt.budget([seq for seq, _ in batch], self.max_num_batched_tokens - len(batch), prompts_pending)
-        budget = self._continue_prompts(batch, budget)
-        admitted = self._admit(budget, whole_prompts=False)
-        batch += admitted
-        budget -= sum(n for _, n in admitted)
-        if budget > 0 and self.share.ride_along(batch, self.waiting, whole_prompts=False):
-            stepping = {id(s) for s, _ in batch}
-            extra: ScheduledBatch = []
-            budget = self._continue_prompts(extra, budget, only=[s for s in self.running if id(s) not in stepping])
-            batch += extra + self._admit(budget, whole_prompts=False)
-        return batch
-
-    def _continue_prompts(self, batch: ScheduledBatch, budget: int, only=None) -> int:
-        """Continue prompts already being prefilled in chunks (of ``only``, else every
-        running sequence); returns the budget left."""
-        for seq in self.running if only is None else only:
-            if budget <= 0:
-                break
-            if seq.num_uncomputed_tokens > 1:
-                num_new = self.share.chunk(seq, min(seq.num_uncomputed_tokens, budget))
-                if num_new <= 0:
-                    continue
-                batch.append((seq, num_new))
-                budget -= num_new
-        return budget
+        return self.prefill.step(self)
 
     def observe_step(self, batch: ScheduledBatch, seconds: float, ended_s: float | None = None) -> None:
         """After a step ran: its cost feeds the model; its decodes' slow gaps are counted
@@ -159,7 +122,9 @@ class Scheduler:
         self.cost.observe(len(decodes), sum(n for _, n in batch) - len(decodes), seconds)
         self.tbt.observe(decodes, seconds, ended_s)
 
-    def _admit(self, budget: int, whole_prompts: bool) -> ScheduledBatch:
+    def admit(self, budget: int, whole_prompts: bool) -> ScheduledBatch:
+        """Start waiting prompts, in the waiting order, while ``budget`` tokens, a slot and
+        their blocks allow (``whole_prompts``: each computed whole, else chunked)."""
         batch: ScheduledBatch = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -187,7 +152,9 @@ class Scheduler:
         """Background decodes that sit this step out (``ClassShare.paused``)."""
         return self.share.paused(self.running, batch)
 
-    def _decode_all(self) -> ScheduledBatch:
+    def decode_all(self) -> ScheduledBatch:
+        """One token for every running sequence that decodes (background ones as
+        ``ClassShare`` allows), preempting when blocks run out."""
         batch: ScheduledBatch = []
         chosen = self.share.decoding(self.running, self.waiting)   # None: every background decode runs
         for seq in list(self.running):
