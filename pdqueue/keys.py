@@ -111,6 +111,15 @@ class Keys:
         (a string with a TTL: an advertisement, not a promise)."""
         return f"{self.prefix}prefix:{block_hash_hex}"
 
+    def kv_hold(self, block_hash_hex: str) -> str:
+        """Which hold (``kv_ticket``'s id) keeps the KV block with this prefix-cache hash
+        exported for the next turn to pull (workers/kv_holds.py; a string with the hold's TTL)."""
+        return f"{self.prefix}kvhold:{block_hash_hex}"
+
+    def kv_ticket(self, hold_id: str) -> str:
+        """The packed ticket of a hold (workers/kv_holds.py, workers/kv_pull.py), with its TTL."""
+        return f"{self.prefix}kvticket:{hold_id}"
+
     @property
     def handoff(self) -> str:
         """The global handoff stream: any decode worker may take these."""

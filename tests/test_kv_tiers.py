@@ -280,7 +280,10 @@ def test_a_colocated_worker_serves_the_next_turn_from_its_tiers_and_from_disk_af
     out1, turn2, out2 = turns(tiny)
     history = (len(TURN1) + len(out1) - 1) // BS * BS
     disk = tmp_path / "kv"
-    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4", "--kv-disk-dir", str(disk), "--kv-disk-gb", "1")
+    # (--kv-pull never: a finished request's blocks are not held for pullers, workers/kv_holds.py; a
+    # held block is not evicted, and this is about blocks the pool evicts into the tiers)
+    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4", "--kv-disk-dir", str(disk), "--kv-disk-gb", "1",
+                 "--kv-pull", "never")
     cluster.start("colocated", *tier_args, worker_id="c1")
     client = Client(cluster.redis_url, cluster.cluster)
 
@@ -349,7 +352,7 @@ def test_the_next_turn_runs_on_the_colocated_worker_whose_tier_holds_its_history
 
     out1, turn2, out2 = turns(tiny)
     history = (len(TURN1) + len(out1) - 1) // BS * BS
-    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4")
+    tier_args = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4", "--kv-pull", "never")   # (held blocks are not evicted)
     cluster.start("colocated", *tier_args, worker_id="h")
     client = Client(cluster.redis_url, cluster.cluster)
     assert list(ask(client, TURN1, 2 * BS).token_ids) == out1

@@ -31,6 +31,7 @@ from pdqueue.protocol import Handoff, encode_handoff
 from pdqueue.protocol import Role as RoleName
 from workers.common import Every, now_ms
 from workers.compat import sender_fields
+from workers.kv_holds import KVHolds
 from workers.migration import Migrator
 from workers.role import RequestRole, RoleHost
 
@@ -43,6 +44,7 @@ class ColocatedRole(RequestRole):
     def start(self, shell: RoleHost) -> None:
         super().start(shell)
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
+        self.holds = KVHolds(shell, self.engine)   # finished requests' KV, for the next turn's puller
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self._check = Every(CHECK_EVERY_S)
         self._migrate: tuple[int, str] | None = None         # (count, command id) asked by a planner
@@ -51,7 +53,8 @@ class ColocatedRole(RequestRole):
         load = {**super().load(), "step_ms": round(self.step_s * 1000, 2),
                 "prefix_cache_queries": self.engine.prefix_cache_queries,
                 "prefix_cache_hits": self.engine.prefix_cache_hits,
-                "migrated_out": self.migrator.moved if self.migrator is not None else 0}
+                "migrated_out": self.migrator.moved if self.migrator is not None else 0, **self.holds.load()}
+        load["kv_free"] += self.holds.reclaimable()   # given back on demand (workers/kv_holds.py)
         if self.engine.config.policy == PrefillPolicy.CHUNKED:   # it takes budget commands (0: none)
             load["tbt_budget_ms"] = self.engine.scheduler.tbt.target_ms or 0
         return load
@@ -64,6 +67,7 @@ class ColocatedRole(RequestRole):
     def housekeeping(self) -> None:
         """Before each step: moves when stopping; every ~100 ms: end cancelled and expired
         requests (blocks freed, done published)."""
+        self.holds.relieve()
         if self.migrator is not None:
             self.migrator.free_released()
             if not self.shell.accepting and self.inflight:
@@ -143,6 +147,8 @@ class ColocatedRole(RequestRole):
             self._migrate = None
         if self.migrator is not None:
             self.migrator.close()
+        if getattr(self, "holds", None) is not None:
+            self.holds.close()
         super().close()
 
     def publish(self, outputs) -> None:
@@ -150,3 +156,5 @@ class ColocatedRole(RequestRole):
         with self.shell.unit() as unit:
             for out in outputs:
                 self.publish_local(unit, out, t)
+                if out.finished:
+                    self.holds.hold(unit, out.seq)

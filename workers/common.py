@@ -28,6 +28,7 @@ ROUTING_MODES = ("cache", "off")                      # --routing (workers/routi
 PLACEMENTS = ("auto", "always", "off")                # --placement (workers/placement.py)
 DECODE_HERE = ("auto", "off")                         # --decode-here (workers/prefill.py)
 KV_FORMATS = ("native", "fp16", "int8")               # --kv-wire-format, --kv-tier-format (engine/kv_codec.py)
+KV_PULL = ("auto", "always", "never")                 # --kv-pull (workers/kv_pull.py, workers/kv_holds.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,9 @@ class WorkerConfig:
     # network wires when this worker fetches (the TCP data wire, ZeroMQ; shm and NIXL copy native).
     kv_tier_format: str = "native"
     kv_wire_format: str = "native"
+    # The next turn pulls the last turn's KV from the worker holding it (workers/kv_pull.py) when
+    # cheaper than computing it (auto), always, or never; never also holds nothing (workers/kv_holds.py).
+    kv_pull: str = "auto"
 
     def __post_init__(self) -> None:
         """A bad value is a ValueError naming the field, here rather than deep in a role."""
@@ -91,6 +95,8 @@ class WorkerConfig:
             bad("placement", f"must be one of {', '.join(PLACEMENTS)}")
         if self.decode_here not in DECODE_HERE:
             bad("decode_here", f"must be one of {', '.join(DECODE_HERE)}")
+        if self.kv_pull not in KV_PULL:
+            bad("kv_pull", f"must be one of {', '.join(KV_PULL)}")
         for name in ("data_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not (isinstance(port, int) and 0 <= port <= 65535):

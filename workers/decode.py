@@ -63,6 +63,7 @@ from pdqueue.transfer.receiver import KVReceiver
 from workers.common import Every, kv_auth_for, now_ms, tbt_stats
 from workers.compat import Rerouter, engine_compat
 from workers.fetch import Fetcher, FetchOutcome
+from workers.kv_holds import KVHolds
 from workers.migration import Migrator
 from workers.placement import RECENT_STEPS, SpareTime, prompt_load
 from workers.role import IDLE_BLOCK_MS, Role, RoleHost
@@ -106,6 +107,7 @@ class DecodeRole(Role):
     def start(self, shell: RoleHost) -> None:
         self.shell = shell
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
+        self.holds = KVHolds(shell, self.engine)   # finished requests' KV, for the next turn's puller
         self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node, mode=shell.config.transfer,
                                    timeout_s=shell.config.fetch_timeout_s, kv_format=shell.config.kv_wire_format,
                                    auth=kv_auth_for(shell.config, shell.r, shell.keys))
@@ -140,6 +142,7 @@ class DecodeRole(Role):
     # ---- one step boundary ---------------------------------------------------------------
     def step(self) -> bool:
         self.admit_fetched()
+        self.holds.relieve(backlog_blocks(self))   # holds never keep the backlog from blocks
         if self.migrator is not None:
             self.migrator.free_released()
             if not self.shell.accepting and self.jobs:
@@ -369,25 +372,7 @@ class DecodeRole(Role):
 
     # ---- finish: tokens out, RUNNING -> answered ---------------------------------------------
     def publish(self, outputs) -> None:
-        t = now_ms()
-        with self.shell.unit() as unit:
-            for out in outputs:
-                job = self.jobs[out.request_id]
-                # The gap to the previous token: decode's first one starts at prefill's token 0
-                # (unknown when the request resumed after tokens published elsewhere).
-                if job.token_times_ms:
-                    self.shell.metrics.token_gap(t - job.token_times_ms[-1])
-                elif out.index == 0:   # a prompt handoff's first token
-                    self.shell.metrics.first_token(t - job.handoff.request.enqueued_ms, len(job.handoff.prompt_ids))
-                elif out.index == 1 and job.handoff.first_token_ms:
-                    self.shell.metrics.token_gap(t - job.handoff.first_token_ms)
-                job.token_times_ms.append(t)
-                unit.token(out.request_id, out.index, out.token_id, out.text)
-                if out.finished:
-                    del self.jobs[out.request_id]
-                    c = job_completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason,
-                                       self.shell.worker_id, self.engine.config.block_size)
-                    unit.done(job.stream, job.entry_id, c, job.handoff.request)
+        publish_outputs(self, outputs)
 
     def drain(self) -> None:
         if self.migrator is not None:
@@ -396,6 +381,7 @@ class DecodeRole(Role):
     def close(self) -> None:
         if self.migrator is not None:
             self.migrator.close()
+        self.holds.close()
         self.fetcher.close()
         self.receiver.close()
 
@@ -406,7 +392,9 @@ def decode_load(role: DecodeRole) -> dict:
     """What a decode worker's heartbeat says of its load."""
     return {"running": role.engine.num_running, "waiting": role.engine.num_waiting,
             "fetching": role.fetcher.in_flight, "backlog": len(role.in_state(JobState.BACKLOG)),
-            "kv_free": role.engine.block_manager.num_free_blocks, "kv_total": role.engine.layout.num_blocks,
+            # held blocks are given back on demand (workers/kv_holds.py)
+            "kv_free": role.engine.block_manager.num_free_blocks + role.holds.reclaimable(),
+            "kv_total": role.engine.layout.num_blocks, **role.holds.load(),
             "step_ms": round(role._step_s * 1000, 2), "auth_failures": role.receiver.auth_failures,
             "prefix_cache_queries": role.engine.prefix_cache_queries,
             "prefix_cache_hits": role.engine.prefix_cache_hits,
@@ -420,9 +408,41 @@ def decode_load(role: DecodeRole) -> dict:
                            role.shell.config.engine.tbt_slo_ms) if role.takes_prompts else {})}
 
 
+def publish_outputs(role: DecodeRole, outputs) -> None:
+    """A step's tokens out, in one unit: each token, and a finished request's done (its KV
+    then held for the next turn's puller: workers/kv_holds.py)."""
+    t = now_ms()
+    with role.shell.unit() as unit:
+        for out in outputs:
+            job = role.jobs[out.request_id]
+            # The gap to the previous token: decode's first one starts at prefill's token 0
+            # (unknown when the request resumed after tokens published elsewhere).
+            if job.token_times_ms:
+                role.shell.metrics.token_gap(t - job.token_times_ms[-1])
+            elif out.index == 0:   # a prompt handoff's first token
+                role.shell.metrics.first_token(t - job.handoff.request.enqueued_ms, len(job.handoff.prompt_ids))
+            elif out.index == 1 and job.handoff.first_token_ms:
+                role.shell.metrics.token_gap(t - job.handoff.first_token_ms)
+            job.token_times_ms.append(t)
+            unit.token(out.request_id, out.index, out.token_id, out.text)
+            if out.finished:
+                del role.jobs[out.request_id]
+                role.holds.hold(unit, out.seq)
+                c = job_completion(job, out.seq.output_ids, t, out.full_text or "", out.finish_reason,
+                                   role.shell.worker_id, role.engine.config.block_size)
+                unit.done(job.stream, job.entry_id, c, job.handoff.request)
+
+
 def placed_waiting(role: DecodeRole) -> int:
     """The prompt tokens of prompts placed here that wait in the backlog (not yet in the engine)."""
     return sum(len(j.handoff.prompt_ids) for j in role.in_state(JobState.BACKLOG) if j.handoff.prompt_only)
+
+
+def backlog_blocks(role: DecodeRole) -> int:
+    """The blocks the handoffs waiting in the backlog need to start."""
+    bm = role.engine.block_manager
+    return sum(bm.blocks_for(len(j.handoff.prompt_ids) + len(j.handoff.output_ids) + 1)
+               for j in role.in_state(JobState.BACKLOG))
 
 
 def admit_grace_s(step_s: float) -> float:

@@ -23,6 +23,9 @@ In this order (prefill and colocated workers):
 6b. placement (workers/placement.py, prefill workers): a short online prompt that would get
    its first token sooner on a decode worker taking prompts goes there as a prompt handoff
    (the entry is finished with it, as with a prefill's handoff) and ends here;
+6c. the pull (workers/kv_pull.py): history a peer holds (the last turn's KV, kept by the
+   worker that decoded it) is pulled into the engine's tier when that is cheaper than
+   computing it; any failure leaves it to be computed;
 7. ``engine.add_request``.
 
 Anything that cannot run is answered (``error`` + ``dead``) in the caller's unit, and the
@@ -76,11 +79,13 @@ class Admitted:
 
 class Intake:
     def __init__(self, r: redis.Redis, keys: Keys, worker_id: str, loaded, limits: Limits | None = None,
-                 router=None, placer=None, metrics=None):
+                 router=None, placer=None, metrics=None, puller=None):
         """``router``: a workers.routing.Router, asked after tokenizing whether a peer that
         caches more of the prompt should run it instead; ``placer``: a workers.placement.
-        Placement, asked whether a decode worker should prefill it."""
+        Placement, asked whether a decode worker should prefill it; ``puller``: a
+        workers.kv_pull.KVPull, asked to pull the history a peer holds."""
         self.r, self.keys, self.worker_id, self.router, self.placer = r, keys, worker_id, router, placer
+        self.puller = puller
         self.metrics = metrics
         self.limits = limits or Limits()
         self.tokenizer = loaded.tokenizer
@@ -136,6 +141,8 @@ class Intake:
                     if self.metrics is not None:
                         self.metrics.placed()
                     return None
+            if self.puller is not None:
+                self.puller.pull(engine, prompt_ids)
             params = SamplingParams.for_request(req, seed)
             engine.add_request(req.id, prompt_ids, params, rank=req.rank,
                                deadline_ms=req.deadline_at_ms, enqueued_ms=req.enqueued_ms)

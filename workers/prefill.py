@@ -198,3 +198,4 @@ class PrefillRole(RequestRole):
         if self.intake.placer is not None and self.intake.placer.placed:
             log.info("placement: %d prompts placed on decode workers", self.intake.placer.placed)
         close_sender(self.sender)
+        super().close()

@@ -49,8 +49,9 @@ from pdqueue.keys import PREFILL_GROUP
 from pdqueue.protocol import Completion, FinishReason, ServiceClass
 from pdqueue.protocol import Role as RoleName
 from workers.admission import BatchGate
-from workers.common import now_ms, tbt_stats
+from workers.common import kv_auth_for, now_ms, tbt_stats
 from workers.intake import Admitted, Intake
+from workers.kv_pull import KVPull
 from workers.routing import Router, online_load
 
 if TYPE_CHECKING:
@@ -223,8 +224,12 @@ class RequestRole(Role):
         # Cache-aware routing (workers/routing.py): its own stream, read after requests:high.
         self.router = Router(shell.r, shell.keys, shell.worker_id, self, shell.config.routing)
         self.router.start()
+        # The history a peer holds (the last turn's KV) pulled at intake when cheaper (workers/kv_pull.py).
+        self.puller = (KVPull(shell.r, shell.keys, shell.worker_id, shell.node, shell.config,
+                              auth=kv_auth_for(shell.config, shell.r, shell.keys))
+                       if shell.config.kv_pull != "never" else None)
         self.intake = Intake(shell.r, shell.keys, shell.worker_id, shell.loaded, shell.config.limits,
-                             router=self.router, metrics=shell.metrics)
+                             router=self.router, metrics=shell.metrics, puller=self.puller)
         self.inflight: dict[str, Admitted] = {}
         # Batch only into the capacity the higher classes leave (workers/admission.py).
         self.batch_gate = BatchGate()
@@ -423,4 +428,9 @@ class RequestRole(Role):
         return {"running": self.engine.num_running, "waiting": self.engine.num_waiting,
                 "online": online_load(self.engine),
                 "kv_free": self.engine.block_manager.num_free_blocks, "kv_total": self.engine.layout.num_blocks,
-                "accepting": self.shell.accepting, **self.router.load()}
+                "accepting": self.shell.accepting, **self.router.load(),
+                **(self.puller.load() if self.puller is not None else {})}
+
+    def close(self) -> None:
+        if getattr(self, "puller", None) is not None:   # (start may have failed before it)
+            self.puller.close()

@@ -324,6 +324,16 @@ class BlockManager:
                 else:
                     self._free.append(block_id)
 
+    def hold_cached(self, hashes) -> list[int]:
+        """Take a reference on each block named by the leading run of ``hashes`` (a chain, in
+        order) in the index and return them: the caller holds them (never evicted nor
+        rewritten) until it gives them back with ``free_blocks`` (a finished sequence's KV
+        kept exported for the next turn: workers/kv_holds.py)."""
+        blocks = self._cached_chain(hashes)
+        for block_id in blocks:
+            self._hold(block_id)
+        return blocks
+
     def named_blocks(self) -> list[tuple[bytes, int]]:
         """(hash, block id) of every named block, the evictable ones least recently used
         first, then the held ones (what a clean stop writes to the disk tier)."""

@@ -385,3 +385,36 @@ def planner_config(plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, wind
                              cooldown_s=cooldown_s, window_s=window_s, elastic=elastic)
     except ValueError as exc:
         raise UserError(f"planner: {exc}") from None
+
+
+# ---- the KV tiers and pulls of a local cluster's workers (`up`) ------------------------------
+
+def kv_tier_options(f):
+    """`worker`'s --kv-host-tier-mb, --kv-disk-dir, --kv-disk-gb and --kv-pull for every worker
+    `up` starts (docs/tuning/kv-tiers.md), handed to the command as one ``kv_args`` argument:
+    the worker options to pass on (none for a default)."""
+    import functools
+
+    from workers.common import KV_PULL
+
+    @functools.wraps(f)
+    def command(*args, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, kv_pull, **kwargs):
+        kv_args = (("--kv-host-tier-mb", str(kv_host_tier_mb)) if kv_host_tier_mb else ()) + \
+            (("--kv-disk-dir", str(kv_disk_dir), "--kv-disk-gb", f"{kv_disk_gb:g}") if kv_disk_dir else ()) + \
+            (("--kv-pull", kv_pull) if kv_pull != "auto" else ())
+        return f(*args, kv_args=kv_args, **kwargs)
+
+    for opt in reversed([
+        click.option("--kv-host-tier-mb", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Each worker's host-memory KV tier, MiB (see `pdqueue worker --help`). 0: none."),
+        click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
+                     help="The workers' disk KV tier, one directory they share (a prefill worker reads the "
+                          "answers a decode worker wrote). Default: none."),
+        click.option("--kv-disk-gb", type=click.FloatRange(min=0), default=10.0, show_default=True,
+                     help="With --kv-disk-dir: each worker's bound on it."),
+        click.option("--kv-pull", type=click.Choice(KV_PULL), default="auto", show_default=True,
+                     help="The next turn pulls its history from the worker holding it: auto (when cheaper than "
+                          "computing it), always, never."),
+    ]):
+        command = opt(command)
+    return command

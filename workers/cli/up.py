@@ -30,6 +30,7 @@ from workers.cli.common import (
     UserError,
     check_model,
     connect,
+    kv_tier_options,
     planner_config,
     planner_options,
     print_line,
@@ -123,10 +124,11 @@ def check_port_free(port: int) -> None:
                    "(fp16: half the bytes of float32, int8: about a quarter). up's workers share one node, where "
                    "KV is copied through shared memory as it is; it applies to workers that fetch over TCP.")
 @planner_options
+@kv_tier_options
 def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, threads, kv_cache_mb, log_dir,
        log_level, start_timeout, stop_timeout, answer_grace_s, restart_backoff_s, adapt, gateway_port, no_gateway,
        print_url, show_password, print_env, weights, prefill_weights, decode_weights, take_prompts, kv_wire_format,
-       plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic):
+       plan_mode, ttft_slo_ms, tbt_slo_ms, dwell_s, cooldown_s, window_s, elastic, kv_args):
     """Run a local cluster (Redis + prefill and decode workers + an OpenAI-compatible
     gateway) until Ctrl-C. A worker (or the gateway) that exits is started again under its
     worker id, after 1 s (--restart-backoff-s), doubling to 30 s; one in a crash loop (5 restarts within 60 s) is
@@ -192,7 +194,7 @@ def up(num_prefill, num_decode, model, redis_url, redis_port, cluster, demo, thr
                                 if take_prompts else (), restart_backoff_s=restart_backoff_s,
                                 answer_grace_s=answer_grace_s, kv_wire_format=kv_wire_format,
                                 # prompts that can no longer make --ttft-slo-ms wait behind those that can
-                                worker_args=("--ttft-slo-ms", f"{ttft_slo_ms:g}"))
+                                worker_args=("--ttft-slo-ms", f"{ttft_slo_ms:g}", *kv_args))
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(signum, frame):

@@ -26,6 +26,7 @@ from workers.cli.common import (
 from workers.common import (
     DECODE_HERE,
     KV_FORMATS,
+    KV_PULL,
     PLACEMENTS,
     ROUTING_MODES,
     TRANSFERS,
@@ -189,6 +190,11 @@ def limit_options(f):
                    "ZeroMQ): native, fp16 (half the bytes of a float32 pool), int8 (about a quarter). Senders "
                    "encode what is asked (an older one sends native, read as such); shm on one node copies "
                    "native (encoding costs more than it saves there), nixl reads native.")
+@click.option("--kv-pull", type=click.Choice(KV_PULL), default=config_default("kv_pull"), show_default=True,
+              help="A conversation's next turn pulls the history another worker holds (the last turn's KV, kept "
+                   "exported a while by the worker that decoded it) instead of computing it: auto when the "
+                   "measured pull is cheaper than the compute, always, or never (never: this worker also keeps "
+                   "no finished request's KV exported for others).")
 @limit_options
 @click.option("--log-level", default="INFO", show_default=True)
 def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb, prefix_caching, weights, cuda_graphs,
@@ -196,7 +202,7 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
            advertise_host, lease_s, fetch_timeout_s, heartbeat_ttl_s, reclaim_idle_ms, max_step_s, redis_gone_exit_s,
            migrate, take_prompts, placement, decode_here, worker_id, burst, switchable, kv_auth, kv_secret_file,
            metrics_port, metrics_host, no_metrics, kv_host_tier_mb, kv_disk_dir, kv_disk_gb, kv_tier_format,
-           kv_wire_format, limits, log_level):
+           kv_wire_format, kv_pull, limits, log_level):
     """Run one worker process. The first SIGTERM drains, a second one stops now."""
     from workers.common import setup_logging
 
@@ -224,7 +230,8 @@ def worker(role, redis_url, cluster, model, device, dtype, threads, kv_cache_mb,
                           metrics_port=None if no_metrics else metrics_port,
                           metrics_host=metrics_host or bind_host(bind), metrics_advertise=advertise_host,
                           limits=limits, kv_host_tier_mb=kv_host_tier_mb, kv_disk_dir=kv_disk_dir,
-                          kv_disk_gb=kv_disk_gb, kv_tier_format=kv_tier_format, kv_wire_format=kv_wire_format)
+                          kv_disk_gb=kv_disk_gb, kv_tier_format=kv_tier_format, kv_wire_format=kv_wire_format,
+                          kv_pull=kv_pull)
     if config.metrics_port:
         check_port_free(config.metrics_host, config.metrics_port, "--metrics-port")
     config = with_kv_auth(config, kv_auth, kv_secret_file)
