@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 from starlette.responses import JSONResponse
@@ -27,6 +27,9 @@ from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.resumable import Spec
 from pdqueue.protocol import Completion, FinishReason
+
+if TYPE_CHECKING:
+    from pdqueue.frontends.drain import Drain
 
 log = logging.getLogger("pdqueue.frontends.gateway")
 
@@ -79,7 +82,7 @@ class Answer:
         send = reply.tracking(send)
         work = asyncio.ensure_future(reply.send(send))
         watch = asyncio.ensure_future(_disconnected(receive))
-        stop = asyncio.ensure_future(reply.gw.stopped.wait())
+        stop = asyncio.ensure_future(reply.gw.drain.stopped.wait())
         try:
             await asyncio.wait({work, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done() and not watch.done():   # the second stop signal
@@ -91,7 +94,7 @@ class Answer:
                 await _ended(work)
             watch.cancel()
             stop.cancel()
-            reply.gw.open.discard(reply)
+            reply.gw.drain.open.discard(reply)
         exc = None if work.cancelled() else work.exception()
         if isinstance(exc, OSError):  # the connection broke while sending
             await reply.abandon()
@@ -111,13 +114,12 @@ class HostConfig(Protocol):
 
 class Host(Protocol):
     """What an answer needs of the app that holds it (``gateway.Gateway``, which imports
-    this module): its settings and metrics, the set of open answers, its forced stop, and
-    cancelling a request."""
+    this module): its settings and metrics, its stop (``drain``: the set of open answers, the
+    forced stop), and cancelling a request."""
 
     config: HostConfig
     metrics: GatewayMetrics
-    open: set[Reply]
-    stopped: asyncio.Event
+    drain: Drain
 
     async def cancel(self, request_id: str) -> None: ...
 
@@ -143,7 +145,7 @@ class Reply:
         self.tenant = tenant    # tenants.TenantState: its open count and tokens (None: not counted)
         if tenant is not None:
             tenant.started()
-        gw.open.add(self)
+        gw.drain.open.add(self)
         gw.metrics.in_flight.labels("gateway").inc()
 
     def response(self) -> Answer:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP gateway in front of a pdqueue cluster (``pdqueue serve``): the
-Starlette app, its routes and checks, and the process's stop.
+Starlette app, its routes, and the process's stop (``serve``). Its parts: ``admission``
+(admission.py: the checks before a submit) and ``drain`` (drain.py: the stop's state).
 
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not; one
 ``AsyncClient.submit`` per request, its answer read from ``out:<id>``: ``answer.py``),
@@ -8,8 +9,8 @@ each needed role live), ``GET /v1/requests/{id}`` and ``POST /v1/requests/{id}/c
 (resumable requests: ``resumable.py``), ``/v1/responses`` (OpenAI's Responses API, its
 state in Redis: ``responses.py``), ``GET /metrics`` (Prometheus: ``gateway_metrics.py``).
 
-404 (unknown model) and 429 (backlog over ``max_backlog``) are answered from ``ClusterView``,
-polled in the background, at no round trip. No worker to take a request is no reason to refuse
+404 (unknown model) and 429 (backlog over ``max_backlog``) are answered (``Admission``) from
+``ClusterView``, polled in the background, at no round trip. No worker to take a request is no reason to refuse
 it: it waits in the queue up to ``capacity_wait_s`` (``capacity.py``), then 503 + Retry-After.
 401: ``api_key`` is set and ``Authorization: Bearer`` differs (``/health``, ``/metrics`` are open). 504: no answer
 within ``timeout_s`` (sent as ``deadline_ms`` too, so workers drop it). A client that hangs
@@ -47,18 +48,20 @@ from pdqueue.client import AsyncClient
 from pdqueue.frontends import http_errors as errs
 from pdqueue.frontends import openai_compat as oai
 from pdqueue.frontends import resumable as res
-from pdqueue.frontends.answer import Answer, Reply, reply
+from pdqueue.frontends.admission import FRESH_S, Admission
+from pdqueue.frontends.answer import Answer, reply
 from pdqueue.frontends.batch_api import BatchAPI
 from pdqueue.frontends.batch_runner import BatchRunner
-from pdqueue.frontends.capacity import models_meanwhile, waiting_for_capacity
+from pdqueue.frontends.capacity import waiting_for_capacity
 from pdqueue.frontends.cluster_view import ClusterView
+from pdqueue.frontends.drain import Drain
 from pdqueue.frontends.gateway_metrics import GatewayMetrics
 from pdqueue.frontends.openai_compat import OpenAIError
 from pdqueue.frontends.responses import ResponsesAPI
 from pdqueue.frontends.responses_store import DEFAULT_TTL_S as RESPONSES_TTL_S
 from pdqueue.frontends.runtime import Handover, Runtime, bind, runtime
 from pdqueue.frontends.service_classes import class_fields
-from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, TenantState, load_tenants
+from pdqueue.frontends.tenants import RateLimited, Tenant, Tenants, load_tenants
 from pdqueue.keys import Keys
 from pdqueue.protocol import RequestError
 from pdqueue.protocol.requests import MAX_TENANT_CHARS
@@ -67,8 +70,6 @@ from pdqueue.queue.ledger import idempotency_ref
 log = logging.getLogger("pdqueue.frontends.gateway")
 
 __all__ = ["ClusterView", "Gateway", "GatewayConfig", "Runtime", "bind", "build_app", "runtime", "serve"]
-
-FRESH_S = 0.05   # a view this old is good enough to answer 503/404 without polling again
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Gateway:
         self.view = ClusterView(config.redis_url, self.keys, config.poll_s)
         self.metrics = GatewayMetrics()
         self.tenants = Tenants(list(config.tenants) or load_tenants(None, config.api_key), self.metrics)
+        self.admission = Admission(config, self.view, self.tenants)   # 401, 429, 503, 404 (admission.py)
         self.client: AsyncClient | None = None
         self._poller: asyncio.Task | None = None
         self._ignored_logged: set[tuple[str, ...]] = set()
@@ -103,11 +105,7 @@ class Gateway:
         self.responses = ResponsesAPI(self)
         self.batches: BatchRunner | None = None   # the batches this gateway runs (from start)
         self._batch_task: asyncio.Task | None = None
-        # Stopping (serve): draining after the first signal, `stopped` set by the second.
-        self.draining = False
-        self.stopped = asyncio.Event()
-        self.open: set[Reply] = set()   # answers being written
-        self._busy = 0                   # requests not answered yet that may become one
+        self.drain = Drain()   # the process's stop (serve): draining, stopped, the answers open (drain.py)
 
     # ---- lifespan ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,75 +128,9 @@ class Gateway:
             await self.client.aclose()
         self.view.close()
 
-    def stop_requested(self, forced: bool) -> None:
-        """A stop signal (the first: drain; a later one, ``forced``: end the open answers now)."""
-        if not self.draining:
-            self.draining = True
-            if self.batches is not None:
-                self.batches.let_go()   # another gateway (or this one restarted) resumes them
-            log.warning("stopping: %d answers open run to their end; new requests get 503 (a second "
-                        "SIGTERM/SIGINT ends them now)", len(self.open) + self._busy)
-        if forced and not self.stopped.is_set():
-            log.warning("stopping now: ending %d open answers with an error and cancelling their requests",
-                        len(self.open) + self._busy)
-            self.stopped.set()
-
-    def idle(self) -> bool:
-        """Draining, and no answer left to write: the process may exit."""
-        return self.draining and not self.open and self._busy == 0 and not (self.batches and self.batches.busy())
-
-    # ---- checks (no I/O) ----------------------------------------------------------------
-    def tenant_of(self, request: Request) -> TenantState:
-        """The tenant of the request's API key; OpenAIError 401 for none."""
-        tenant = self.tenants.identify(request.headers.get("authorization", ""))
-        if tenant is None:
-            raise self._unauthorized()
-        request.state.tenant = tenant
-        return tenant
-
-    def _unauthorized(self) -> OpenAIError:
-        return OpenAIError(401, "Incorrect API key provided (send it as 'Authorization: Bearer KEY').",
-                           "invalid_request_error", code="invalid_api_key")
-
-    async def _admit_fresh(self, parsed: oai.Parsed, tenant: TenantState) -> tuple[str, dict]:
-        """``_admit``; a 503 or 404 that a view older than ``FRESH_S`` gives is checked again
-        against a new poll first (workers that registered since, as right after ``up``'s
-        "ready:"): one round trip, on a path that is otherwise an error."""
-        try:
-            return self._admit(parsed, tenant)
-        except OpenAIError as exc:
-            if exc.status not in (503, 404) or time.monotonic() - self.view.polled_at < FRESH_S:
-                raise
-        await self.view.refresh()
-        return self._admit(parsed, tenant)
-
-    def _admit(self, parsed: oai.Parsed, tenant: TenantState) -> tuple[str, dict]:
-        """The model name and its info; OpenAIError 429, 503 or 404 otherwise. Over the
-        backlog limit, a tenant under its share of the open requests is still admitted."""
-        view = self.view
-        limit = self.config.max_backlog
-        if limit is not None and view.backlog_now() > limit and not self.tenants.exempt(tenant):
-            raise RateLimited(OpenAIError(429, f"the cluster's request backlog ({view.backlog_now()}) is over the "
-                                               f"limit ({limit}); retry later", "rate_limit_error",
-                                          code="rate_limit_exceeded"), retry_after=1)   # polled every 0.25 s
-        if not view.ok:
-            raise errs.unavailable("the gateway cannot reach the cluster's Redis")
-        models = view.models()
-        if not view.serving():   # the request will wait for capacity (capacity.py)
-            models = models_meanwhile(view, parsed.model, self.config.capacity_wait_s)
-        name = parsed.model
-        if name is None:
-            if not models:
-                raise errs.unavailable("no model is served")
-            name = sorted(models)[0]
-        if name not in models:
-            raise OpenAIError(404, f"The model `{name}` does not exist. Served: {', '.join(sorted(models))}.",
-                              "invalid_request_error", "model", "model_not_found")
-        return name, models[name]
-
     # ---- endpoints ----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        if self.draining:
+        if self.drain.draining:
             return errs.error(errs.unavailable(errs.DRAINING), errs.retry_after({}))
         if self.view.ok and self.view.serving():
             return Response(status_code=200)
@@ -216,7 +148,7 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.tenant_of(request)
+            self.admission.tenant_of(request)
         except OpenAIError as exc:
             return self.count("models", errs.error(exc))
         now = int(time.time())
@@ -241,7 +173,7 @@ class Gateway:
         is not stopped by its client hanging up)."""
         headers = {"x-request-id": request.path_params["request_id"]}
         try:
-            self.tenant_of(request)
+            self.admission.tenant_of(request)
             request_id, _ = await self.records.find(request.path_params["request_id"])
             headers["x-request-id"] = request_id
             await self.client.cancel(request_id)
@@ -262,18 +194,18 @@ class Gateway:
         """What the answering endpoints share: the stop (503 while draining), the key, and
         the count of requests on their way to an answer (the drain waits for them)."""
         headers = {"x-request-id": res.named(request) or request.path_params.get("request_id") or uuid.uuid4().hex}
-        if self.draining:
+        if self.drain.draining:
             return self.count(endpoint, errs.error(errs.unavailable(errs.DRAINING), errs.retry_after(headers)))
-        self._busy += 1
+        self.drain.busy += 1
         try:
-            self.tenant_of(request)
+            self.admission.tenant_of(request)
             return await answer(headers)
         except RateLimited as exc:
             return self.count(endpoint, errs.error(exc.error, {**headers, "retry-after": str(exc.retry_after)}))
         except OpenAIError as exc:
             return self.count(endpoint, errs.error(exc, headers))
         finally:
-            self._busy -= 1
+            self.drain.busy -= 1
 
     async def _generate(self, request: Request, kind: str, headers: dict) -> Response:
         arrived = time.perf_counter()
@@ -297,7 +229,7 @@ class Gateway:
             return await self._attach(ident.request_id, record, params, parsed, answer)
         if ident.after is not None:
             return await self._resume_unrecorded(ident.request_id, kind, parsed, answer)
-        model, info = await self._admit_fresh(parsed, tenant)
+        model, info = await self.admission.admit_fresh(parsed, tenant)
         spec = res.Spec(kind, model, int(time.time()), parsed.include_usage)
         handle = await self._submit(ident.request_id, parsed, info, tenant.tenant.service_class, tenant.name,
                                     ident.resumable)
@@ -467,11 +399,12 @@ def _server(config, gw: Gateway, handover: Handover):
 
         async def on_tick(self, counter: int) -> bool:
             if self.signals:
-                gw.stop_requested(forced=self.signals > 1)
-                if gw.idle():
+                gw.drain.request(forced=self.signals > 1, batches=gw.batches)
+                if gw.drain.idle(gw.batches):
                     log.warning("no answer left open: exiting")
                     return True
-            elif handover.tick(self, lambda: gw.batches.let_go() if gw.batches else None, bool(gw.open or gw._busy)):
+            elif handover.tick(self, lambda: gw.batches.let_go() if gw.batches else None,
+                               bool(gw.drain.open or gw.drain.busy)):
                 log.warning("handed over: no connection left open: exiting")
                 return True
             return await super().on_tick(counter)

@@ -65,7 +65,7 @@ def tenant_route(gw, endpoint: str, api: str, handler):
     failures answered in OpenAI's shape, the answer counted under ``endpoint``."""
     async def call(request: Request) -> Response:
         try:
-            response = await handler(request, gw.tenant_of(request).name)
+            response = await handler(request, gw.admission.tenant_of(request).name)
         except OpenAIError as exc:
             response = error(exc)
         except (redis.RedisError, OSError) as exc:

@@ -344,7 +344,7 @@ class ResponsesAPI:
             previous = await self._previous(turn.previous_response_id, tenant.name)
             conversation = previous.continued() + conversation
         parsed = turn.chat(conversation)
-        model, info = await gw._admit_fresh(parsed, tenant)
+        model, info = await gw.admission.admit_fresh(parsed, tenant)
         parsed.check_context(info["max_model_len"] or None)
         now, timeout = time.time(), gw.config.timeout_s
         rec = Record(rc.new_response_id(), tenant.name, int(now), model, turn.background, turn.store, turn.params,
