@@ -186,7 +186,7 @@ def test_runs_pool_their_requests_and_give_each_run_and_the_spread():
     assert len(lines) == 1 + 3 + 3 and "runs of disagg @ 0.5" in lines[0]
 
 
-def test_the_tiers_modes_give_their_workers_one_fresh_directory_per_start(tmp_path):
+def test_the_kept_modes_pass_their_options_and_the_tiers_one_fresh_directory_per_start(tmp_path):
     from pdqueue.bench.serve_modes import SCRATCH, mode_workers
 
     s = settings(kv_host_tier_mb=64, kv_disk_gb=0.5)
@@ -196,7 +196,11 @@ def test_the_tiers_modes_give_their_workers_one_fresh_directory_per_start(tmp_pa
         at = extra.index("--kv-disk-dir")
         assert extra[at + 1] == f"{tmp_path}/kv" and SCRATCH not in " ".join(extra)
         assert extra[extra.index("--kv-host-tier-mb") + 1] == "64" and extra[extra.index("--kv-disk-gb") + 1] == "0.5"
-    assert all("--kv-disk-dir" not in extra for _, extra in mode_workers("disagg", s, tmp_path))
+        assert extra[extra.index("--kv-pull") + 1] == "never"
+    for mode, pull in (("disagg-recompute", "never"), ("disagg-pull", "always"), ("colocated-chunked-pull", "always")):
+        for _, extra in mode_workers(mode, s, tmp_path):
+            assert "--kv-disk-dir" not in extra and extra[extra.index("--kv-pull") + 1] == pull
+    assert all("--kv-pull" not in extra for _, extra in mode_workers("disagg", s, tmp_path))   # the default
 
 
 # ---- end to end (processes) ---------------------------------------------------------------
@@ -204,17 +208,18 @@ def test_the_tiers_modes_give_their_workers_one_fresh_directory_per_start(tmp_pa
 @pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_serve_multiturn_smoke_without_and_with_the_tiers(tmp_path):
-    """Three sessions on tiny workers, the split without and with the KV tiers: every turn
-    answered, each turn's prompt the last one's, its answer and the new user tokens (by
-    length; the plan gives the user tokens), the previous prompt served from the prefill
-    worker's cache; with the tiers the answers' blocks too (more cached)."""
+    """Three sessions on tiny workers, the split keeping the last turn three ways (the pools
+    only, the KV tiers, pulled): every turn answered, each turn's prompt the last one's, its
+    answer and the new user tokens (by length; the plan gives the user tokens), the previous
+    prompt served from the prefill worker's cache; with the tiers or the pull the answers'
+    blocks too (more cached)."""
     proc = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "serve", "--model", "tiny",
                            "--workload", "multiturn", "--rates", "2", "--num-requests", "3", "--warmup", "1",
                            "--kv-host-tier-mb", "16", "--kv-disk-gb", "0.1", "--json", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert set(result["modes"]) == {"disagg", "disagg-tiers"}
+    assert set(result["modes"]) == {"disagg-recompute", "disagg-tiers", "disagg-pull"}
     assert result["workload"]["kind"] == "multiturn" and result["workload"]["rate_unit"] == "sessions/s"
     sessions = plan_sessions(Settings.for_model("tiny", workload_kind="multiturn"), 2.0, 3)
     cached_later = {}
@@ -233,5 +238,6 @@ def test_serve_multiturn_smoke_without_and_with_the_tiers(tmp_path):
                 assert this["prompt_tokens"] == last["prompt_tokens"] + last["answer_tokens"] + len(x.user[turn - 1])
                 assert this["cached_tokens"] >= last["prompt_tokens"] // 16 * 16, (mode, this, last)
         cached_later[mode] = sum(row["cached_tokens"] for row in rows if row["turn"] >= 2)
-    assert cached_later["disagg-tiers"] > cached_later["disagg"], cached_later
+    assert cached_later["disagg-tiers"] > cached_later["disagg-recompute"], cached_later
+    assert cached_later["disagg-pull"] > cached_later["disagg-recompute"], cached_later
     assert (tmp_path / "serve.json").exists()

@@ -80,16 +80,21 @@ def _prefix(*extra: str) -> Callable[[Settings], Workers]:
     return lambda _settings: [("prefill", extra)] * 2 + [("decode", extra)]
 
 
-def _with_tiers(workers: Callable[[Settings], Workers]) -> Callable[[Settings], Workers]:
-    """``workers`` with the KV tiers (issue 41): each worker a host tier of the bench's
-    ``kv_host_tier_mb``, and all of them one disk tier (the workers of a node share it: a
-    decode worker's finished answer is there for the next turn's prefill worker) bounded by
-    ``kv_disk_gb``, in the start's own directory."""
-    def tiered(settings: Settings) -> Workers:
-        tiers = ("--kv-host-tier-mb", str(settings.kv_host_tier_mb), "--kv-disk-dir", f"{SCRATCH}/kv",
-                 "--kv-disk-gb", f"{settings.kv_disk_gb:g}")
-        return [(role, (*extra, *tiers)) for role, extra in workers(settings)]
-    return tiered
+def _kept(workers: Callable[[Settings], Workers], *, tiers: bool, pull: str) -> Callable[[Settings], Workers]:
+    """``workers`` keeping the last turn's KV one way (issue 41), for the multi-turn load:
+    ``tiers``: each worker a host tier of the bench's ``kv_host_tier_mb`` and all of them
+    one disk tier (the workers of a node share it: a decode worker's finished answer is
+    there for the next turn's prefill worker) bounded by ``kv_disk_gb``, in the start's own
+    directory; ``pull``: ``--kv-pull`` (workers/kv_pull.py: always, the next turn pulls the
+    history from the worker holding it; never, no worker keeps a finished request's KV for
+    another)."""
+    def kept(settings: Settings) -> Workers:
+        extra = ("--kv-pull", pull)
+        if tiers:
+            extra += ("--kv-host-tier-mb", str(settings.kv_host_tier_mb), "--kv-disk-dir", f"{SCRATCH}/kv",
+                      "--kv-disk-gb", f"{settings.kv_disk_gb:g}")
+        return [(role, (*other, *extra)) for role, other in workers(settings)]
+    return kept
 
 
 def _start_planner(settings: Settings, url: str, cluster: str, elastic: bool = False) -> Callable[[], None]:
@@ -165,16 +170,24 @@ MODES: dict[str, Mode] = {
     "elastic-colocated": Mode(_colocated_chunked(slo=True, weights="int4", switchable=True),
                               beside=lambda settings, url, cluster: _start_planner(settings, url, cluster,
                                                                                    elastic=True)),
-    # The KV tiers (``--workload multiturn``): the split and two chunked colocated workers with
-    # a host tier each and a disk tier they share, against ``disagg`` and ``colocated-chunked``
-    # (the same workers without). The next turn's history is the last turn's prompt, held by
-    # the prefill worker, and its answer, held by the decode worker: with the tiers, the
-    # prefill worker reads the answer's blocks the decode worker wrote at its finish.
-    "disagg-tiers": Mode(_with_tiers(_fixed(("prefill", ()), ("decode", ())))),
-    "colocated-chunked-tiers": Mode(_with_tiers(_colocated_chunked())),
+    # A conversation's last turn kept three ways (``--workload multiturn``), on the split and on
+    # two chunked colocated workers. The next turn's history is the last turn's prompt, held by
+    # the prefill worker's pool while it lasts, and its answer, held by the decode worker.
+    # -recompute: nothing else kept (--kv-pull never: no pull, no holds): what the pools' prefix
+    # caches keep, the rest computed again. -tiers: the same with the KV tiers: the blocks a
+    # pool evicts go to its host tier, and the decode worker writes a finished answer's blocks
+    # to the shared disk tier, where the next turn's prefill worker reads them. -pull: no tiers,
+    # --kv-pull always: the next turn's prefill worker pulls the history from the worker that
+    # holds it. (``disagg`` and ``colocated-chunked`` run the workers' default, --kv-pull auto.)
+    "disagg-recompute": Mode(_kept(_fixed(("prefill", ()), ("decode", ())), tiers=False, pull="never")),
+    "disagg-tiers": Mode(_kept(_fixed(("prefill", ()), ("decode", ())), tiers=True, pull="never")),
+    "disagg-pull": Mode(_kept(_fixed(("prefill", ()), ("decode", ())), tiers=False, pull="always")),
+    "colocated-chunked-recompute": Mode(_kept(_colocated_chunked(), tiers=False, pull="never")),
+    "colocated-chunked-tiers": Mode(_kept(_colocated_chunked(), tiers=True, pull="never")),
+    "colocated-chunked-pull": Mode(_kept(_colocated_chunked(), tiers=False, pull="always")),
 }
 PREFIX_MODES = ("prefix-off", "prefix-blind", "prefix-aware")
-TIERS_MODES = ("disagg", "disagg-tiers")   # --workload multiturn's default: the same split without and with
+TIERS_MODES = ("disagg-recompute", "disagg-tiers", "disagg-pull")   # --workload multiturn's default
 
 
 def mode_workers(mode: str, settings: Settings, scratch: Path | None = None) -> Workers:

@@ -275,8 +275,10 @@ def _write_partial(out: str, partial: dict) -> None:
                    "migrations), elastic-colocated, disagg-q4_1-4slots, disagg-q4_1-4slots-here, -here-slo (a decode "
                    "worker of 4 slots; -here: the prefill worker decodes when it is full; -slo: under the TBT "
                    "budget), prefix-off, prefix-blind, "
-                   "prefix-aware, disagg-tiers, colocated-chunked-tiers (disagg and colocated-chunked with the KV "
-                   "tiers: a host tier per worker, --kv-host-tier-mb, and a disk tier they share) "
+                   "prefix-aware, disagg-recompute, disagg-tiers, disagg-pull, colocated-chunked-recompute, -tiers, "
+                   "-pull (a conversation's last turn kept: only by the pools, --kv-pull never; with the KV tiers, a "
+                   "host tier per worker, --kv-host-tier-mb, and a disk tier they share; or pulled, --kv-pull "
+                   "always) "
                    "(pdqueue/bench/serve_modes.py says what each starts).")
 @click.option("--plan-mode", type=click.Choice(["reactive", "predictive"]), default="reactive", show_default=True,
               help="The adaptive mode's planner.")
@@ -305,8 +307,9 @@ def _write_partial(out: str, partial: dict) -> None:
                    "with cache-blind routing, caching with cache-aware routing); multiturn: sessions of 3-6 turns "
                    "arriving at --rates sessions/s, each turn 32-256 new tokens after the whole history (the "
                    "earlier prompts and the answers as the workers gave them), sent when the last answer arrived "
-                   "(and --think-s); figures for every turn and for turns 2 and later (default modes then: disagg, "
-                   "disagg-tiers: without and with the KV tiers).")
+                   "(and --think-s); figures for every turn and for turns 2 and later (default modes then: "
+                   "disagg-recompute, disagg-tiers, disagg-pull: the last turn's KV kept by the pools only, with "
+                   "the KV tiers, or pulled from the worker holding it).")
 @click.option("--think-s", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="--workload multiturn: seconds from an answer to its session's next turn.")
 @click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
