@@ -11,9 +11,10 @@ What must hold:
   than the one that decoded the first, pulls the history from the holder and answers the
   no-cache greedy tokens, through PD (the decode worker holds it) and colocated, on shm
   (same node) and TCP (the puller on another node: ``PDQ_NODE_ID``); the puller's heartbeat
-  counts the pulled tokens and the done entry counts them as cached; a holder SIGKILLed
-  before the pull: recompute, same tokens; a holder of other weights (another prefix root)
-  is never pulled from.
+  counts the pulled tokens and the done entry counts them as cached; history a worker
+  restored from its disk tier after a restart (and used) is pulled by a worker without that
+  directory; a holder SIGKILLed before the pull: recompute, same tokens; a holder of other
+  weights (another prefix root) is never pulled from.
 """
 
 from __future__ import annotations
@@ -256,3 +257,34 @@ def test_a_holder_of_other_weights_is_never_pulled_from(cluster, tiny):
     assert list(second.token_ids) == out2 and second.cached_tokens == 0
     wait_for(lambda: "kv_pulls" in load_of(cluster, "c2"), 10, "c2's heartbeat")
     assert load_of(cluster, "c2")["kv_pulls"] == 0 and load_of(cluster, "c2")["kv_pull_failed"] == 0
+
+
+def test_history_restored_from_the_disk_tier_after_a_restart_is_pulled_by_a_worker_without_it(cluster, tiny, tmp_path):
+    """c1 (a disk tier) answers the first turn and stops (its blocks written to disk); c1
+    again on the same directory answers the second turn from disk and holds it; c2 (no disk
+    directory, on another node) takes the third turn and pulls the whole history from c1,
+    the blocks restored from disk among them: the no-cache tokens, all of it cached."""
+    from pdqueue.client import Client
+
+    out1, turn2, out2 = turns(tiny)
+    turn3 = turn2 + out2 + MORE
+    plain = make_engine(tiny, 256, caching=False)
+    out3 = plain.generate([turn3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    disk = ("--routing", "off", "--kv-disk-dir", str(tmp_path / "kv"))
+    cluster.start("colocated", *disk, worker_id="c1")
+    client = Client(cluster.redis_url, cluster.cluster)
+    to_own_stream(cluster, client, "c1")
+    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
+    assert cluster.stop("c1") == 0
+    cluster.start_together(("colocated", *disk, {"worker_id": "c1b"}),
+                           ("colocated", "--routing", "off", "--kv-pull", "always",
+                            {"worker_id": "c2", "env": {"PDQ_NODE_ID": f"node-b-{cluster.tag}"}}))
+    to_own_stream(cluster, client, "c1b")
+    second = ask(client, turn2, 8)
+    assert list(second.token_ids) == out2 and second.cached_tokens == (len(TURN1) + len(out1) - 1) // BS * BS
+    wait_for(lambda: load_of(cluster, "c1b").get("kv_holds", 0) == 1, 10, "c1b's hold")
+    to_own_stream(cluster, client, "c2")
+    third = ask(client, turn3, 8)
+    history = (len(turn2) + len(out2) - 1) // BS * BS
+    assert list(third.token_ids) == out3 and third.cached_tokens == history
+    wait_for(lambda: load_of(cluster, "c2").get("kv_pulled_tokens") == history, 10, "c2's pull counters")
