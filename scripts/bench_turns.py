@@ -6,7 +6,8 @@ worker on another node id), on real workers.
     .venv/bin/python scripts/bench_turns.py [--model smollm2] [--history 512 1024 2048]
                                             [--paths shm tcp] [--rounds 3] [--json]
 
-Per path: an embedded Redis; decode worker d (``PDQ_NODE_ID`` of another node for tcp);
+Per path: an embedded Redis; decode worker d (``--switchable`` for shm: its pool a shared
+segment; ``PDQ_NODE_ID`` of another node for tcp);
 prefill worker p1 (the first turns; --kv-pull never) and two more prefill workers, ``pull``
 (--kv-pull always) and ``recompute`` (--kv-pull never), all on this node, one torch thread
 each, --routing off. Per history length and round, for each way, in alternating order: a new
@@ -107,19 +108,26 @@ def second_turn(w: Workers, way: str, history: int, seed: int) -> dict:
     first = w.ask("p1", turn1, ANSWER)
     turn2 = turn1 + list(first.token_ids) + [rng.randrange(1, vocab) for _ in range(NEW)]
     time.sleep(1.5)   # the hold's keys are written with the done entry; the heartbeats settle
-    before = w.load(way).get("kv_pull_bytes", 0)
+    before = w.load(way)
     second = w.ask(way, turn2, 1)
-    time.sleep(1.2)   # the puller's next heartbeat
+    deadline = time.monotonic() + 6   # the puller's next heartbeat shows its pull (or failure)
+    after = w.load(way)
+    while way == "pull" and time.monotonic() < deadline and all(
+            after.get(k, 0) == before.get(k, 0) for k in ("kv_pulls", "kv_pull_failed", "kv_pull_declined")):
+        time.sleep(0.2)
+        after = w.load(way)
+    paths = [k[len("kv_pulls_"):] for k in after if k.startswith("kv_pulls_") and after[k] != before.get(k, 0)]
     return {"ttft_ms": second.ttft_ms, "cached_tokens": second.cached_tokens,
-            "pull_bytes": w.load(way).get("kv_pull_bytes", 0) - before, "token": second.token_ids[0],
-            "load_avg": os.getloadavg()[0]}
+            "pull_bytes": after.get("kv_pull_bytes", 0) - before.get("kv_pull_bytes", 0),
+            "pulled_over": ",".join(paths) or "-", "token": second.token_ids[0], "load_avg": os.getloadavg()[0]}
 
 
 def run_path(args, path: str, log_root: Path) -> dict:
     w = Workers(args.model, path, log_root / path, args.kv_cache_mb)
     try:
         other = {"PDQ_NODE_ID": f"bench-turns-other-{os.getpid()}"} if path == "tcp" else None
-        w.start("decode", "d", env=other)
+        # shm: the decode worker's pool a shared segment (--switchable), as a prefill worker's is
+        w.start("decode", "d", *(("--switchable",) if path == "shm" else ()), env=other)
         w.start("prefill", "p1", "--kv-pull", "never")
         w.start("prefill", "pull", "--kv-pull", "always")
         w.start("prefill", "recompute", "--kv-pull", "never")
@@ -134,7 +142,8 @@ def run_path(args, path: str, log_root: Path) -> dict:
                     rows[way].append(row)
                     if not args.json:
                         print(f"{path} history {history} round {i + 1} {way:9s} ttft {row['ttft_ms']:.1f} ms, "
-                              f"cached {row['cached_tokens']}, pulled {row['pull_bytes'] / 1e6:.1f} MB, "
+                              f"cached {row['cached_tokens']}, pulled {row['pull_bytes'] / 1e6:.2f} MB over "
+                              f"{row['pulled_over']}, "
                               f"load {row['load_avg']:.2f}", flush=True)
             med = {way: statistics.median(r["ttft_ms"] for r in rs) for way, rs in rows.items()}
             out[history] = {"rounds": rows, "median_ttft_ms": med,
@@ -168,7 +177,7 @@ def main() -> None:
             med = row["median_ttft_ms"]
             ratio = row["recompute_over_pull"]
             print(f"{path:5s} {history:8d} {med['pull']:10.1f} {med['recompute']:14.1f} "
-                  f"{ratio if ratio is not None else float('nan'):6.2f} {row['pull_bytes'] / 1e6:9.1f}"
+                  f"{ratio if ratio is not None else float('nan'):6.2f} {row['pull_bytes'] / 1e6:9.2f}"
                   + ("" if row["same_first_token"] else "  (first tokens differ!)"))
 
 
