@@ -63,7 +63,7 @@ def test_pd_over_tcp_in_each_wire_format(cluster, tiny, fmt):
         assert len(got.token_ids) == MAX_TOKENS and got.token_ids[0] == want[0]
         if fmt != "int8":
             assert list(got.token_ids) == want, fmt
-    assert {"native": 1.0, "fp16": 0.5}.get(fmt, 0.3) >= unit / native_unit > 0.25
+    assert {"native": 1.0, "fp16": 0.5}.get(fmt, 0.3) >= unit / native_unit > 0.25   # int8: ~0.28
 
 
 def pdq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

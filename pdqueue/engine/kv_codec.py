@@ -17,16 +17,21 @@ of, exactly as a native block set is cut into frames (transfer.blocks.plan_frame
   attention). For a 16-bit pool (float16 or bfloat16) it is the pool's own dtype: bfloat16
   into float16 would save nothing and lose range, so ``fp16`` of a 16-bit pool is
   ``native`` (``effective``), and the CLI refuses to be asked for it.
-- ``int8``: symmetric 8-bit integers with one float32 scale per (block, layer, K/V,
-  kv-head): ``scale = max|x| / 127`` over the block's tokens and the head's dimensions,
-  ``q = round(x / scale)``; a unit is ``[kv_heads] float32 scales`` then
-  ``[block_size, kv_heads, head_dim] int8``, padded to a multiple of 4 bytes (so every
-  unit's scales stay aligned). The error of a value is at most half its group's step,
-  ``max|x| / 254``. Why per (block, head) and not finer: the block is the unit everything
-  moves in, the head's values share a range (per-head scales keep a head with large keys
-  from flattening the others'), and the scales cost 4 bytes per ``block_size * head_dim``
-  values (under 1% at 16 x 64), against ~6% for a scale per token and head;
-  ``bench quality`` measures what it costs in tokens (docs/benchmarks.md).
+- ``int8``: symmetric 8-bit integers, ``q = round(x / scale)`` with ``scale = max|x| / 127``
+  over a group, the groups finer than a block: for K (even planes) one per (block, head,
+  channel), over the block's tokens; for V (odd planes) one per (token, head), over the
+  head's dimensions. Keys have outlier channels (a few dimensions far larger than the
+  rest, the same in every token) and values vary by token, so these groups keep the step
+  small where a scale per (block, head) lets one channel or token set it for all; on
+  SmolLM2 ``bench quality --kv-formats`` put these groups well ahead of a scale per
+  (block, head) and of one per (token, head) for both, in KL to native and in greedy
+  agreement (the figures: docs/architecture/transfer.md). A unit is the scales, float16
+  (rounded up so that no value exceeds 127 steps; at least float16's smallest normal), in an area of
+  ``2 * max(kv_heads * head_dim, block_size * kv_heads)`` bytes (K's and V's units are one
+  size), then ``[block_size, kv_heads, head_dim] int8``, padded to a multiple of 4 bytes:
+  3456 bytes against float32's 12288 for a SmolLM2 block plane (0.28). The error of a value
+  is at most half its group's step, ``max|x| / 254`` (times 1 + 2**-10 for the scale's
+  rounding; at least half float16's smallest normal step for groups of tiny values).
 
 Decoding writes the pool's dtype. The codec computes on the pool's device; encoded bytes
 and the pool may be on different devices (a buffer is moved to the pool's before decoding).
@@ -42,6 +47,8 @@ import torch
 NATIVE, FP16, INT8 = "native", "fp16", "int8"
 FORMATS = (NATIVE, FP16, INT8)
 FP16_MAX = 65504.0
+FP16_TINY = 2.0 ** -14    # float16's smallest normal: the least int8 scale
+_ROUND_UP = 1 + 2.0 ** -10   # an int8 scale is rounded to float16 at or above max|x| / 127
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 _PLANES_PER_PASS = 8   # planes encoded or decoded at a time: bounds the float temporaries
 
@@ -74,7 +81,7 @@ class KVCodec:
         elif self.format == FP16:
             self.unit_nbytes = self.block_elems * 2
         else:
-            self._scale_nbytes = 4 * num_kv_heads
+            self._scale_nbytes = -(-2 * max(num_kv_heads * head_dim, block_size * num_kv_heads) // 4) * 4
             self.unit_nbytes = self._scale_nbytes + -(-self.block_elems // 4) * 4
 
     @classmethod
@@ -98,7 +105,7 @@ class KVCodec:
         for p0 in range(0, num_planes, _PLANES_PER_PASS):
             p1 = min(p0 + _PLANES_PER_PASS, num_planes)
             x = planes[plane_start + p0:plane_start + p1].index_select(1, idx)   # [pp, n, elems], a copy
-            out[p0:p1].copy_(self._encode(x).to(out.device), non_blocking=False)
+            out[p0:p1].copy_(self._encode(x, plane_start + p0).to(out.device), non_blocking=False)
 
     def decode(self, src: torch.Tensor, planes: torch.Tensor, block_ids: Sequence[int],
                plane_start: int = 0) -> None:
@@ -108,7 +115,7 @@ class KVCodec:
         idx = torch.tensor(list(block_ids), dtype=torch.long, device=planes.device)
         for p0 in range(0, num_planes, _PLANES_PER_PASS):
             p1 = min(p0 + _PLANES_PER_PASS, num_planes)
-            y = self._decode(src[p0:p1].to(planes.device))
+            y = self._decode(src[p0:p1].to(planes.device), plane_start + p0)
             planes[plane_start + p0:plane_start + p1].index_copy_(1, idx, y)
 
     def encode_block(self, pool: torch.Tensor, block_id: int) -> torch.Tensor:
@@ -145,32 +152,57 @@ class KVCodec:
 
     # ---- one chunk of units -------------------------------------------------------------
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        """[pp, n, elems] in the pool's dtype -> [pp, n, unit_nbytes] uint8."""
+    def _encode(self, x: torch.Tensor, first_plane: int) -> torch.Tensor:
+        """[pp, n, elems] in the pool's dtype (planes ``first_plane..``) -> [pp, n, unit_nbytes] uint8."""
         pp, n = x.shape[0], x.shape[1]
         if self.format == NATIVE:
             return x.contiguous().view(torch.uint8).view(pp, n, self.unit_nbytes)
         if self.format == FP16:
             return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).view(torch.uint8).view(pp, n, self.unit_nbytes)
-        h = x.float().view(pp, n, self.block_size, self.num_kv_heads, self.head_dim)
-        amax = h.abs().amax(dim=(2, 4))                                   # [pp, n, heads]
-        scale = amax / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(h / safe[:, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
         out = torch.zeros(pp, n, self.unit_nbytes, dtype=torch.uint8, device=x.device)
-        out[:, :, :self._scale_nbytes].copy_(scale.contiguous().view(torch.uint8).view(pp, n, self._scale_nbytes))
-        out[:, :, self._scale_nbytes:self._scale_nbytes + self.block_elems].copy_(
-            q.view(pp, n, self.block_elems).view(torch.uint8))
+        for sel, keys in self._kinds(pp, first_plane, x.device):
+            h = x.index_select(0, sel).float().view(len(sel), n, self.block_size, self.num_kv_heads, self.head_dim)
+            amax = h.abs().amax(dim=2 if keys else 4)   # K: [s, n, heads, dim]; V: [s, n, tokens, heads]
+            scale = (amax * (_ROUND_UP / 127.0)).clamp_(FP16_TINY, FP16_MAX).to(torch.float16)
+            q = torch.round(h / self._spread(scale.float(), keys)).clamp_(-127, 127).to(torch.int8)
+            unit = torch.zeros(len(sel), n, self.unit_nbytes, dtype=torch.uint8, device=x.device)
+            raw = scale.view(len(sel), n, -1).view(torch.uint8)
+            unit[:, :, :raw.shape[2]] = raw
+            unit[:, :, self._scale_nbytes:self._scale_nbytes + self.block_elems] = \
+                q.view(len(sel), n, self.block_elems).view(torch.uint8)
+            out.index_copy_(0, sel, unit)
         return out
 
-    def _decode(self, src: torch.Tensor) -> torch.Tensor:
-        """[pp, n, unit_nbytes] uint8 -> [pp, n, elems] in the pool's dtype."""
+    def _decode(self, src: torch.Tensor, first_plane: int) -> torch.Tensor:
+        """[pp, n, unit_nbytes] uint8 (planes ``first_plane..``) -> [pp, n, elems] in the pool's dtype."""
         pp, n = src.shape[0], src.shape[1]
         if self.format == NATIVE:
             return src.contiguous().view(self.dtype).view(pp, n, self.block_elems)
         if self.format == FP16:
             return src.contiguous().view(torch.float16).view(pp, n, self.block_elems).to(self.dtype)
-        scale = src[:, :, :self._scale_nbytes].contiguous().view(torch.float32)            # [pp, n, heads]
-        q = src[:, :, self._scale_nbytes:self._scale_nbytes + self.block_elems].contiguous().view(torch.int8)
-        h = q.view(pp, n, self.block_size, self.num_kv_heads, self.head_dim).float() * scale[:, :, None, :, None]
-        return h.view(pp, n, self.block_elems).to(self.dtype)
+        out = torch.empty(pp, n, self.block_elems, dtype=self.dtype, device=src.device)
+        for sel, keys in self._kinds(pp, first_plane, src.device):
+            part = src.index_select(0, sel)
+            count = self.num_kv_heads * (self.head_dim if keys else self.block_size)
+            scale = part[:, :, :2 * count].contiguous().view(torch.float16).float()
+            scale = scale.view(len(sel), n, *((self.num_kv_heads, self.head_dim) if keys
+                                              else (self.block_size, self.num_kv_heads)))
+            q = part[:, :, self._scale_nbytes:self._scale_nbytes + self.block_elems].contiguous().view(torch.int8)
+            h = q.view(len(sel), n, self.block_size, self.num_kv_heads, self.head_dim).float()
+            h = h * self._spread(scale, keys)
+            out.index_copy_(0, sel, h.view(len(sel), n, self.block_elems).to(self.dtype))
+        return out
+
+    @staticmethod
+    def _kinds(num_planes: int, first_plane: int, device) -> list[tuple[torch.Tensor, bool]]:
+        """The K planes and the V planes of a chunk (plane ``2 * layer`` is K, ``2 * layer + 1`` V):
+        (their indices in the chunk, whether they are K), the empty kinds left out."""
+        first_k = first_plane % 2   # the chunk's first K plane: 0 when it starts on one
+        kinds = [(torch.arange(first_k, num_planes, 2, device=device), True),
+                 (torch.arange(1 - first_k, num_planes, 2, device=device), False)]
+        return [(sel, keys) for sel, keys in kinds if len(sel)]
+
+    @staticmethod
+    def _spread(scale: torch.Tensor, keys: bool) -> torch.Tensor:
+        """A kind's scales shaped to broadcast over [s, n, tokens, heads, dim]."""
+        return scale[:, :, None, :, :] if keys else scale[:, :, :, :, None]
