@@ -31,7 +31,7 @@ last one (prompt and generated tokens) after the pool had to give its blocks to 
   its tokens as cached: the sequence computes only the rest.
 - *Formats* (``--kv-tier-format``: ``KVTiers(kv_format=)``, engine.kv_codec). Payloads are
   stored ``native`` (the pool's dtype, bit for bit), ``fp16`` (float16 of a float32 pool:
-  half the bytes) or ``int8`` (a scale per block, layer, K/V and head: about a quarter),
+  half the bytes) or ``int8`` (K scaled per channel, V per token, engine.kv_codec: 0.28 of float32's bytes),
   encoded when a block is spilled or written and decoded when it is loaded. A payload says
   its own format (its dtype: ``payload_format``), and a disk file's header names its format:
   a file of another format than this tier's (written by another worker on the directory, or

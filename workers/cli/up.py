@@ -121,7 +121,7 @@ def check_port_free(port: int) -> None:
 @click.option("--kv-wire-format", type=click.Choice(("native", "fp16", "int8")), envvar="PDQ_KV_WIRE_FORMAT",
               show_envvar=True, default="native", show_default=True,
               help="The workers' --kv-wire-format: the format a decode worker asks KV in over the network paths "
-                   "(fp16: half the bytes of float32, int8: about a quarter). up's workers share one node, where "
+                   "(fp16: half the bytes of float32, int8: 0.28 of them). up's workers share one node, where "
                    "KV is copied through shared memory as it is; it applies to workers that fetch over TCP.")
 @planner_options
 @kv_tier_options

@@ -181,13 +181,13 @@ def limit_options(f):
 @click.option("--kv-tier-format", type=click.Choice(KV_FORMATS), envvar="PDQ_KV_TIER_FORMAT", show_envvar=True,
               default=config_default("kv_tier_format"), show_default=True,
               help="How the KV tiers store blocks: native (the pool's dtype, exact), fp16 (half the bytes of a "
-                   "float32 pool), int8 (a scale per block, layer, K/V and head: about a quarter). A disk file "
+                   "float32 pool), int8 (K scaled per channel, V per token: 0.28 of float32's). A disk file "
                    "records its format; one of another format is read as what it is. What each costs in tokens: "
                    "pdqueue bench quality.")
 @click.option("--kv-wire-format", type=click.Choice(KV_FORMATS), envvar="PDQ_KV_WIRE_FORMAT", show_envvar=True,
               default=config_default("kv_wire_format"), show_default=True,
               help="Decode: the format this worker asks KV in over the network paths (the TCP data wire, "
-                   "ZeroMQ): native, fp16 (half the bytes of a float32 pool), int8 (about a quarter). Senders "
+                   "ZeroMQ): native, fp16 (half the bytes of a float32 pool), int8 (0.28 of them). Senders "
                    "encode what is asked (an older one sends native, read as such); shm on one node copies "
                    "native (encoding costs more than it saves there), nixl reads native.")
 @click.option("--kv-pull", type=click.Choice(KV_PULL), default=config_default("kv_pull"), show_default=True,
