@@ -8,6 +8,9 @@ What must hold:
   choices depend on); int8 gives token 0 (computed from the prefill, in full precision)
   and an answer of the asked length (its tokens may part from native's later: that is
   the loss ``bench quality`` measures);
+- tier files of another format are read as what they are: a worker restarted with
+  ``--kv-tier-format int8`` on a directory of fp16 files serves them (the history cached,
+  the no-cache answer), never reads them as int8;
 - formats that cannot apply are refused at the CLI with one line, before the model loads:
   an unknown name, fp16 of a 16-bit pool, a wire format with ``--transfer shm``/``nixl``,
   a tier format without a tier; ``bench quality --kv-formats`` likewise.
@@ -64,6 +67,46 @@ def test_pd_over_tcp_in_each_wire_format(cluster, tiny, fmt):
         if fmt != "int8":
             assert list(got.token_ids) == want, fmt
     assert {"native": 1.0, "fp16": 0.5}.get(fmt, 0.3) >= unit / native_unit > 0.25   # int8: ~0.28
+
+
+TURN1 = [random.Random(7).randrange(0, 256) for _ in range(9 * BS + 5)]
+MORE = [random.Random(8).randrange(0, 256) for _ in range(BS + 3)]
+FILLERS = [[random.Random(s).randrange(0, 256) for _ in range(50 * BS)] for s in (11, 12, 13)]
+
+
+def test_tier_files_of_another_format_are_read_as_what_they_are(cluster, tiny, tmp_path):
+    """A colocated worker with a 1 MiB pool and both tiers in fp16: the second turn of a
+    conversation, after the pool evicted the first, has its history from the host tier and
+    the no-cache answer. Stopped (its blocks written to disk: fp16 files) and started again
+    with --kv-tier-format int8 on the same directory: the fp16 files are read as fp16, the
+    second turn's prompt is cached (its blocks were written at the stop too), and the
+    answer is still the no-cache one."""
+    from pdqueue.client import Client
+
+    plain = LLMEngine(tiny, EngineConfig(model=tiny.config.name, num_blocks=256, prefix_caching=False))
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)   # noqa: E731
+    out1 = plain.generate([TURN1], greedy(2 * BS))[0]
+    turn2 = TURN1 + out1 + MORE
+    out2 = plain.generate([turn2], greedy(8))[0]
+    history = (len(TURN1) + len(out1) - 1) // BS * BS
+    disk = tmp_path / "kv"
+    tiers = ("--kv-cache-mb", "1", "--kv-host-tier-mb", "4", "--kv-disk-dir", str(disk))
+    cluster.start("colocated", *tiers, "--kv-tier-format", "fp16", worker_id="c1")
+    client = Client(cluster.redis_url, cluster.cluster)
+    client_ask = lambda prompt, n: client.submit(prompt_ids=prompt, max_tokens=n, temperature=0.0, seed=0,   # noqa: E731
+                                                 ignore_eos=True).result(timeout=60)
+    assert list(client_ask(TURN1, 2 * BS).token_ids) == out1
+    for filler in FILLERS:
+        client_ask(filler, 1)
+    second = client_ask(turn2, 8)
+    assert list(second.token_ids) == out2 and second.cached_tokens == history
+    assert cluster.stop("c1") == 0
+    files = [f for d in disk.iterdir() for f in d.iterdir()]
+    assert files and all(f.read_bytes()[:8] == b"PDQKV2\0\0" and b"fp16" in f.read_bytes()[:80] for f in files)
+    cluster.start("colocated", *tiers, "--kv-tier-format", "int8", worker_id="c2")
+    third = client_ask(turn2, 8)
+    # the second turn's own blocks were written at the stop too: its whole prompt is cached
+    assert list(third.token_ids) == out2 and third.cached_tokens == (len(turn2) - 1) // BS * BS
 
 
 def pdq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
