@@ -17,7 +17,8 @@ from pdqueue.protocol import ROLES
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "workers"
 # The modules that run inside a role and are handed its shell (the role's parts among them).
-ROLE_MODULES = ("role.py", "prefill.py", "decode.py", "colocated.py", "kv_export.py", "migration.py", "kv_holds.py")
+ROLE_MODULES = ("role.py", "prefill.py", "decode.py", "colocated.py", "kv_export.py", "migration.py", "kv_holds.py",
+                "kv_fetches.py", "handoff_intake.py")
 # What the shell holds of its own: never a member of what a role sees.
 SHELL_PARTS = {"Heartbeat", "SwitchControl", "Recovery", "Publisher", "Outage", "StopFlag", "ProcessKV",
                "SegmentSweep", "WorkerShell"}

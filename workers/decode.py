@@ -4,13 +4,14 @@ A request here, from handoff to done. Each handoff in hand is one ``Job`` in ``j
 request id), and its ``state`` says where it is:
 
     accept      handoff:<own node>, handoff:kv:<its key>, then handoff (group decode) -> BACKLOG
-                (a handoff that cannot run is dead-lettered; one of another kind, KV format,
-                model or wire version, is passed on to its kind's stream and never run here:
-                workers/compat.py; one taken over from another worker first catches up with
-                what out:<id> shows, see ``caught_up``)
+                (``intake``, workers/handoff_intake.py: a handoff that cannot run is
+                dead-lettered; one of another kind, KV format, model or wire version, is
+                passed on to its kind's stream and never run here: workers/compat.py; one
+                taken over from another worker first catches up with what out:<id> shows)
     start       BACKLOG -> FETCHING: once the engine can reserve blocks for the whole
-                sequence and a batch slot; the fetch thread copies the KV in (shm when the
-                ticket's node is ours, else the sender's TCP data wire, else ZeroMQ)
+                sequence and a batch slot; the fetch thread copies the KV in (``fetches``,
+                workers/kv_fetches.py: shm when the ticket's node is ours, else the
+                sender's TCP data wire, else ZeroMQ)
                 BACKLOG -> RUNNING by ``recompute`` when there is no ticket
                 BACKLOG -> RUNNING by ``prefill_here`` for a prompt handoff (no ticket, no
                 token: a prefill worker placed the prompt here, workers/placement.py); the
@@ -37,7 +38,6 @@ is in hand (a switch to another role too).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -47,22 +47,13 @@ from pdqueue.engine.llm_engine import LLMEngine
 from pdqueue.engine.sampling import SamplingParams
 from pdqueue.engine.sequence import Sequence
 from pdqueue.keys import DECODE_GROUP
-from pdqueue.protocol import (
-    Completion,
-    ErrorCode,
-    FinishReason,
-    Handoff,
-    HandoffError,
-    as_str,
-    decode_handoff,
-    encode_handoff,
-    entry_id_ms,
-)
+from pdqueue.protocol import Completion, ErrorCode, FinishReason, Handoff, encode_handoff
 from pdqueue.protocol import Role as RoleName
-from pdqueue.transfer.receiver import KVReceiver
-from workers.common import Every, kv_auth_for, now_ms, tbt_stats
+from workers.common import Every, now_ms, tbt_stats
 from workers.compat import Rerouter, engine_compat
-from workers.fetch import Fetcher, FetchOutcome
+from workers.fetch import FetchOutcome
+from workers.handoff_intake import HandoffIntake
+from workers.kv_fetches import KVFetches
 from workers.kv_holds import KVHolds
 from workers.migration import Migrator
 from workers.placement import RECENT_STEPS, SpareTime, prompt_load
@@ -108,11 +99,9 @@ class DecodeRole(Role):
         self.shell = shell
         self.engine = LLMEngine(shell.loaded, shell.config.engine, kv_cache=shell.kv_pool())
         self.holds = KVHolds(shell, self.engine)   # finished requests' KV, for the next turn's puller
-        self.receiver = KVReceiver(self.engine.kv_cache, self.engine.layout, shell.node, mode=shell.config.transfer,
-                                   timeout_s=shell.config.fetch_timeout_s, kv_format=shell.config.kv_wire_format,
-                                   auth=kv_auth_for(shell.config, shell.r, shell.keys))
-        self.fetcher = Fetcher(self.receiver, metrics=shell.metrics)
+        self.fetches = KVFetches(shell, self.engine)   # the KV's way in: reserve, fetch, admit
         self.rerouter = Rerouter(shell.r, shell.keys, engine_compat(self.engine), shell.metrics)
+        self.intake = HandoffIntake(shell, self.engine, self.rerouter)   # entries -> jobs (or passed on)
         self.jobs: dict[str, Job] = {}
         self.migrator = Migrator(shell, self.engine) if shell.config.migrate else None
         self.takes_prompts = shell.config.take_prompts
@@ -160,7 +149,7 @@ class DecodeRole(Role):
             if not online_waiting and batch_waiting < READ_LIMIT and room > 0 \
                     and self.engine.block_manager.num_free_blocks > 0:
                 self.accept(*self.shell.take(room, block_ms=IDLE_BLOCK_MS if idle else 0))
-        elif not self.engine.has_unfinished and not self.jobs and not self.fetcher.in_flight:
+        elif not self.engine.has_unfinished and not self.jobs and not self.fetches.in_flight:
             # (a fetch of a dropped job still writes into its reserved blocks: the pool
             # outlives this role, so the next one must not get them before it is over)
             return False
@@ -183,37 +172,17 @@ class DecodeRole(Role):
         self.spare.add(0.0)
         if self.shell.config.burst and not self.jobs:
             return False
-        if self.fetcher.in_flight:
+        if self.fetches.in_flight:
             self.admit_fetched(wait_s=FETCH_WAIT_S)
         return True
 
     # ---- accept: -> BACKLOG ----------------------------------------------------------------
     def accept(self, entries: list, resumed: bool) -> None:
-        with self.shell.unit() as unit:
-            for stream, entry_id, fields in entries:
-                elsewhere = self.rerouter.target(fields)   # of another kind: never run here
-                if elsewhere:
-                    unit.handoff(stream, entry_id, as_str(fields.get(b"id", b"")), elsewhere, fields)
-                    continue
-                h, problem = read_handoff(fields, self.engine)
-                if problem:
-                    unit.reject(stream, entry_id, fields, h and h.request.id, f"bad handoff: {problem}",
-                                ErrorCode.BAD_REQUEST)
-                    continue
-                if h.request.id in self.jobs:   # a second delivery of a request in hand
-                    # The very entry in hand again (its first delivery lost at a Redis
-                    # failover): it is pending for us once more, and the job answers it.
-                    if self.jobs[h.request.id].entry_id != entry_id:
-                        unit.ack(stream, entry_id, h.request.id)
-                    continue
-                if resumed:
-                    h = caught_up(self.shell.r, self.shell.keys, h)
-                    if h is None:   # already answered
-                        unit.ack(stream, entry_id)
-                        continue
-                req = h.request
-                params = SamplingParams.for_request(req, h.seed)
-                self.jobs[req.id] = Job(stream, entry_id, h, params, now_ms())
+        self.intake.accept(entries, resumed, self.jobs, self.new_job)
+
+    def new_job(self, stream: str, entry_id: str, h: Handoff) -> None:
+        """A handoff taken in (``HandoffIntake``): a job in the backlog."""
+        self.jobs[h.request.id] = Job(stream, entry_id, h, SamplingParams.for_request(h.request, h.seed), now_ms())
 
     # ---- start: BACKLOG -> FETCHING | RUNNING | answered -------------------------------------
     def start_backlog(self) -> int:
@@ -226,9 +195,7 @@ class DecodeRole(Role):
             background = h.request.background
             if background and not self.engine.scheduler.can_run_background():
                 continue   # batch waits for one of its own slots; the online jobs behind it go on
-            need = len(h.prompt_ids) + len(h.output_ids) + 1
-            kv = self.engine.kv_import
-            if not kv.can_reserve(need, h.request.rank) and (background or not kv.make_room(need)):
+            if not self.fetches.room(h):
                 break   # (online work takes the room of running batch sequences: make_room)
             if h.request.expired(now_ms()):
                 self.answer_expired(job, h.output_ids)
@@ -239,20 +206,8 @@ class DecodeRole(Role):
             elif h.ticket is None:
                 self.recompute(job, "no KV ticket")
             else:
-                job.seq = self.engine.kv_import.reserve(h.request.id, h.prompt_ids, job.params, h.output_ids,
-                                              block_hashes=h.ticket.get("block_hashes") or (),
-                                              hash_root=h.ticket.get("hash_root") or b"",
-                                              rank=h.request.rank)
+                self.fetches.start(job)
                 job.state = JobState.FETCHING
-                # Blocks whose KV this engine already caches (an earlier turn, a shared system
-                # prompt) stay; only the rest travel, and of those only what a sliding window
-                # still reads when every layer slides (the older ones are left unfilled).
-                held = job.seq.num_cached_tokens // self.engine.config.block_size
-                first = max(held, self.engine.kv_import.first_needed_block(len(h.prompt_ids) + len(h.output_ids) - 1))
-                if first > held:
-                    self.engine.kv_import.leave_unfilled(job.seq, held, first)
-                self.fetcher.submit(job, h.ticket, job.seq.block_table[first:len(h.ticket["block_ids"])], first,
-                                    reused_blocks=held)
                 fetches += 1
         return fetches
 
@@ -277,18 +232,13 @@ class DecodeRole(Role):
     def admit_fetched(self, wait_s: float = 0.0) -> None:
         """Add every finished fetch to the engine (recompute the failed ones); with
         ``wait_s``, wait up to that long for the fetches still running."""
-        for job, kv in self.fetcher.collect(wait_s):
-            if self.jobs.get(job.request_id) is not job:   # dropped meanwhile
-                self.engine.kv_import.unreserve(job.seq)
-                continue
-            seq, job.seq = job.seq, None
+        for job, kv in self.fetches.collect(wait_s, lambda j: self.jobs.get(j.request_id) is j):
             if kv.error:
                 log.warning("KV fetch for %s failed (%s): recomputing", job.request_id, kv.error)
-                self.engine.kv_import.unreserve(seq)
                 self.recompute(job, kv.error)
                 continue
             job.kv, job.admitted_ms, job.state = kv, now_ms(), JobState.RUNNING
-            self.engine.kv_import.add_prefilled(seq)
+            self.fetches.admit(job)
 
     # ---- a prompt handoff: -> RUNNING ---------------------------------------------------------
     def prefill_here(self, job: Job) -> None:
@@ -364,7 +314,7 @@ class DecodeRole(Role):
         blocks now rather than when the lease expires."""
         del self.jobs[job.request_id]
         if job.state is JobState.BACKLOG and job.handoff.ticket is not None:
-            self.fetcher.release(job.handoff.ticket)
+            self.fetches.release(job.handoff.ticket)
         c = job_completion(job, output_ids, now_ms(), self.shell.loaded.tokenizer.decode(output_ids), reason,
                            self.shell.worker_id, self.engine.config.block_size)
         with self.shell.unit() as unit:
@@ -382,8 +332,7 @@ class DecodeRole(Role):
         if self.migrator is not None:
             self.migrator.close()
         self.holds.close()
-        self.fetcher.close()
-        self.receiver.close()
+        self.fetches.close()
 
 
 # ---- what the role computes from its state, kept out of the class --------------------------
@@ -391,11 +340,11 @@ class DecodeRole(Role):
 def decode_load(role: DecodeRole) -> dict:
     """What a decode worker's heartbeat says of its load."""
     return {"running": role.engine.num_running, "waiting": role.engine.num_waiting,
-            "fetching": role.fetcher.in_flight, "backlog": len(role.in_state(JobState.BACKLOG)),
+            "fetching": role.fetches.in_flight, "backlog": len(role.in_state(JobState.BACKLOG)),
             # held blocks are given back on demand (workers/kv_holds.py)
             "kv_free": role.engine.block_manager.num_free_blocks + role.holds.reclaimable(),
             "kv_total": role.engine.layout.num_blocks, **role.holds.load(),
-            "step_ms": round(role._step_s * 1000, 2), "auth_failures": role.receiver.auth_failures,
+            "step_ms": round(role._step_s * 1000, 2), "auth_failures": role.fetches.receiver.auth_failures,
             "prefix_cache_queries": role.engine.prefix_cache_queries,
             "prefix_cache_hits": role.engine.prefix_cache_hits,
             "draining": int(role.migrator is not None and role.migrator.announced_at is not None),
@@ -450,55 +399,6 @@ def admit_grace_s(step_s: float) -> float:
     a quarter of a recent step, between 2 and 25 ms (a new sequence that misses this
     step waits a whole step more, while the batch pays this once)."""
     return min(0.025, max(0.002, 0.25 * step_s))
-
-
-def read_handoff(fields, engine: LLMEngine) -> tuple[Handoff | None, str | None]:
-    """The handoff in a stream entry (None if malformed) and what is wrong with it, if anything."""
-    if fields is None:
-        return None, "entry was deleted"
-    try:
-        h = decode_handoff(fields)
-    except HandoffError as exc:
-        return None, str(exc)
-    return h, handoff_problem(h, engine)
-
-
-def handoff_problem(h: Handoff, engine: LLMEngine) -> str | None:
-    """What makes a (well-formed) handoff impossible to run on ``engine``, or None. (One of
-    another KV identity never gets here: ``Rerouter`` passed it on.)"""
-    vocab = engine.model_config.vocab_size
-    if any(t >= vocab for t in h.prompt_ids) or any(t >= vocab for t in h.output_ids):
-        return f"token ids beyond the vocabulary ({vocab})"
-    if len(h.output_ids) > h.request.max_tokens:
-        return "more output tokens than max_tokens"
-    return engine.check_prompt(len(h.prompt_ids) + len(h.output_ids))
-
-def caught_up(r, keys, h: Handoff) -> Handoff | None:
-    """Resume from what ``out:<id>`` already shows: tokens published by the previous
-    owner are kept (recompute from prompt + those), so the stream continues at the next
-    index with no gap, no duplicate and no divergence. None if already answered."""
-    tokens: dict[int, list[int]] = {}
-    first_ms = 0.0
-    for eid, fields in r.xrange(keys.out(h.request.id)):
-        kind = fields.get(b"type")
-        if kind in (b"done", b"error"):
-            return None
-        if kind == b"token":
-            index = int(fields[b"index"])
-            tokens[index] = json.loads(fields[b"token_ids"])
-            if index == 0:   # an entry id is the ms it was added at
-                first_ms = float(entry_id_ms(eid))
-    output: list[int] = []
-    while len(output) in tokens:
-        output += tokens[len(output)]
-    if len(output) <= len(h.output_ids):
-        return h
-    log.info("resuming %s after %d published tokens", h.request.id, len(output))
-    if h.prompt_only:
-        # A prompt placed on the previous owner, which prefilled it there: its token 0 came
-        # out when it was published (else the completion's TTFT and prefill_ms are garbage).
-        h = replace(h, prefill_end_ms=first_ms, first_token_ms=first_ms)
-    return replace(h, output_ids=output, ticket=None)   # the exported KV covers fewer tokens: recompute
 
 
 def job_completion(job: Job, output_ids, t: float, text: str, reason, worker_id: str, block_size: int) -> Completion:
