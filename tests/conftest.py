@@ -14,6 +14,8 @@ import pytest
 import redis
 
 from pdqueue.queue.redis_server import RedisServer
+from tests import timeline
+from tests.timeline import pytest_runtest_logreport  # noqa: F401  (PDQ_TEST_TIMELINE's hook: pytest finds it here)
 
 # What the tests set themselves; a developer's own PDQ_* settings (a cluster name, a Redis
 # URL, a cache directory) must not change what a test sees. PDQ_REDIS_SERVER (which server
@@ -45,6 +47,8 @@ ONE_WORKER_MODULES = {
 # Left out: tests of modules with costly module-scoped fixtures (test_gateway_batches' workers
 # and gateway), which a worker would start again for the one test taken out of their order.
 SLOW_FIRST = (
+    # transformers' 400-token greedy answers (the oracle, once per run) and two decode workers
+    "test_families_pipeline.py::test_running_decodes_migrate_with_their_kv_and_answer_as_transformers",
     "test_chaos.py::test_chaos_kill_and_restart",                                  # ~45 s
     "test_migration.py::test_a_receiver_killed_mid_move_loses_nothing",            # ~40 s
     "test_elastic_chaos.py::test_levers_and_kills_under_load_lose_nothing_and_double_nothing",   # ~40 s
@@ -64,6 +68,11 @@ SLOW_FIRST = (
     "test_pipeline.py::test_smollm2_pipeline_matches_colocated_engine",
     "test_migration.py::test_a_migrate_command_moves_running_decodes_off_a_serving_colocated_worker",
     "test_bench.py::test_serve_tiny_json_has_the_figures_per_mode",
+    "test_bench.py::test_serve_chaos_rolling_restart_then_zero_capacity_fail_no_request_beside_a_baseline",
+    "test_families_pipeline.py::test_prefill_and_decode_workers_answer_as_transformers",   # ~20 s each
+    "test_bench.py::test_transfer_quick_json_has_the_ratios",
+    "test_bench.py::test_serve_batch_with_a_worker_killed_and_redis_restarted_answers_every_line_once",
+    "test_gguf_families.py::test_gguf_vocabularies_tokenize_as_llama_cpp",      # ~10 s each
     "test_faults.py::test_prefill_killed_and_its_segment_removed_before_fetch",
     "test_cli.py::test_up_keeps_the_logs_when_the_redis_server_dies",
     "test_pipeline.py::test_pipeline_matches_colocated_engine[1-1-auto-shm]",
@@ -186,6 +195,7 @@ def _xdist_can_group() -> bool:
 
 
 def pytest_configure(config):
+    timeline.configure()
     if config.getoption("dist", "no") == "loadgroup" and not _xdist_can_group():
         raise pytest.UsageError(
             f"--dist loadgroup would not group the tests with pytest {pytest.__version__} (the one-worker "
@@ -208,6 +218,18 @@ def _oracle_cache(tmp_path_factory):
     helpers.ORACLE_CACHE = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "oracle-cache"
     yield
     helpers.ORACLE_CACHE = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_cache(tmp_path_factory):
+    """``tests.run_cache``'s folder (checkpoints, GGUF files, answers made once per run),
+    shared by this run's xdist workers as ``_oracle_cache``'s is. Never across runs."""
+    from tests import run_cache
+
+    base = tmp_path_factory.getbasetemp()
+    run_cache.ROOT = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "run-cache"
+    yield
+    run_cache.ROOT = None
 
 
 @pytest.fixture(scope="session", autouse=True)

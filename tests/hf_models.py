@@ -6,12 +6,18 @@ them, the oracle the family tests compare with. Nothing is downloaded.
 The weights are drawn larger than transformers' init (std 0.02 gives near-uniform logits, so
 greedy decoding would be decided by rounding noise): each matrix ~N(0, (2/sqrt(fan_in))^2), the
 norms around 1, so the top two logits along a continuation stay well apart.
+
+``checkpoint`` and ``greedy`` are ``build`` and ``hf_greedy`` made once per test run and
+shared by its xdist workers and test modules (tests/run_cache.py): the family tests of three
+modules ask for the same checkpoints and the same answers.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -106,6 +112,27 @@ def build(case: str, directory: Path, seed: int = 0) -> Path:
         {"chat_template": tokenizer.chat_template, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
          "tokenizer_class": "PreTrainedTokenizerFast"}))   # tokenizer.json as it is (not a family class's own)
     return directory
+
+
+def checkpoint(case: str, seed: int = 0) -> Path:
+    """``build(case, seed=seed)``'s directory, built once per test run (tests/run_cache.py).
+    Shared: a test that changes a checkpoint copies it first."""
+    from tests import run_cache
+
+    def make(target: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build(case, target, seed)
+
+    return run_cache.path(f"hf-{case}-seed{seed}", make)
+
+
+def greedy(case: str, ids: list[int], n: int, seed: int = 0) -> list[int]:
+    """``hf_greedy`` of ``checkpoint(case, seed)``, computed once per test run."""
+    from tests import run_cache
+
+    digest = hashlib.sha256(json.dumps([case, seed, ids, n]).encode()).hexdigest()[:16]
+    return run_cache.value(f"greedy-{case}-{digest}", lambda: hf_greedy(checkpoint(case, seed), ids, n))
 
 
 @functools.lru_cache(maxsize=None)

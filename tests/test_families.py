@@ -20,7 +20,7 @@ from pdqueue.engine.sampling import SamplingParams
 from pdqueue.models.families import FAMILIES, ConfigError, config_from_hf
 from pdqueue.models.loader import load_model
 from pdqueue.models.source import ModelSourceError, resolve_model_path
-from tests import chat_templates, hf_models
+from tests import chat_templates, hf_models, run_cache
 
 pytest.importorskip("transformers")
 
@@ -30,12 +30,11 @@ GREEDY_32 = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """case -> its directory, each built once per test process."""
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {case: hf_models.build(case, root / case) for case in hf_models.CASES}
+def checkpoints():
+    """case -> its directory, built when first asked for, once per test run (shared by the
+    run's xdist workers and the other family modules: tests/run_cache.py). Tests that change
+    one copy it first."""
+    return run_cache.Lazy(hf_models.checkpoint)
 
 
 def prompt_ids() -> list[list[int]]:
@@ -70,7 +69,7 @@ def test_greedy_continuation_matches_transformers(checkpoints, case):
     whole prompts, in chunks of 7 tokens, and each alone: all equal transformers' generate."""
     loaded = load_model(checkpoints[case])
     ids = prompt_ids()
-    expected = [hf_models.hf_greedy(checkpoints[case], i, 32) for i in ids]
+    expected = [hf_models.greedy(case, i, 32) for i in ids]
     config = EngineConfig(model=str(checkpoints[case]), kv_cache_mb=16)
     assert LLMEngine(loaded, config).generate(ids, GREEDY_32) == expected
     chunked = EngineConfig(model=str(checkpoints[case]), kv_cache_mb=16, policy=PrefillPolicy.CHUNKED,
@@ -93,7 +92,7 @@ def test_the_comparison_sees_a_missing_part(checkpoints, tmp_path, case, change)
     raw = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**raw, **change}))
     ids = prompt_ids()[0]
-    expected = hf_models.hf_greedy(checkpoints[case], ids, 32)
+    expected = hf_models.greedy(case, ids, 32)
     loaded = load_model(copy)
     assert LLMEngine(loaded, EngineConfig(model=str(copy), kv_cache_mb=16)).generate([ids], GREEDY_32)[0] != expected
 
@@ -110,7 +109,7 @@ def test_moe_rows_of_one_batch_route_to_different_experts(checkpoints, case):
     # ... and the batch's answers are each row's alone (test_greedy_continuation_... above too)
     engine = LLMEngine(loaded, EngineConfig(model=str(checkpoints[case]), kv_cache_mb=16))
     together = engine.generate(ids, GREEDY_32)
-    assert together == [hf_models.hf_greedy(checkpoints[case], i, 32) for i in ids]
+    assert together == [hf_models.greedy(case, i, 32) for i in ids]
 
 
 def test_quantized_weights_serve_biases_and_refuse_experts(checkpoints):

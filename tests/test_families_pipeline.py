@@ -6,13 +6,11 @@ on a decode worker, and the prefix cache must each give transformers' greedy tok
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from pdqueue.client import Client
 from pdqueue.protocol.compat import compat_of
-from tests import hf_models
+from tests import hf_models, run_cache
 from tests.helpers import FAST, wait_for, wait_pools_free, wait_takes_prompts
 
 pytest.importorskip("transformers")
@@ -25,19 +23,17 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {case: hf_models.build(case, root / case) for case in FAMILY_CASES}
+def checkpoints():
+    """case -> its directory, built when first asked for, once per test run (shared by the
+    run's xdist workers and the other family modules: tests/run_cache.py)."""
+    return run_cache.Lazy(hf_models.checkpoint)
 
 
 @pytest.fixture(scope="module")
-def expected(checkpoints):
-    """case -> transformers' greedy continuation of each prompt."""
+def expected():
+    """case -> transformers' greedy continuation of each prompt (computed once per run)."""
     tok = hf_models.smollm2_tokenizer()
-    return {case: [hf_models.hf_greedy(d, tok.encode(p), MAX_TOKENS) for p in PROMPTS]
-            for case, d in checkpoints.items()}
+    return run_cache.Lazy(lambda case: [hf_models.greedy(case, tok.encode(p), MAX_TOKENS) for p in PROMPTS])
 
 
 def answers(cluster, prompts=PROMPTS) -> list:
@@ -158,7 +154,7 @@ def test_running_decodes_migrate_with_their_kv_and_answer_as_transformers(cluste
 
     long = 400
     tok = hf_models.smollm2_tokenizer()
-    want = [hf_models.hf_greedy(checkpoints[case], tok.encode(p), long) for p in PROMPTS]
+    want = [hf_models.greedy(case, tok.encode(p), long) for p in PROMPTS]
     cluster.model = str(checkpoints[case])
     cluster.start_together(("prefill", *FAST, {"worker_id": "p0"}), ("decode", *FAST, {"worker_id": "d0"}),
                            ("decode", *FAST, {"worker_id": "d1"}))

@@ -7,7 +7,6 @@ does. Skipped without the llama.cpp source (bash scripts/llama-cpp-source; CI ru
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from pdqueue.client import Client
 from pdqueue.models.loader import load_model
 from pdqueue.models.source import ModelSourceError, resolve_model_path
-from tests import gguf_convert, hf_models
+from tests import gguf_convert, hf_models, run_cache
 from tests.helpers import FAST, wait_pools_free
 
 pytest.importorskip("transformers")
@@ -26,17 +25,18 @@ GGUF_CASES = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe-sparse")
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs away into the forest."
 
 
+def _converted(case: str) -> tuple[Path, Path]:
+    directory = hf_models.checkpoint(case)
+    return directory, run_cache.path(f"gguf-{case}.gguf", lambda target: gguf_convert.convert(directory, target))
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """case -> (its safetensors directory, the GGUF file llama.cpp's converter made of it)."""
-    root = tmp_path_factory.mktemp("gguf")
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for case in GGUF_CASES:
-            directory = hf_models.build(case, root / case)
-            out[case] = (directory, gguf_convert.convert(directory, root / f"{case}.gguf"))
-    return out
+def converted():
+    """case -> (its safetensors directory, the GGUF file llama.cpp's converter made of it).
+    Each converted when first asked for, once per test run (tests/run_cache.py): a conversion
+    runs llama.cpp's converter in a process of its own (seconds of imports), and every xdist
+    worker that ran one of this module's tests converted all five cases again."""
+    return run_cache.Lazy(_converted)
 
 
 @pytest.mark.parametrize("vocab", ["qwen2", "llama-bpe", "gpt-2"])
@@ -68,10 +68,7 @@ def test_a_gguf_made_by_llama_cpp_gives_the_safetensors_logits(converted, cache_
 
 
 def test_a_gguf_of_a_family_gguf_does_not_define_here_is_refused_by_name(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        directory = hf_models.build("gemma3", tmp_path / "gemma3")
-    path = gguf_convert.convert(directory, tmp_path / "gemma3.gguf")
+    path = gguf_convert.convert(hf_models.checkpoint("gemma3"), tmp_path / "gemma3.gguf")
     with pytest.raises(ModelSourceError, match="GGUF architecture 'gemma3' is not supported"):
         resolve_model_path(path)
 
