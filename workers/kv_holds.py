@@ -41,7 +41,7 @@ engine's, and a puller of another root never uses it.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING
 
 from pdqueue.transfer.leases import LeaseState
@@ -182,10 +182,11 @@ class KVHolds:
                 self.pulled += 1
 
     def reclaimable(self) -> int:
-        """Held blocks that revoking their holds would free (held by nothing else): what the
+        """Held blocks that revoking every hold would free (held by no sequence): what the
         heartbeat adds to ``kv_free``."""
+        held = Counter(b for blocks in self._holds.values() for b in blocks)   # a block may be in several holds
         ref = self.engine.block_manager.ref_count
-        return sum(1 for blocks in self._holds.values() for b in blocks if ref(b) == 1)
+        return sum(1 for b, n in held.items() if ref(b) == n)
 
     def load(self) -> dict:
         """The heartbeat's fields (none while off)."""
