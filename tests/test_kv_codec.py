@@ -248,6 +248,19 @@ def test_the_network_wires_move_the_asked_format(sender, mode, fmt):
 
 
 @pytest.mark.parametrize("mode", ["tcp", "zmq"])
+def test_a_fetch_from_a_first_block_moves_the_rest_in_the_format(sender, mode):
+    """The receiver holds the first blocks (prefix caching): only the rest travel, encoded."""
+    s, pool = sender
+    src_ids = [40, 41, 42, 50, 51]
+    dst = WIRE.allocate()
+    with KVReceiver(dst, WIRE, "node-b", mode=mode, timeout_s=5, kv_format="int8") as receiver:
+        result = receiver.fetch(s.export(f"r-{uuid.uuid4().hex[:6]}", src_ids, 20), [7, 9], first_block=3)
+    assert result.nbytes == 2 * WIRE.num_layers * 2 * KVCodec.for_layout("int8", WIRE).unit_nbytes
+    assert torch.equal(dst[:, :, [7, 9]], expect("int8", pool, [50, 51]))
+    assert not dst[:, :, [b for b in range(WIRE.num_blocks) if b not in (7, 9)]].any()
+
+
+@pytest.mark.parametrize("mode", ["tcp", "zmq"])
 def test_a_sender_that_does_not_know_the_ask_sends_native_and_it_is_read_as_such(sender, mode):
     """An older sender ignores ``kv_format`` (here: the real admission with the field taken
     out of every request) and its reply names none: the receiver reads native, bit for bit."""
