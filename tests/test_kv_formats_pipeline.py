@@ -1,8 +1,8 @@
 """KV formats in the PD pipeline: real worker processes (tiny model), real Redis.
 
 What must hold:
-- a decode worker started with ``--kv-wire-format fp16`` or ``int8`` fetching over TCP
-  answers every prompt of a fixed set, the bytes it reports moved (``transfer_bytes`` of the
+- a decode worker started with ``--kv-wire-format fp16`` or ``int8`` fetching over TCP (and
+  ZeroMQ) answers every prompt of a fixed set, the bytes it reports moved (``transfer_bytes`` of the
   done entry) shrinking by the format's factor against native's for the same blocks; fp16
   gives the native answer token for token (float16 keeps what the tiny model's greedy
   choices depend on); int8 gives token 0 (computed from the prefill, in full precision)
@@ -47,19 +47,19 @@ def ask(client, prompt_ids: list[int]):
                          ignore_eos=True).result(timeout=60)
 
 
-@pytest.mark.parametrize("fmt", ["native", "fp16", "int8"])
-def test_pd_over_tcp_in_each_wire_format(cluster, tiny, fmt):
+@pytest.mark.parametrize("transfer,fmt", [("tcp", "native"), ("tcp", "fp16"), ("tcp", "int8"), ("zmq", "int8")])
+def test_pd_over_the_network_in_each_wire_format(cluster, tiny, transfer, fmt):
     from pdqueue.client import Client
 
     expected = native_answers(tiny)
-    cluster.start_together(("prefill", "--transfer", "tcp"),
-                           ("decode", "--transfer", "tcp", "--kv-wire-format", fmt))
+    cluster.start_together(("prefill", "--transfer", transfer),
+                           ("decode", "--transfer", transfer, "--kv-wire-format", fmt))
     client = Client(cluster.redis_url, cluster.cluster)
     layout = LLMEngine(tiny, EngineConfig(model=tiny.config.name, num_blocks=8)).layout
     native_unit, unit = layout.block_nbytes, KVCodec.for_layout(fmt, layout).unit_nbytes
     for prompt, want in zip(PROMPTS, expected):
         got = ask(client, prompt)
-        assert got.transfer_path == "tcp", got
+        assert got.transfer_path == transfer, got
         blocks = got.transfer_bytes // (2 * layout.num_layers * unit)
         assert got.transfer_bytes == blocks * 2 * layout.num_layers * unit and blocks == -(-len(prompt) // BS)
         assert got.transfer_bytes / (blocks * 2 * layout.num_layers * native_unit) == unit / native_unit
