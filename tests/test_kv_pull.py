@@ -13,8 +13,9 @@ What must hold:
   (same node) and TCP (the puller on another node: ``PDQ_NODE_ID``); the puller's heartbeat
   counts the pulled tokens and the done entry counts them as cached; history a worker
   restored from its disk tier after a restart (and used) is pulled by a worker without that
-  directory; a holder SIGKILLed before the pull: recompute, same tokens; a holder of other
-  weights (another prefix root) is never pulled from.
+  directory; a holder SIGKILLed before the pull, or a ticket signed with another cluster
+  secret: recompute, same tokens; a holder of other weights (another prefix root) is never
+  pulled from.
 """
 
 from __future__ import annotations
@@ -288,3 +289,24 @@ def test_history_restored_from_the_disk_tier_after_a_restart_is_pulled_by_a_work
     history = (len(turn2) + len(out2) - 1) // BS * BS
     assert list(third.token_ids) == out3 and third.cached_tokens == history
     wait_for(lambda: load_of(cluster, "c2").get("kv_pulled_tokens") == history, 10, "c2's pull counters")
+
+
+def test_a_puller_with_another_kv_secret_computes_the_history(cluster, tiny):
+    """c2 runs with another cluster secret than c1 (PDQ_KV_SECRET): c1's ticket does not
+    verify there, the pull is refused before any byte moves, and the history is computed:
+    the no-cache tokens, nothing cached, a failed pull counted."""
+    from pdqueue.client import Client
+
+    out1, turn2, out2 = turns(tiny)
+    cluster.start_together(("colocated", "--routing", "off", {"worker_id": "c1"}),
+                           ("colocated", "--routing", "off", "--kv-pull", "always",
+                            {"worker_id": "c2", "env": {"PDQ_KV_SECRET": "ab" * 32}}))
+    client = Client(cluster.redis_url, cluster.cluster)
+    to_own_stream(cluster, client, "c1")
+    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
+    wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    to_own_stream(cluster, client, "c2")
+    second = ask(client, turn2, 8)
+    assert list(second.token_ids) == out2 and second.cached_tokens == 0
+    wait_for(lambda: load_of(cluster, "c2").get("kv_pull_failed") == 1, 10, "c2's failed pull")
+    assert load_of(cluster, "c2")["kv_pulled_tokens"] == 0
