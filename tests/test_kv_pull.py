@@ -13,7 +13,7 @@ What must hold:
   (same node) and TCP (the puller on another node: ``PDQ_NODE_ID``); the puller's heartbeat
   counts the pulled tokens and the done entry counts them as cached; history a worker
   restored from its disk tier after a restart (and used) is pulled by a worker without that
-  directory; a holder SIGKILLed before the pull, or a ticket signed with another cluster
+  directory; a holder SIGKILLed mid-pull, or a ticket signed with another cluster
   secret: recompute, same tokens; a holder of other weights (another prefix root) is never
   pulled from.
 """
@@ -216,10 +216,13 @@ def killing(redis_url, tmp_path):
 
 
 @pytest.mark.processes
-def test_a_holder_killed_before_the_pull_leaves_the_history_to_be_computed(killing, tiny):
-    """The holder (c1, on another node: TCP) is SIGKILLed after it advertised its hold: c2's
-    pull fails (the connection refused) and the history is computed: the no-cache tokens,
-    nothing cached, a failed pull counted."""
+def test_a_holder_killed_mid_pull_leaves_the_history_to_be_computed(killing, tiny):
+    """The holder (c1, on another node: TCP) is frozen (SIGSTOP) after it advertised its hold,
+    so c2's pull of the second turn's history starts and waits on it; c1 is then SIGKILLed
+    mid-pull: the pull fails and the history is computed: the no-cache tokens, nothing
+    cached, a failed pull counted."""
+    import time
+
     from pdqueue.client import Client
 
     cluster = killing
@@ -231,10 +234,14 @@ def test_a_holder_killed_before_the_pull_leaves_the_history_to_be_computed(killi
     to_own_stream(cluster, client, "c1")
     assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
     wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    cluster.signal("c1", signal.SIGSTOP)
+    to_own_stream(cluster, client, "c2")
+    handle = client.submit(prompt_ids=turn2, max_tokens=8, temperature=0.0, seed=0, ignore_eos=True)
+    time.sleep(1.0)   # c2 reads it and pulls: its request waits on the frozen holder (timeout 5 s)
+    assert cluster.r.xlen(cluster.keys.out(handle.request_id)) == 0   # no token yet: still pulling
     cluster.signal("c1", signal.SIGKILL)
     cluster.stop("c1", signalled=True)
-    to_own_stream(cluster, client, "c2")
-    second = ask(client, turn2, 8)
+    second = handle.result(timeout=60)
     assert list(second.token_ids) == out2 and second.cached_tokens == 0
     wait_for(lambda: load_of(cluster, "c2").get("kv_pull_failed") == 1, 10, "c2's failed pull")
     assert load_of(cluster, "c2")["kv_pulled_tokens"] == 0
