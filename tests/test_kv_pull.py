@@ -61,6 +61,30 @@ def test_auto_pulls_only_when_cheaper_and_the_other_modes_do_what_they_say():
     assert not decide("never", recompute=9.0, pull=0.001)
 
 
+def test_up_passes_the_tier_and_pull_options_to_its_workers():
+    """`up`'s --kv-host-tier-mb, --kv-disk-dir, --kv-disk-gb and --kv-pull become the worker
+    options it starts every worker with (none for a default)."""
+    import click
+    from click.testing import CliRunner
+
+    from workers.cli.common import kv_tier_options
+
+    seen = []
+
+    @click.command()
+    @kv_tier_options
+    def cmd(kv_args):
+        seen.append(kv_args)
+
+    runner = CliRunner()
+    assert runner.invoke(cmd, []).exit_code == 0
+    assert runner.invoke(cmd, ["--kv-host-tier-mb", "64", "--kv-disk-dir", "/tmp/kv", "--kv-disk-gb", "2.5",
+                               "--kv-pull", "never"]).exit_code == 0
+    assert runner.invoke(cmd, ["--kv-pull", "sometimes"]).exit_code == 2
+    assert seen == [(), ("--kv-host-tier-mb", "64", "--kv-disk-dir", "/tmp/kv", "--kv-disk-gb", "2.5",
+                         "--kv-pull", "never")]
+
+
 def make_engine(tiny, num_blocks: int = 64, caching: bool = True) -> LLMEngine:
     return LLMEngine(tiny, EngineConfig(model=tiny.config.name, block_size=BS, num_blocks=num_blocks,
                                         prefix_caching=caching))
