@@ -50,6 +50,7 @@ from collections import OrderedDict
 import redis
 
 from pdqueue.engine.block_manager import chain_hashes
+from pdqueue.engine.kv_codec import KVCodec
 from pdqueue.engine.step_cost import MIN_STEPS
 from pdqueue.protocol import as_str
 from pdqueue.transfer import registry
@@ -205,6 +206,7 @@ class KVPull:
         self.mode = config.kv_pull
         self.transfer = config.transfer
         self.timeout_s = min(config.fetch_timeout_s, PULL_TIMEOUT_S)
+        self.kv_format = config.kv_wire_format   # asked of the holder over tcp/zmq, as a handoff's fetch asks
         self.auth = auth
         self.cost = PullCost()
         self._receiver: KVReceiver | None = None
@@ -262,8 +264,11 @@ class KVPull:
             return 0
         layout = engine.layout
         nblocks = len(ticket.block_ids) - mine
-        nbytes = nblocks * 2 * layout.num_layers * layout.block_nbytes
         path = self.path_for(ticket)
+        # The bytes that will move: shm copies native; tcp and zmq move the asked format (what
+        # ``observe`` learns from: the fetch's encoded bytes).
+        fmt = "native" if path == "shm" else self.kv_format
+        nbytes = KVCodec.for_layout(fmt, layout).nbytes(2 * layout.num_layers, nblocks)
         if not decide(self.mode, recompute_s(engine, (depth - mine) * bs), self.cost.predict(path, nbytes)):
             self.declined += 1
             return 0
@@ -314,7 +319,8 @@ class KVPull:
                 self._receiver.close()
             self._staging = staging_layout.allocate(device="cpu")
             self._receiver = KVReceiver(self._staging, staging_layout, self.node, mode=self.transfer,
-                                        timeout_s=self.timeout_s, is_current=self._is_current, auth=self.auth)
+                                        timeout_s=self.timeout_s, is_current=self._is_current, auth=self.auth,
+                                        kv_format=self.kv_format)
         return self._staging
 
     def _tier(self, engine) -> StagedTier:
