@@ -5,6 +5,7 @@ worker on another node id), on real workers.
 
     .venv/bin/python scripts/bench_turns.py [--model smollm2] [--history 512 1024 2048]
                                             [--paths shm tcp] [--rounds 3] [--json]
+                                            [--kv-wire-format native|fp16|int8]
 
 Per path: an embedded Redis; decode worker d (``--switchable`` for shm: its pool a shared
 segment; ``PDQ_NODE_ID`` of another node for tcp);
@@ -129,7 +130,8 @@ def run_path(args, path: str, log_root: Path) -> dict:
         # shm: the decode worker's pool a shared segment (--switchable), as a prefill worker's is
         w.start("decode", "d", *(("--switchable",) if path == "shm" else ()), env=other)
         w.start("prefill", "p1", "--kv-pull", "never")
-        w.start("prefill", "pull", "--kv-pull", "always")
+        fmt = ("--kv-wire-format", args.kv_wire_format) if path == "tcp" else ()   # shm copies native
+        w.start("prefill", "pull", "--kv-pull", "always", *fmt)
         w.start("prefill", "recompute", "--kv-pull", "never")
         w.wait_ready()
         w.ask("p1", [1, 2, 3, 4] * 40, 4)   # warm-up: model, sockets, step cost
@@ -163,6 +165,8 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", choices=("shm", "tcp"), default=["shm", "tcp"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-mb", type=int, default=1024)
+    ap.add_argument("--kv-wire-format", choices=("native", "fp16", "int8"), default="native",
+                    help="what the tcp path's puller asks the holder for (bytes moved per format)")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
