@@ -135,6 +135,11 @@ def test_an_outage_of_every_prefill_capable_worker_under_load_fails_no_request(s
 
 def test_a_gap_longer_than_the_wait_is_a_503_with_retry_after_and_the_request_never_runs(setup, redis_server):
     cluster, waiting, brief = setup
+    # This gateway has seen the model served (what makes it wait rather than 404), whichever
+    # tests ran before this one (alone, none has started the workers yet).
+    if not any(n.startswith(("prefill", "decode")) and p.poll() is None for n, p in cluster.procs.items()):
+        cluster.start_together(("prefill", *FAST), ("decode", *FAST))
+    wait_for(lambda: ask(brief, "x", False)[0] == 200, 60, what="the gateway answering through the cluster")
     for name in [n for n in cluster.procs if n.startswith("prefill")]:
         if cluster.procs[name].poll() is None:
             cluster.stop(name)
