@@ -51,6 +51,7 @@ import redis
 
 from pdqueue.engine.block_manager import chain_hashes
 from pdqueue.engine.kv_codec import KVCodec
+from pdqueue.engine.kv_tiers import leading_run
 from pdqueue.engine.step_cost import MIN_STEPS
 from pdqueue.protocol import as_str
 from pdqueue.transfer import registry
@@ -158,12 +159,7 @@ class StagedTier:
         return h in self._staged or (self.inner is not None and self.inner.has(h))
 
     def leading(self, hashes) -> int:
-        n = 0
-        for h in hashes:
-            if not self.has(h):
-                break
-            n += 1
-        return n
+        return leading_run(self.has, hashes)
 
     def fetch(self, hashes) -> list:
         out = []

@@ -83,6 +83,17 @@ def _payload_bytes(payload: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
+def leading_run(has, hashes) -> int:
+    """How many of ``hashes`` (a chain, in order) ``has`` finds, from the first on: a tier's
+    ``leading`` (KVTiers, and the staged tier a pull puts on top of it, workers/kv_pull.py)."""
+    n = 0
+    for h in hashes:
+        if not has(h):
+            break
+        n += 1
+    return n
+
+
 class HostTier:
     """Block payloads (host tensors) by hash, least recently used first, at most
     ``capacity_bytes`` (held entries may exceed it until released). ``overflow(hash,
@@ -342,12 +353,7 @@ class KVTiers:
 
     def leading(self, hashes) -> int:
         """How many of ``hashes`` (a chain, in order) a tier holds, from the first on."""
-        n = 0
-        for h in hashes:
-            if not self.has(h):
-                break
-            n += 1
-        return n
+        return leading_run(self.has, hashes)
 
     def spill(self, h: bytes, block_id: int) -> None:
         """The pool's block ``block_id``, named ``h``, is about to be reused: keep a copy."""
