@@ -176,6 +176,16 @@ def to_own_stream(cluster, client, name: str) -> None:
     client._stream_of = lambda req: own
 
 
+def first_turn_held(cluster, client, holder: str, out1: list[int] | None) -> None:
+    """The first turn on worker ``holder`` (its answer ``out1``, unless None: another model's
+    answer), which then holds its KV (its heartbeat shows the hold)."""
+    to_own_stream(cluster, client, holder)
+    answer = ask(client, TURN1, 2 * BS)
+    if out1 is not None:
+        assert list(answer.token_ids) == out1
+    wait_for(lambda: load_of(cluster, holder).get("kv_holds", 0) == 1, 10, f"{holder}'s hold")
+
+
 @pytest.mark.parametrize("path", ["shm", "tcp"])
 def test_a_second_turn_on_another_prefill_worker_pulls_its_history_from_the_decode_worker(cluster, tiny, path):
     """p1 + d1 serve the first turn; p1 stops and p2 (its pool empty) takes the second: it
@@ -216,9 +226,7 @@ def test_a_colocated_worker_pulls_the_history_another_colocated_worker_holds(clu
     cluster.start_together(("colocated", "--routing", "off", *holder, {"worker_id": "c1"}),
                            ("colocated", "--routing", "off", "--kv-pull", "always", {"worker_id": "c2", **other_node}))
     client = Client(cluster.redis_url, cluster.cluster)
-    to_own_stream(cluster, client, "c1")
-    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
-    wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    first_turn_held(cluster, client, "c1", out1)
     to_own_stream(cluster, client, "c2")
     second = ask(client, turn2, 8)
     assert list(second.token_ids) == out2
@@ -255,9 +263,7 @@ def test_a_holder_killed_mid_pull_leaves_the_history_to_be_computed(killing, tin
                                                               "env": {"PDQ_NODE_ID": f"node-b-{cluster.tag}"}}),
                            ("colocated", "--routing", "off", "--kv-pull", "always", {"worker_id": "c2"}))
     client = Client(cluster.redis_url, cluster.cluster)
-    to_own_stream(cluster, client, "c1")
-    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
-    wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    first_turn_held(cluster, client, "c1", out1)
     cluster.signal("c1", signal.SIGSTOP)
     to_own_stream(cluster, client, "c2")
     handle = client.submit(prompt_ids=turn2, max_tokens=8, temperature=0.0, seed=0, ignore_eos=True)
@@ -281,9 +287,7 @@ def test_a_holder_of_other_weights_is_never_pulled_from(cluster, tiny):
     cluster.start_together(("colocated", "--routing", "off", "--weights", "int8", {"worker_id": "c1"}),
                            ("colocated", "--routing", "off", "--kv-pull", "always", {"worker_id": "c2"}))
     client = Client(cluster.redis_url, cluster.cluster)
-    to_own_stream(cluster, client, "c1")
-    ask(client, TURN1, 2 * BS)
-    wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    first_turn_held(cluster, client, "c1", None)   # int8 weights: another answer
     to_own_stream(cluster, client, "c2")
     second = ask(client, turn2, 8)
     assert list(second.token_ids) == out2 and second.cached_tokens == 0
@@ -333,9 +337,7 @@ def test_a_puller_with_another_kv_secret_computes_the_history(cluster, tiny):
                            ("colocated", "--routing", "off", "--kv-pull", "always",
                             {"worker_id": "c2", "env": {"PDQ_KV_SECRET": "ab" * 32}}))
     client = Client(cluster.redis_url, cluster.cluster)
-    to_own_stream(cluster, client, "c1")
-    assert list(ask(client, TURN1, 2 * BS).token_ids) == out1
-    wait_for(lambda: load_of(cluster, "c1").get("kv_holds", 0) == 1, 10, "c1's hold")
+    first_turn_held(cluster, client, "c1", out1)
     to_own_stream(cluster, client, "c2")
     second = ask(client, turn2, 8)
     assert list(second.token_ids) == out2 and second.cached_tokens == 0
