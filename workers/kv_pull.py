@@ -50,7 +50,7 @@ from collections import OrderedDict
 import redis
 
 from pdqueue.engine.block_manager import chain_hashes
-from pdqueue.engine.kv_codec import KVCodec
+from pdqueue.engine.kv_codec import NATIVE, KVCodec, effective
 from pdqueue.engine.kv_tiers import leading_run
 from pdqueue.engine.step_cost import MIN_STEPS
 from pdqueue.protocol import as_str
@@ -261,9 +261,9 @@ class KVPull:
         layout = engine.layout
         nblocks = len(ticket.block_ids) - mine
         path = self.path_for(ticket)
-        # The bytes that will move: shm copies native; tcp and zmq move the asked format (what
-        # ``observe`` learns from: the fetch's encoded bytes).
-        fmt = "native" if path == "shm" else self.kv_format
+        # The bytes that will move (what ``observe`` learns from: the fetch's encoded bytes):
+        # the asked format where the path encodes (transfer.registry), else native.
+        fmt = effective(self.kv_format, layout.torch_dtype) if registry.encodes(path) else NATIVE
         nbytes = KVCodec.for_layout(fmt, layout).nbytes(2 * layout.num_layers, nblocks)
         if not decide(self.mode, recompute_s(engine, (depth - mine) * bs), self.cost.predict(path, nbytes)):
             self.declined += 1

@@ -39,8 +39,10 @@ class TransportSpec:
     answers on the control channel; ``leased_ops``: those of them about a ticket's lease
     (checked against the ticket's MAC, as a fetch is). ``unserved``: what a sender that
     does not run it answers to those ops. ``missing``: a function of the module returning
-    why the transport cannot run here (a dependency not installed) or None. ``help``: its
-    words in ``--transfer``'s help (for one in the auto order: how that order names it)."""
+    why the transport cannot run here (a dependency not installed) or None. ``encodes``: it
+    moves KV in the format a receiver asks for (``--kv-wire-format``: engine.kv_codec); one
+    that does not moves native KV. ``help``: its words in ``--transfer``'s help (for one in
+    the auto order: how that order names it)."""
 
     name: str
     module: str
@@ -53,6 +55,7 @@ class TransportSpec:
     leased_ops: tuple[str, ...] = ()
     unserved: str = ""
     missing: str | None = None
+    encodes: bool = False
     help: str = ""
 
     def load(self, attr: str):
@@ -144,6 +147,11 @@ def missing(mode: str) -> str | None:
     return spec(mode).load(spec(mode).missing)()
 
 
+def encodes(name: str) -> bool:
+    """Whether transport ``name`` moves KV in the format a receiver asks for (else native)."""
+    return spec(name).encodes
+
+
 def help_text() -> str:
     """``--transfer``'s help: auto's order, then each transport named only explicitly."""
     order = ", else ".join(_SPECS[n].help or n for n in auto_order())
@@ -154,9 +162,9 @@ def help_text() -> str:
 # The transports. One line each; the order of auto_rank is mode auto's order.
 register("shm", "pdqueue.transfer.shm", "ShmTransport", auto_rank=0, same_host=True,
          help="shm on the same node")
-register("tcp", "pdqueue.transfer.tcp", "TcpTransport", source="DataSource", auto_rank=1,
+register("tcp", "pdqueue.transfer.tcp", "TcpTransport", source="DataSource", auto_rank=1, encodes=True,
          help="the TCP data wire")
-register("zmq", "pdqueue.transfer.zmq", "ZmqTransport", auto_rank=2)
+register("zmq", "pdqueue.transfer.zmq", "ZmqTransport", auto_rank=2, encodes=True)
 register("nixl", "pdqueue.transfer.nixl", "NixlTransport", source="NixlSource", serve="named",
          ops=("nixl_md", "acquire"), leased_ops=("acquire",), unserved="runs no NIXL agent", missing="nixl_missing",
          help="one-sided reads over NIXL/UCX, RDMA where the hardware has it, on prefill and decode workers "

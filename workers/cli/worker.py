@@ -351,7 +351,7 @@ def check_kv_formats(engine, transfer: str, tier_format: str, wire_format: str, 
         if fmt == "fp16" and engine.dtype in ("float16", "bfloat16"):
             raise UserError(f"{option} fp16: the KV pool is {engine.dtype} already (16 bits): it would stay as it "
                             "is; use native or int8")
-    if wire_format != "native" and transfer in ("shm", "nixl"):
+    if wire_format != "native" and transfer != transports.AUTO and not transports.encodes(transfer):
         raise UserError(f"--kv-wire-format {wire_format}: --transfer {transfer} moves native KV only (formats apply "
                         "to the tcp and zmq paths; auto uses them off this node)")
     if tier_format != "native" and not has_tier:
